@@ -1,0 +1,183 @@
+"""The user-facing API: `dec = specdec.load(...)`, `dec.generate(...)`, `dec.stream(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters.base import Drafter, NoDrafter
+from specdec.engine import Stats, decode
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.target.loading import check_same_vocab, load_model, make_runner
+
+Messages = Sequence[dict]
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: Stats
+    finish_reason: str
+
+
+@dataclass
+class Chunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]
+    final: Generation | None = None  # set on the last chunk
+
+
+@dataclass
+class Decoder:
+    runner: object
+    tokenizer: object
+    drafter: Drafter
+    method: str
+    eos_ids: set[int] = field(default_factory=set)
+
+    def encode(self, prompt: str | Messages) -> list[int]:
+        """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            return tok(prompt, add_special_tokens=True)["input_ids"]
+        if not getattr(tok, "chat_template", None):
+            raise SpecdecError("this tokenizer has no chat template: pass a plain string prompt")
+        try:
+            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        except Exception as e:
+            raise SpecdecError(f"could not apply the chat template to these messages: {e}") from None
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stream(
+        self,
+        prompt: str | Messages,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> Iterator[Chunk]:
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise SpecdecError("stop strings must be non-empty strings")
+        prompt_ids = self.encode(prompt)
+        stats = Stats()
+        ids: list[int] = []
+        sent = 0  # characters of text already yielded
+        finish = None
+        steps = decode(self.runner, self.drafter, prompt_ids, params, max_new_tokens, self.eos_ids, stats)
+        try:
+            for new in steps:
+                start = len(ids)
+                ids.extend(new)
+                text = self._text(ids)
+                hit = _find_stop(text, stops)
+                if hit is not None:
+                    # the output must be what vanilla decoding would give: cut at the token that completes it
+                    while len(ids) > start + 1 and _find_stop(self._text(ids[:-1]), stops) is not None:
+                        ids.pop()
+                    text, finish = text[:hit], "stop"
+                    stats.new_tokens = len(ids)
+                    stats.finish_reason = finish
+                    break
+                safe = _safe_prefix_len(text, stops)
+                if safe > sent:
+                    yield Chunk(text[sent:safe], new)
+                    sent = safe
+        finally:
+            steps.close()
+        text = self._text(ids) if finish is None else text
+        finish = finish or stats.finish_reason
+        gen = Generation(text, ids, prompt_ids, stats, finish)
+        yield Chunk(text[sent:], [], gen)
+
+    def generate(self, prompt: str | Messages, **kw) -> Generation:
+        for chunk in self.stream(prompt, **kw):
+            if chunk.final is not None:
+                return chunk.final
+        raise AssertionError("stream ended without a final chunk")
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_prefix_len(text: str, stops: list[str]) -> int:
+    """Hold back an unfinished UTF-8 character and any tail that could still become a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[end - k:end] == s[:k]:
+                end -= k
+                break
+    return end
+
+
+METHODS = ("vanilla", "sps", "sps-tree")
+
+
+def load(
+    target: str | None = None,
+    method: str = "vanilla",
+    draft: str | None = None,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    threads: int | None = None,
+    **opts,
+) -> Decoder:
+    """Load a target (HF dir, .gguf, or the embedded default "smollm2") and a drafting method.
+
+    methods: vanilla; sps (draft model chain, opts: gamma); sps-tree (draft model top-k tree, opts:
+    gamma = depth, topk, tree_tokens).
+    """
+    if method not in METHODS:
+        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok, _ = load_model(target, device, dtype)
+    runner = make_runner(model, backend)
+    drafter: Drafter
+    if method == "vanilla":
+        _no_opts(opts, method)
+        drafter = NoDrafter()
+    else:
+        if draft is None:
+            raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
+        dmodel, dtok, _ = load_model(draft, runner.device, dtype)
+        check_same_vocab(tok, dtok)
+        from specdec.drafters.draft_model import DraftModelDrafter
+
+        gamma = opts.pop("gamma", 4)
+        topk = opts.pop("topk", 4) if method == "sps-tree" else 0
+        tree_tokens = opts.pop("tree_tokens", 8)
+        _no_opts(opts, method)
+        drafter = DraftModelDrafter(make_runner(dmodel, backend), runner.vocab_size, gamma, topk, tree_tokens)
+    return Decoder(runner, tok, drafter, method, _eos_ids(model, tok))
+
+
+def _no_opts(opts: dict, method: str) -> None:
+    if opts:
+        raise SpecdecError(f"unknown option(s) for method {method!r}: {', '.join(sorted(opts))}")
+
+
+def _eos_ids(model, tok) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tok):
+        e = getattr(src, "eos_token_id", None)
+        if e is not None:
+            ids.update([e] if isinstance(e, int) else e)
+    return ids

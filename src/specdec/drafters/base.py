@@ -1,0 +1,48 @@
+"""The one interface every drafting method implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
+from specdec.verify import Verdict
+
+
+@dataclass
+class DecodeContext:
+    """What a drafter may read. `tokens` is prompt + everything emitted; its last token is the root
+    of the next draft (emitted, but not yet in the target's KV cache)."""
+
+    tokens: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_len: int
+    features: torch.Tensor | None = None  # target features of the rows committed by the last forward
+    max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    def begin(self, ctx: DecodeContext) -> None:
+        """A new generation; ctx.features holds the prompt's target features (prefill)."""
+
+    @abstractmethod
+    def propose(self, ctx: DecodeContext) -> DraftTree: ...
+
+    def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
+        """After verification: ctx.tokens already holds the new tokens, ctx.features the target
+        features of the root and the accepted nodes."""
+
+
+class NoDrafter(Drafter):
+    """Vanilla decoding: an empty tree, so every forward verifies nothing and samples one token."""
+
+    name = "vanilla"
+
+    def propose(self, ctx: DecodeContext) -> DraftTree:
+        return DraftTree.empty()

@@ -1,0 +1,167 @@
+"""The one decoding loop: draft, verify in one target forward, compact the cache, emit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters.base import DecodeContext, Drafter
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.target.base import Runner, tree_mask
+from specdec.tree import DraftTree
+from specdec.verify import verify
+
+
+@dataclass
+class Stats:
+    """tau = tokens emitted per target forward in the decode phase (accepted draft tokens + 1 bonus),
+    prefill excluded: Spec-Bench's "mean accepted tokens" convention."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # decode-phase verification forwards
+    accept_lengths: list[int] = field(default_factory=list)  # per forward: accepted + 1
+    tree_sizes: list[int] = field(default_factory=list)
+    depth_tries: list[int] = field(default_factory=list)  # [k-1]: forwards where depth k was tried
+    depth_accepts: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time else 0.0
+
+    @property
+    def overhead_time(self) -> float:
+        return max(0.0, self.total_time - self.prefill_time - self.draft_time - self.verify_time)
+
+    @property
+    def alpha_by_depth(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_tries)]
+
+    def accept_histogram(self) -> dict[int, int]:
+        h: dict[int, int] = {}
+        for a in self.accept_lengths:
+            h[a] = h.get(a, 0) + 1
+        return dict(sorted(h.items()))
+
+    def record(self, tree: DraftTree, path: list[int]) -> None:
+        self.target_forwards += 1
+        self.accept_lengths.append(len(path) + 1)
+        self.tree_sizes.append(len(tree))
+        children = tree.children()
+        row, k = 0, 0
+        while children[row]:  # depth k+1 was tried iff the accepted node at depth k has children
+            if len(self.depth_tries) <= k:
+                self.depth_tries.append(0)
+                self.depth_accepts.append(0)
+            self.depth_tries[k] += 1
+            if k >= len(path):
+                break
+            self.depth_accepts[k] += 1
+            row, k = path[k] + 1, k + 1
+
+    def summary(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards, "tau": round(self.tau, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "alpha_by_depth": [round(a, 4) for a in self.alpha_by_depth],
+            "accept_histogram": self.accept_histogram(),
+            "mean_tree_size": round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 3),
+            "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
+                     "verify": self.verify_time, "overhead": self.overhead_time},
+            "finish_reason": self.finish_reason,
+        }
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":  # timings must include queued kernels
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def decode(
+    runner: Runner,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    stats: Stats,
+) -> Iterator[list[int]]:
+    """Yields the new tokens of each step. Closing the generator early (a stop string) is fine."""
+    if not prompt_ids:
+        raise SpecdecError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= runner.max_length:
+        raise SpecdecError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is {runner.max_length}: "
+            "no room to generate"
+        )
+    dev = runner.device
+    gen = params.generator(dev)
+    t0 = _clock(dev)
+    stats.prompt_tokens = len(prompt_ids)
+    runner.reset()
+    out = runner.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None))
+    runner.commit(range(len(prompt_ids)))
+    first = verify(DraftTree.empty(), out.logits, params, gen).bonus
+    ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features)
+    drafter.begin(ctx)
+    stats.prefill_time = _clock(dev) - t0
+    n = 1
+    stats.new_tokens = 1
+    stats.finish_reason = "stop" if first in eos_ids else "length"
+    try:
+        yield [first]
+        while stats.finish_reason != "stop" and n < max_new_tokens:
+            room = runner.max_length - runner.length - 1  # rows left after the root
+            if room < 0:
+                stats.finish_reason = "length"
+                return
+            # drafting past what we may still emit (the bonus is always free) is wasted work
+            ctx.max_nodes = min(room, max_new_tokens - n - 1)
+            t = _clock(dev)
+            tree = drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
+            if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
+                tree = tree.select(torch.arange(ctx.max_nodes))
+            t1 = _clock(dev)
+            root = torch.tensor([ctx.tokens[-1]])
+            positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+            mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
+            out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask)
+            verdict = verify(tree, out.logits, params, gen)
+            keep = [0] + [i + 1 for i in verdict.path]
+            runner.commit(keep)
+            t2 = _clock(dev)
+            stats.draft_time += t1 - t
+            stats.verify_time += t2 - t1
+            stats.record(tree, verdict.path)
+            new = verdict.tokens[: max_new_tokens - n]
+            for i, tok in enumerate(new):
+                if tok in eos_ids:
+                    new = new[: i + 1]
+                    stats.finish_reason = "stop"
+                    break
+            n += len(new)
+            stats.new_tokens = n
+            ctx.tokens.extend(new)
+            ctx.features = out.features[torch.tensor(keep, device=out.features.device)]
+            if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
+                drafter.accept(ctx, verdict)
+            yield new
+    finally:
+        stats.total_time = _clock(dev) - t0

@@ -1,0 +1,63 @@
+"""Any HF causal LM through its own forward: 4D float mask + explicit positions + DynamicCache.
+
+Slower than LeanRunner on the CPU but works for every architecture transformers knows.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from specdec.target.base import ForwardOut, Runner, chain_mask
+
+
+class HFRunner(Runner):
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.config = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.hidden_size = model.config.hidden_size
+        self.max_length = model.config.max_position_embeddings
+        self.cache = DynamicCache(config=model.config)
+
+    def reset(self) -> None:
+        super().__init__()
+        self.cache = DynamicCache(config=self.model.config)
+
+    def _layers(self):
+        return [(layer, "keys", "values") for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+
+    def _truncate(self, length: int) -> None:
+        for layer, k, v in self._layers():
+            setattr(layer, k, getattr(layer, k)[:, :, :length])
+            setattr(layer, v, getattr(layer, v)[:, :, :length])
+
+    def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for layer, k, v in self._layers():
+            for name in (k, v):
+                t = getattr(layer, name)
+                t[:, :, dst] = t[:, :, src]
+
+    @torch.inference_mode()
+    def _forward(self, tokens, positions, mask, logits_rows) -> ForwardOut:
+        n = tokens.numel()
+        start = self.length + self.n_pending
+        if mask is None:
+            mask = chain_mask(start, n, self.device)
+        float_mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        float_mask.masked_fill_(~mask.to(self.device), torch.finfo(self.dtype).min)
+        out = self.decoder(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            attention_mask=float_mask[None, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        feats = out.last_hidden_state[0]
+        rows = feats if logits_rows is None else feats[logits_rows]
+        return ForwardOut(self.lm_head(rows), feats)

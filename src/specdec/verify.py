@@ -1,0 +1,85 @@
+"""Lossless verification of a draft tree against the target's logits (DESIGN.md §3).
+
+logits row 0 belongs to the root, row i + 1 to tree node i. The verifier never knows which drafter
+made the tree: it only reads tokens, parents and (for sampled drafts) the proposal distributions q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted tree nodes, root to leaf
+    tokens: list[int]  # their tokens followed by the bonus token
+    bonus: int
+
+
+def verify(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> Verdict:
+    if params.greedy:
+        return _verify_greedy(tree, logits)
+    return _verify_stochastic(tree, probs_from_logits(logits, params), generator)
+
+
+def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    best = logits.argmax(-1).tolist()
+    toks = tree.tokens.tolist()
+    children = tree.children()
+    path: list[int] = []
+    row = 0
+    while True:
+        nxt = next((c for c in children[row] if toks[c] == best[row]), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        row = nxt + 1
+    return Verdict(path, [toks[i] for i in path] + [best[row]], best[row])
+
+
+def _verify_stochastic(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """Recursive rejection sampling: exact for chains, sampled siblings and point-mass (top-k) siblings."""
+    toks = tree.tokens.tolist()
+    children = tree.children()
+    # one batch of uniforms up front: a single host sync instead of one per tried node
+    u = torch.rand(len(tree) + 1, generator=generator, device=probs.device).tolist()
+    path: list[int] = []
+    row = 0
+    p = probs[0]
+    while True:
+        accepted = None
+        for c in children[row]:
+            x = toks[c]
+            if tree.draft_probs is None:  # point mass q = delta_x
+                px = float(p[x])
+                if u[c] < px:
+                    accepted = c
+                    break
+                p = p.clone()
+                p[x] = 0.0
+            else:
+                q = tree.draft_probs[c].to(p.dtype)
+                px, qx = float(p[x]), float(q[x])
+                if qx > 0 and u[c] * qx < px:  # u < min(1, p/q)
+                    accepted = c
+                    break
+                p = torch.clamp(p - q, min=0.0)
+            s = float(p.sum())
+            if s <= 0:  # p was entirely covered by q: cannot happen after a rejection in exact arithmetic
+                p = probs[row]
+                s = float(p.sum())
+            p = p / s
+        if accepted is None:
+            break
+        path.append(accepted)
+        row = accepted + 1
+        p = probs[row]
+    bonus = int(torch.multinomial(p, 1, generator=generator).item())
+    return Verdict(path, [toks[i] for i in path] + [bonus], bonus)

@@ -1,0 +1,30 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+torch.set_num_threads(2)
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, vocab_size=97, tie_word_embeddings=False,
+)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """A random-weight model built from a config: fast, and every family we claim to support."""
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    kw = dict(_COMMON, **overrides)
+    if family == "mistral":
+        kw.setdefault("sliding_window", 4096)
+    cfg = cls(**kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # random init gives near-uniform logits; scale the head so greedy choices are not ties
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
+def family(request):
+    return request.param

@@ -1,0 +1,166 @@
+"""Losslessness of the verifier, checked statistically on a tiny Markov "language".
+
+The target and the drafter are Markov tables over a 6-token vocabulary, so the exact distribution of
+the first two emitted tokens is known. For each draft shape (sampled chain, sampled siblings, top-k
+point-mass tree) and sampling setting, 8k verifications must match it (chi-square), and a verifier
+with a classic bug must fail the very same test.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.tree import DraftTree
+from specdec.verify import Verdict, verify
+
+V = 6
+_g = torch.Generator().manual_seed(1234)
+TARGET = torch.randn(V, V, generator=_g) * 1.5  # logits of the next token given the last one
+DRAFT = TARGET + torch.randn(V, V, generator=_g) * 1.0  # a similar but different drafter
+
+
+def make_tree(shape: str, root: int, params: SamplingParams, g: torch.Generator) -> DraftTree:
+    """Draft from the DRAFT table; q are the exact proposal distributions."""
+    q_table = probs_from_logits(DRAFT, params)
+    q_of = q_table.__getitem__
+    toks, parents, qs = [], [], []
+
+    def add(tok, parent, q):
+        toks.append(tok)
+        parents.append(parent)
+        qs.append(q)
+        return len(toks) - 1
+
+    if shape == "chain":
+        last, par = root, -1
+        for _ in range(3):
+            q = q_of(last)
+            last = int(torch.multinomial(q, 1, generator=g))
+            par = add(last, par, q)
+        return DraftTree(torch.tensor(toks), torch.tensor(parents), draft_probs=torch.stack(qs))
+    if shape == "siblings":  # 2 children drawn without replacement at the root, each with one child
+        q = q_of(root)
+        a = int(torch.multinomial(q, 1, generator=g))
+        q2 = q.clone()
+        q2[a] = 0
+        q2 = q2 / q2.sum() if q2.sum() > 0 else q
+        firsts = [(a, q)]
+        if q2.sum() > 0 and q2[a] == 0:
+            firsts.append((int(torch.multinomial(q2, 1, generator=g)), q2))
+        for tok, qq in firsts:
+            i = add(tok, -1, qq)
+            qc = q_of(tok)
+            add(int(torch.multinomial(qc, 1, generator=g)), i, qc)
+        # DraftTree needs topological order: ours is (a, a's child, b, b's child)
+        return DraftTree(torch.tensor(toks), torch.tensor(parents), draft_probs=torch.stack(qs))
+    if shape == "topk":  # deterministic top-2 children of the root, top-1 child below each
+        top = torch.topk(DRAFT[root], 2).indices.tolist()
+        for tok in top:
+            i = add(tok, -1, None)
+            add(int(DRAFT[tok].argmax()), i, None)
+        return DraftTree(torch.tensor(toks), torch.tensor(parents))
+    raise ValueError(shape)
+
+
+def target_logits(tree: DraftTree, root: int) -> torch.Tensor:
+    last = [root] + tree.tokens.tolist()
+    return TARGET[torch.tensor(last)]
+
+
+def exact_joint(params: SamplingParams, root: int) -> np.ndarray:
+    p1 = probs_from_logits(TARGET[root], params)
+    p2 = probs_from_logits(TARGET, params)  # [V, V]
+    return (p1[:, None] * p2).numpy().reshape(-1)
+
+
+def empirical_joint(verify_fn, shape, params, root=0, trials=8000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = np.zeros(V * V)
+    p2 = probs_from_logits(TARGET, params)
+    for _ in range(trials):
+        tree = make_tree(shape, root, params, g)
+        out = verify_fn(tree, target_logits(tree, root), params, g).tokens
+        if len(out) == 1:  # continue as vanilla sampling would
+            out = out + [int(torch.multinomial(p2[out[0]], 1, generator=g))]
+        counts[out[0] * V + out[1]] += 1
+    return counts
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
+def test_verifier_is_exact_in_distribution(shape, params):
+    counts = empirical_joint(verify, shape, params)
+    assert chi2_pvalue(counts, exact_joint(params, 0)) > 1e-3
+
+
+def broken_verify(tree, logits, params, g):
+    """The classic bug: on rejection, sample the bonus from p instead of the residual max(0, p - q)."""
+    probs = probs_from_logits(logits, params)
+    path, row = [], 0
+    children = tree.children()
+    while children[row]:
+        c = children[row][0]
+        x = int(tree.tokens[c])
+        q = 1.0 if tree.draft_probs is None else float(tree.draft_probs[c][x])
+        if float(torch.rand(1, generator=g)) < min(1.0, float(probs[row][x]) / q):
+            path.append(c)
+            row = c + 1
+        else:
+            break
+    bonus = int(torch.multinomial(probs[row], 1, generator=g))
+    return Verdict(path, [int(tree.tokens[i]) for i in path] + [bonus], bonus)
+
+
+@pytest.mark.parametrize("shape", ["chain", "topk"])
+def test_the_test_has_power_against_a_broken_verifier(shape):
+    params = SETTINGS[0]
+    counts = empirical_joint(broken_verify, shape, params)
+    assert chi2_pvalue(counts, exact_joint(params, 0)) < 1e-6
+
+
+def test_greedy_follows_argmax():
+    tree = DraftTree(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, 1]))
+    logits = torch.zeros(4, 8)
+    logits[0, 4] = 1  # root -> 4 (node 1)
+    logits[2, 5] = 1  # node 1 -> 5 (node 2)
+    logits[3, 7] = 1  # bonus after node 2
+    v = verify(tree, logits, SamplingParams())
+    assert v.path == [1, 2] and v.tokens == [4, 5, 7]
+
+
+def test_seeded_sampling_is_reproducible():
+    params = SamplingParams(temperature=1.0, seed=7)
+    g1, g2 = params.generator("cpu"), params.generator("cpu")
+    a = [verify(make_tree("chain", 0, params, g1), TARGET[:4], params, g1).tokens for _ in range(20)]
+    b = [verify(make_tree("chain", 0, params, g2), TARGET[:4], params, g2).tokens for _ in range(20)]
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(temperature=float("nan"))]
+)
+def test_invalid_sampling_parameters(kw):
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError):
+        SamplingParams(**kw)
