@@ -149,24 +149,37 @@ def load(
     if threads:
         torch.set_num_threads(threads)
     model, tok, _ = load_model(target, device, dtype)
+    draft_model = draft_tok = None
+    if method in ("sps", "sps-tree"):
+        if draft is None:
+            raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
+        draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, dtype)
+    return from_models(model, tok, method, draft_model, draft_tok, backend, **opts)
+
+
+def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, draft_tokenizer=None,
+                backend: str = "auto", **opts) -> Decoder:
+    """A Decoder over models already in memory (what `load` does after loading)."""
     runner = make_runner(model, backend)
     drafter: Drafter
     if method == "vanilla":
         _no_opts(opts, method)
         drafter = NoDrafter()
-    else:
-        if draft is None:
-            raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
-        dmodel, dtok, _ = load_model(draft, runner.device, dtype)
-        check_same_vocab(tok, dtok)
+    elif method in ("sps", "sps-tree"):
+        if draft_model is None:
+            raise SpecdecError(f"method {method!r} needs a draft model")
+        if draft_tokenizer is not None:
+            check_same_vocab(tokenizer, draft_tokenizer)
         from specdec.drafters.draft_model import DraftModelDrafter
 
         gamma = opts.pop("gamma", 4)
         topk = opts.pop("topk", 4) if method == "sps-tree" else 0
         tree_tokens = opts.pop("tree_tokens", 8)
         _no_opts(opts, method)
-        drafter = DraftModelDrafter(make_runner(dmodel, backend), runner.vocab_size, gamma, topk, tree_tokens)
-    return Decoder(runner, tok, drafter, method, _eos_ids(model, tok))
+        drafter = DraftModelDrafter(make_runner(draft_model, backend), runner.vocab_size, gamma, topk, tree_tokens)
+    else:
+        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    return Decoder(runner, tokenizer, drafter, method, _eos_ids(model, tokenizer))
 
 
 def _no_opts(opts: dict, method: str) -> None:

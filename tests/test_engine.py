@@ -1,0 +1,170 @@
+"""End-to-end losslessness of the engine on random tiny models (all families, both runners)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.drafters.base import NoDrafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.engine import Stats, decode
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.target.hf import HFRunner
+from specdec.target.lean import LeanRunner
+from tests.conftest import tiny_model
+from tests.test_verify import chi2_pvalue
+
+
+def noisy_copy(model, scale=0.3, seed=1):
+    """A draft that agrees with the target often but not always."""
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return d
+
+
+def run(runner, drafter, prompt, params, n, eos=()):
+    stats = Stats()
+    out = [t for step in decode(runner, drafter, prompt, params, n, set(eos), stats) for t in step]
+    return out, stats
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 9, 41, 60, 3], [88], list(range(10, 40))]
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_vanilla_greedy_equals_hf_generate(family, backend):
+    model = tiny_model(family)
+    runner = (LeanRunner if backend == "lean" else HFRunner)(model)
+    for prompt in PROMPTS:
+        ours, stats = run(runner, NoDrafter(), prompt, SamplingParams(), 24)
+        assert ours == hf_greedy(model, prompt, 24)
+        assert stats.target_forwards == 23 and stats.tau == 1.0
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_speculative_greedy_equals_vanilla(family, shape):
+    model = tiny_model(family)
+    target, draft = LeanRunner(model), LeanRunner(noisy_copy(model))
+    drafter = DraftModelDrafter(draft, target.vocab_size, gamma=4, tree_topk=3 if shape == "tree" else 0,
+                                tree_tokens=10)
+    taus = []
+    for prompt in PROMPTS:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
+        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
+        assert got == want
+        assert stats.new_tokens == 40 and sum(stats.accept_lengths) + 1 >= 40
+        taus.append(stats.tau)
+    assert np.mean(taus) > 1.3  # the noisy copy does get tokens accepted: the tree paths are exercised
+
+
+def test_draft_with_fewer_vocab_rows_is_padded():
+    model = tiny_model("llama")
+    small = tiny_model("llama", vocab_size=90)
+    drafter = DraftModelDrafter(LeanRunner(small), 97, gamma=3)
+    want, _ = run(LeanRunner(model), NoDrafter(), PROMPTS[1], SamplingParams(), 20)
+    got, _ = run(LeanRunner(model), drafter, PROMPTS[1], SamplingParams(), 20)
+    assert got == want
+
+
+# ---- T > 0: the distribution of the first generated tokens equals vanilla sampling ----
+
+SMALL_V = 5
+
+
+def exact_first3(model, prompt, params):
+    """Exact joint of the first 3 tokens under vanilla sampling, by enumerating all continuations."""
+    with torch.no_grad():
+        p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], params)
+        ids2 = torch.tensor([prompt + [a] for a in range(SMALL_V)])
+        p2 = probs_from_logits(model(ids2).logits[:, -1], params)  # [V, V]
+        ids3 = torch.tensor([prompt + [a, b] for a in range(SMALL_V) for b in range(SMALL_V)])
+        p3 = probs_from_logits(model(ids3).logits[:, -1], params).reshape(SMALL_V, SMALL_V, SMALL_V)
+    return (p1[:, None, None] * p2[:, :, None] * p3).numpy().reshape(-1)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3), SamplingParams(1.2, top_p=0.85)],
+    ids=["T1", "T0.8-topk3", "T1.2-topp0.85"],
+)
+def test_speculative_sampling_matches_vanilla_distribution(shape, params):
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():  # keep the distributions spread out so every branch of the verifier runs
+        model.lm_head.weight.mul_(0.25)
+    target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))
+    drafter = DraftModelDrafter(draft, SMALL_V, gamma=3, tree_topk=2 if shape == "tree" else 0, tree_tokens=5)
+    prompt = [1, 3, 0, 2]
+    counts = np.zeros(SMALL_V**3)
+    n = 3000
+    for seed in range(n):
+        toks, _ = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 3)
+        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+def test_seeded_generation_is_reproducible():
+    model = tiny_model("qwen2")
+    target, draft = LeanRunner(model), LeanRunner(noisy_copy(model))
+    drafter = DraftModelDrafter(draft, target.vocab_size, gamma=3)
+    p = SamplingParams(1.0, seed=11)
+    a, _ = run(target, drafter, PROMPTS[0], p, 30)
+    b, _ = run(target, drafter, PROMPTS[0], p, 30)
+    c, _ = run(target, drafter, PROMPTS[0], SamplingParams(1.0, seed=12), 30)
+    assert a == b and a != c
+
+
+# ---- stops ----
+
+def test_eos_stops_and_is_emitted():
+    model = tiny_model("llama")
+    runner = LeanRunner(model)
+    full, _ = run(runner, NoDrafter(), PROMPTS[1], SamplingParams(), 30)
+    eos = full[7]
+    first = full.index(eos)
+    for drafter in (NoDrafter(), DraftModelDrafter(LeanRunner(noisy_copy(model)), 97, gamma=4)):
+        out, stats = run(runner, drafter, PROMPTS[1], SamplingParams(), 30, eos=[eos])
+        assert out == full[: first + 1] and stats.finish_reason == "stop"
+
+
+def test_max_new_tokens_is_exact_with_long_drafts():
+    model = tiny_model("llama")
+    drafter = DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, gamma=6)  # a perfect draft
+    for n in (1, 2, 5, 13):
+        out, stats = run(LeanRunner(model), drafter, PROMPTS[0], SamplingParams(), n)
+        assert len(out) == n and stats.finish_reason == "length"
+
+
+def test_context_limit_ends_generation_cleanly():
+    model = tiny_model("llama", max_position_embeddings=24)
+    for drafter in (NoDrafter(), DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, gamma=5)):
+        out, stats = run(LeanRunner(model), drafter, PROMPTS[1], SamplingParams(), 100)
+        assert len(PROMPTS[1]) + len(out) == 24 + 1  # the last token is emitted but never needs a forward
+        assert stats.finish_reason == "length"
+
+
+def test_prompt_longer_than_context_is_a_clear_error():
+    model = tiny_model("llama", max_position_embeddings=16)
+    with pytest.raises(SpecdecError, match="prompt has 20 tokens but the model's context is 16"):
+        run(LeanRunner(model), NoDrafter(), list(range(20)), SamplingParams(), 5)
+
+
+def test_perfect_draft_has_full_acceptance_and_stats_add_up():
+    model = tiny_model("llama")
+    drafter = DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, gamma=4)
+    out, s = run(LeanRunner(model), drafter, PROMPTS[1], SamplingParams(), 41)
+    assert s.accept_lengths == [5] * 8 and s.tau == 5.0
+    assert s.alpha_by_depth == [1.0] * 4 and s.accept_histogram() == {5: 8}
+    assert s.new_tokens == len(out) == 41
+    assert s.total_time >= s.draft_time + s.verify_time + s.prefill_time
