@@ -35,7 +35,9 @@ def _method_opts(args) -> dict:
 
 def cmd_generate(args) -> int:
     from specdec.api import load
+    from specdec.sampling import SamplingParams
 
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # fail before a slow model load
     dec = load(args.model, args.method, draft=args.draft, device=args.device, backend=args.backend,
                threads=args.threads, **_method_opts(args))
     prompt = args.prompt or DEFAULT_PROMPT
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
+    from specdec.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return ap
 
 

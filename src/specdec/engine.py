@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.target.base import Runner, tree_mask
 from specdec.tree import DraftTree
-from specdec.verify import verify
+from specdec.verify import Verdict, verify
 
 
 @dataclass
@@ -100,8 +100,12 @@ def decode(
     max_new_tokens: int,
     eos_ids: set[int],
     stats: Stats,
+    on_verify: Callable[[DraftTree, Verdict], None] | None = None,
 ) -> Iterator[list[int]]:
-    """Yields the new tokens of each step. Closing the generator early (a stop string) is fine."""
+    """Yields the new tokens of each step. Closing the generator early (a stop string) is fine.
+
+    on_verify(tree, verdict), if given, sees every verified draft (e.g. the benchmark's calibration of
+    tree scores vs acceptance); it runs outside the draft/verify timers."""
     if not prompt_ids:
         raise SpecdecError("the prompt is empty")
     if max_new_tokens < 1:
@@ -150,6 +154,8 @@ def decode(
             stats.draft_time += t1 - t
             stats.verify_time += t2 - t1
             stats.record(tree, verdict.path)
+            if on_verify is not None:
+                on_verify(tree, verdict)
             new = verdict.tokens[: max_new_tokens - n]
             for i, tok in enumerate(new):
                 if tok in eos_ids:

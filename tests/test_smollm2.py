@@ -1,0 +1,98 @@
+"""Greedy losslessness on the real SmolLM2-135M-Instruct (the embedded default target).
+
+The draft is the target with 10% weight noise: it agrees often but not always (tau ~2), so both
+accepted paths and rejections are exercised on real weights, with no extra download. A greedy
+divergence is only tolerated where vanilla's top-2 logit gap at that position is a numerical tie
+(< 1e-4), and the test computes that gap.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from specdec.api import from_models
+from specdec.target.loading import load_model
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion to a ten-year-old.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning, my friend' into Spanish.",
+    "Write a Python function that reverses a string.",
+    "Give me two tips for sleeping better.",
+    "What is 17 times 23? Show your steps.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Why do cats purr?",
+    "Name the planets of the solar system in order.",
+]
+N_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok, _ = load_model("smollm2", device="cpu")
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std())
+    return model, tok, draft
+
+
+def top2_gap(model, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_or_tie(model, prompt_ids, want, got):
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    gap = top2_gap(model, prompt_ids + want[:i])
+    assert gap < 1e-4, f"divergence at new token {i} with a top-2 logit gap of {gap:.3g}: not a tie, a bug"
+
+
+def test_vanilla_equals_hf_generate(smol):
+    model, tok, _ = smol
+    dec = from_models(model, tok)
+    for p in PROMPTS[:3]:
+        g = dec.generate([{"role": "user", "content": p}], max_new_tokens=N_NEW)
+        ids = torch.tensor([g.prompt_ids])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False)
+        assert_same_or_tie(model, g.prompt_ids, hf[0, ids.shape[1]:].tolist(), g.token_ids)
+
+
+@pytest.mark.parametrize(
+    "method,opts", [("sps", {"gamma": 4}), ("sps-tree", {"gamma": 4, "topk": 3, "tree_tokens": 8})]
+)
+def test_speculative_greedy_equals_vanilla(smol, method, opts):
+    model, tok, draft = smol
+    vanilla = from_models(model, tok)
+    spec = from_models(model, tok, method, draft, tok, **opts)
+    taus = []
+    for p in PROMPTS:
+        msgs = [{"role": "user", "content": p}]
+        want = vanilla.generate(msgs, max_new_tokens=N_NEW)
+        got = spec.generate(msgs, max_new_tokens=N_NEW)
+        assert_same_or_tie(model, want.prompt_ids, want.token_ids, got.token_ids)
+        taus.append(got.stats.tau)
+    assert sum(taus) / len(taus) > 1.5  # deep paths really were accepted
+
+
+def test_stop_string_and_streaming(smol):
+    model, tok, _ = smol
+    dec = from_models(model, tok)
+    msgs = [{"role": "user", "content": PROMPTS[10]}]
+    full = dec.generate(msgs, max_new_tokens=N_NEW)
+    words = full.text.split()
+    stop = words[3]
+    cut = dec.generate(msgs, max_new_tokens=N_NEW, stop=stop)
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert full.text.startswith(cut.text) and cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    chunks = list(dec.stream(msgs, max_new_tokens=N_NEW))
+    assert "".join(c.text for c in chunks) == full.text
+    assert chunks[-1].final.token_ids == full.token_ids
