@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from specdec.target.base import tree_mask
 from specdec.target.hf import HFRunner
 from specdec.target.lean import LeanRunner
-from specdec.target.base import tree_mask
 from specdec.tree import DraftTree
 from tests.conftest import tiny_model
 

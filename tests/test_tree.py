@@ -1,5 +1,5 @@
-import torch
 import pytest
+import torch
 
 from specdec.tree import DraftTree, NodeSlots, build_dynamic_tree
 
