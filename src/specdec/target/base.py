@@ -61,6 +61,8 @@ class Runner(ABC):
             raise ValueError(f"sequence would exceed the model's context of {self.max_length} tokens")
         if mask is not None and mask.shape != (n, start + n):
             raise ValueError(f"mask must be [{n}, {start + n}], got {tuple(mask.shape)}")
+        if mask is not None:
+            mask = mask.to(self.device)
         out = self._forward(tokens.to(self.device), positions.to(self.device), mask, logits_rows)
         self.n_pending += n
         return out
