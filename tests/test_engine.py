@@ -168,3 +168,36 @@ def test_perfect_draft_has_full_acceptance_and_stats_add_up():
     assert s.alpha_by_depth == [1.0] * 4 and s.accept_histogram() == {5: 8}
     assert s.new_tokens == len(out) == 41
     assert s.total_time >= s.draft_time + s.verify_time + s.prefill_time
+
+
+def test_prompt_lookup_is_lossless_and_finds_repeats():
+    from specdec.drafters.base import DecodeContext
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    d = PromptLookupDrafter(max_ngram=2, num_tokens=3)
+    ctx = DecodeContext([5, 6, 7, 8, 9, 1, 6, 7], SamplingParams(), None, 8)
+    assert d.propose(ctx).tokens.tolist() == [8, 9, 1]  # after "6 7" came "8 9 1"
+    ctx.max_nodes = 1
+    assert d.propose(ctx).tokens.tolist() == [8]
+    assert len(d.propose(DecodeContext([1, 2, 3], SamplingParams(), None, 3))) == 0
+    model = tiny_model("llama")
+    prompt = [4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5]  # repetitive, so lookups hit
+    want, _ = run(LeanRunner(model), NoDrafter(), prompt, SamplingParams(), 30)
+    got, stats = run(LeanRunner(model), PromptLookupDrafter(), prompt, SamplingParams(), 30)
+    assert got == want and stats.depth_tries[0] > 0
+
+
+def test_prompt_lookup_sampling_matches_vanilla_distribution():
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    params = SamplingParams(1.1, top_k=4)
+    prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1]
+    target, counts = LeanRunner(model), np.zeros(SMALL_V**3)
+    for seed in range(2500):
+        toks, _ = run(target, PromptLookupDrafter(num_tokens=3), prompt,
+                      SamplingParams(params.temperature, params.top_k, seed=seed), 3)
+        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3

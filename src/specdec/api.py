@@ -126,7 +126,7 @@ def _safe_prefix_len(text: str, stops: list[str]) -> int:
     return end
 
 
-METHODS = ("vanilla", "sps", "sps-tree")
+METHODS = ("vanilla", "sps", "sps-tree", "pld", "eagle", "eagle2")
 
 
 def load(
@@ -177,6 +177,22 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
         tree_tokens = opts.pop("tree_tokens", 8)
         _no_opts(opts, method)
         drafter = DraftModelDrafter(make_runner(draft_model, backend), runner.vocab_size, gamma, topk, tree_tokens)
+    elif method == "pld":
+        from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+        try:
+            drafter = PromptLookupDrafter(**opts)
+        except TypeError as e:
+            raise SpecdecError(f"bad option for method 'pld' (max_ngram, min_ngram, num_tokens): {e}") from None
+    elif method in ("eagle", "eagle2"):  # opts: head=<dir>; eagle: choices; eagle2: depth, topk, total_tokens,
+        from specdec.drafters.eagle import from_target  # rank_by, rerank (gamma/tree_tokens alias depth/total)
+
+        if "gamma" in opts:
+            opts["depth"] = opts.pop("gamma")
+        if "tree_tokens" in opts:
+            opts["total_tokens"] = opts.pop("tree_tokens")
+        drafter = from_target(model, runner, method, opts)
+        _no_opts(opts, method)
     else:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     return Decoder(runner, tokenizer, drafter, method, _eos_ids(model, tokenizer))

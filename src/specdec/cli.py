@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.errors import SpecdecError
+
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
@@ -18,11 +20,16 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="vanilla", help="vanilla | sps | sps-tree")
+    p.add_argument("--method", default="vanilla", help="vanilla | sps | sps-tree | eagle | eagle2")
     p.add_argument("--draft", default=None, help="draft model for sps / sps-tree (same tokenizer)")
     p.add_argument("--gamma", type=int, default=None, help="draft length (chain) or depth (tree)")
     p.add_argument("--topk", type=int, default=None, help="children per expanded node (trees)")
     p.add_argument("--tree-tokens", type=int, default=None, help="nodes kept in the tree")
+    p.add_argument("--head", default=None, help="EAGLE head dir for eagle / eagle2 (default: the shipped one)")
+    p.add_argument("--rank-by", default=None, choices=["value", "confidence"], help="eagle2 expansion ranking")
+    p.add_argument("--no-rerank", dest="rerank", action="store_false", default=None, help="eagle2 ablation")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other method option, e.g. --opt num_tokens=6 (repeatable)")
     p.add_argument("--device", default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -30,7 +37,23 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _method_opts(args) -> dict:
     names = {"gamma": args.gamma, "topk": args.topk, "tree_tokens": args.tree_tokens}
-    return {k: v for k, v in names.items() if v is not None}
+    names.update(head=args.head, rank_by=args.rank_by, rerank=args.rerank)
+    opts = {k: v for k, v in names.items() if v is not None}
+    for item in args.opt:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecdecError(f"--opt expects KEY=VALUE, got {item!r}")
+        opts[key.replace("-", "_")] = _literal(value)
+    return opts
+
+
+def _literal(value: str):
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)
 
 
 def cmd_generate(args) -> int:
@@ -72,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
+    from specdec.training import datagen, train
+
+    datagen.add_parser(sub)
+    train.add_parser(sub)
     from specdec.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
