@@ -30,18 +30,16 @@ class HFRunner(Runner):
         self.cache = DynamicCache(config=self.model.config)
 
     def _layers(self):
-        return [(layer, "keys", "values") for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
 
     def _truncate(self, length: int) -> None:
-        for layer, k, v in self._layers():
-            setattr(layer, k, getattr(layer, k)[:, :, :length])
-            setattr(layer, v, getattr(layer, v)[:, :, :length])
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
     def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for layer, k, v in self._layers():
-            for name in (k, v):
-                t = getattr(layer, name)
-                t[:, :, dst] = t[:, :, src]
+        for layer in self._layers():
+            layer.keys[:, :, dst] = layer.keys[:, :, src]
+            layer.values[:, :, dst] = layer.values[:, :, src]
 
     @torch.inference_mode()
     def _forward(self, tokens, positions, mask, logits_rows) -> ForwardOut:
