@@ -43,8 +43,9 @@ def humaneval_prompts(n: int) -> list[str]:
 def hf_generate(model, ids: list[int], n: int) -> tuple[list[int], float]:
     x = torch.tensor([ids])
     t = time.perf_counter()
+    eos = model.generation_config.eos_token_id
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         pad_token_id=model.generation_config.eos_token_id)
+                         pad_token_id=eos[0] if isinstance(eos, list) else eos)
     return out[0, len(ids):].tolist(), time.perf_counter() - t
 
 
