@@ -119,7 +119,7 @@ def main() -> None:
         hf_generate(model, [1, 2, 3], 8)
         res = run_methods(dec, model, tok, mt_bench_prompts(args.prompts), args.max_new_tokens)
         lines += table(res)
-        lines += ["", "| runner | t(1) ms | t(2)/t(1) | t(4)/t(1) | t(8)/t(1) | t(16)/t(1) |", "|---|---|---|---|---|---|"]
+        lines += ["", "| runner | t(1) ms | t(2)/t(1) | t(4)/t(1) | t(8)/t(1) | t(16)/t(1) |", "|---" * 6 + "|"]
         for name, runner in [("lean (ours)", dec["vanilla"].runner), ("HF forward", HFRunner(model))]:
             t = forward_scaling(runner)
             lines.append(f"| {name} | {t[1]:.1f} | " + " | ".join(f"{t[n] / t[1]:.2f}" for n in (2, 4, 8, 16)) + " |")

@@ -1,0 +1,66 @@
+"""Losslessness audit: at T=0 every method must emit exactly our vanilla's tokens.
+
+On a mismatch, one reference forward of the target (the stock HF module) over prompt + common prefix
+tells a numerical tie (the two tokens' logits within `tol`: fp reassociation may flip the argmax)
+from a bug (the method chose a token the target clearly ranks lower).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TIE_TOL = 1e-4
+
+
+def first_divergence(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token, len of the shorter one if one is a prefix, None if equal."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+@torch.inference_mode()
+def logit_gap(model, ids: list[int], a: int | None, b: int | None, tol: float = TIE_TOL) -> dict:
+    """Target logits after `ids`: top-2 gap, and the gap between the two tokens that diverged."""
+    dev = next(model.parameters()).device
+    logits = model(torch.tensor([ids], device=dev)).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    (l1, l2), (t1, t2) = top.values.tolist(), top.indices.tolist()
+    out = {"top2_tokens": [t1, t2], "top2_logits": [l1, l2], "top2_gap": l1 - l2, "argmax": t1}
+    if a is not None and b is not None:
+        pair_gap = abs(float(logits[a]) - float(logits[b]))
+        out["pair_gap"] = pair_gap
+        out["verdict"] = "tie" if pair_gap < tol and {a, b} == {t1, t2} else "bug"
+    else:  # one output stopped early without EOS: nothing numerical explains that
+        out["verdict"] = "bug"
+    return out
+
+
+def audit(records: list[dict], prompts: dict, model, reference: str = "vanilla", tol: float = TIE_TOL) -> dict:
+    """records: greedy runs (dicts with method, question_id, turn, repeat, tokens); prompts:
+    (question_id, turn) -> prompt ids. Compares every run with the reference's first repeat."""
+    ref, src = {}, set()
+    for r in records:
+        key = (r["question_id"], r["turn"])
+        if r["method"] == reference and key not in ref:
+            ref[key] = r["tokens"]
+            src.add(id(r))
+    checked, mismatches = 0, []
+    for r in records:
+        key = (r["question_id"], r["turn"])
+        if key not in ref or id(r) in src:
+            continue
+        checked += 1
+        pos = first_divergence(ref[key], r["tokens"])
+        if pos is None:
+            continue
+        a = ref[key][pos] if pos < len(ref[key]) else None
+        b = r["tokens"][pos] if pos < len(r["tokens"]) else None
+        info = logit_gap(model, list(prompts[key]) + ref[key][:pos], a, b, tol)
+        mismatches.append({"method": r["method"], "question_id": r["question_id"], "turn": r["turn"],
+                           "repeat": r["repeat"], "position": pos, "reference_token": a, "method_token": b,
+                           "reference_len": len(ref[key]), "method_len": len(r["tokens"]), **info})
+    bugs = [m for m in mismatches if m["verdict"] == "bug"]
+    return {"reference": reference, "checked": checked, "mismatches": mismatches, "ties": len(mismatches) - len(bugs),
+            "bugs": len(bugs), "ok": not bugs, "tol": tol}

@@ -1,0 +1,131 @@
+"""The `specdec bench` subcommand (registered by specdec.cli with one call)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="Spec-Bench-style benchmark: methods vs HF peers, report + plots",
+        description="Time every method against HF generate / assisted / prompt lookup in one process. "
+                    "`specdec bench compare A B` puts two result directories side by side.",
+    )
+    b.add_argument("--questions", default=None, help="questions file (Spec-Bench/MT-bench jsonl, GSM8K jsonl, "
+                   "HumanEval jsonl[.gz]); default: the dataset's file under ../shared/data or $SPECDEC_DATA")
+    b.add_argument("--dataset", default=None, choices=["spec_bench", "mt_bench", "humaneval", "gsm8k"],
+                   help="default spec_bench (mt_bench = its 8 MT-bench categories)")
+    b.add_argument("--categories", default=None, help="comma list of categories to keep")
+    b.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
+    b.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (--quick: 64)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--methods", default=None,
+                   help="comma list of name[:key=value...], e.g. vanilla,sps:gamma=4,sps-tree:topk=3:gamma=4,hf-pld:"
+                        "num_tokens=10; peers: hf, hf-pld, hf-assisted. hf and vanilla are always added (the "
+                        "baseline is the faster). Default: vanilla,hf,hf-pld (+ sps,sps-tree,hf-assisted with --draft)")
+    b.add_argument("--model", default=None, help="target: HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
+    b.add_argument("--device", default=None)
+    b.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"])
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=int, default=None, help="timed runs per prompt and method (default 1)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per method")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    b.add_argument("--out", default=None, help="results dir (default: bench-results/<time>)")
+    b.add_argument("--quick", action="store_true",
+                   help="representative subset: 2 MT-bench questions (both turns) + 1 per other Spec-Bench "
+                        "category, 64 new tokens; < 5 min on 2 CPU cores with the default target")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    bs = b.add_subparsers(dest="bench_command", required=False, metavar="{compare}")
+    c = bs.add_parser("compare", help="side-by-side Markdown table of two result dirs")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--out", dest="compare_out", default=None, help="also write the table to this file")
+    c.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    from specdec.bench.compare import compare
+
+    md = compare(args.a, args.b)
+    sys.stdout.write(md)
+    if args.compare_out:
+        Path(args.compare_out).write_text(md)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from specdec.bench.data import load_questions, quick_subset
+    from specdec.bench.methods import parse_methods
+    from specdec.bench.metrics import OVERALL
+    from specdec.bench.runner import BenchConfig, run_bench
+    from specdec.errors import SpecdecError
+    from specdec.target.loading import load_model
+
+    # everything a user can get wrong is checked before the (slow) model load
+    specs = parse_methods(args.methods, has_draft=args.draft is not None)
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    qs = load_questions(args.dataset, args.questions, cats, None if args.quick else args.limit)
+    if args.quick:
+        qs = quick_subset(qs, QUICK["per_category"], QUICK["mt_questions"])
+        if args.limit:
+            qs = qs[: args.limit]
+    max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
+    repeats = args.repeats or 1
+    if args.threads is not None and args.threads < 1:
+        raise SpecdecError("--threads must be >= 1")
+    out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = BenchConfig(
+        methods=specs, max_new_tokens=max_new, temperature=args.temperature, seed=args.seed, repeats=repeats,
+        warmup=args.warmup, threads=args.threads, backend=args.backend, progress=not args.no_progress,
+        command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        extra={"dataset": args.dataset or "spec_bench", "draft": args.draft,
+               "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",
+               "questions_file": args.questions, "quick": args.quick},
+    )
+    print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in specs)}, "
+          f"max_new_tokens {max_new}, T={args.temperature}, {repeats} repeat(s) -> {out}", file=sys.stderr)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # HF's per-call generate warnings would tear the progress bar
+    model, tok, _ = load_model(args.model, args.device)
+    draft = dtok = None
+    if args.draft:
+        draft, dtok, _ = load_model(args.draft, next(model.parameters()).device)
+    if args.methods is None:
+        _add_shipped_eagle(cfg, model)
+    res = run_bench(cfg, qs, model, tok, draft, dtok, out)
+    run, summary, aud = res["run"], res["summary"], res["audit"]
+    print(f"\nbaseline: {run['baseline']} | {run['duration_s']:.0f} s | threads {run['machine']['torch_threads']}")
+    print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s}")
+    for m, cells in summary.items():
+        c = cells[OVERALL]
+        tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
+        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s}")
+    print(f"losslessness audit: {'PASS' if aud['ok'] else 'FAIL'} ({aud['checked']} checked, "
+          f"{aud['ties']} numerical ties, {aud['bugs']} bugs)")
+    print(f"report: {out / 'report.md'}")
+    return 0 if aud["ok"] else 1
+
+
+
+def _add_shipped_eagle(cfg, model) -> None:
+    """By default, time EAGLE-2 too when the library ships a head for this target."""
+    from specdec.bench.methods import MethodSpec, our_methods
+
+    if "eagle2" not in our_methods():
+        return
+    try:
+        from specdec.heads.eagle import find_shipped_head
+
+        found = find_shipped_head(model) is not None
+    except Exception:  # a head that cannot be read is the eagle method's error to report, not ours
+        found = False
+    if found:
+        cfg.methods.append(MethodSpec("eagle2", {}, "eagle2"))

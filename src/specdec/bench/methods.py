@@ -1,0 +1,86 @@
+"""Method specs: `name[:key=value[:key=value...]]`, comma-separated.
+
+Our methods go to `specdec.api.from_models(model, tok, name, ..., **opts)` unchanged, so a new
+drafter (e.g. `eagle2:head=DIR:topk=8`) is benchmarkable as soon as the API knows it. The peers are
+HF `generate` variants run in the same process: hf (vanilla), hf-pld (prompt lookup), hf-assisted
+(assisted generation with --draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.errors import SpecdecError
+
+PEERS = ("hf", "hf-pld", "hf-assisted")
+
+
+def our_methods() -> tuple[str, ...]:
+    from specdec import api
+
+    return tuple(api.METHODS)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    opts: dict = field(default_factory=dict, hash=False)
+    label: str = ""
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name in PEERS
+
+
+def _value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
+    text = text.strip()
+    parts = text.split(":")
+    name = parts[0].strip()
+    known = known if known is not None else our_methods() + PEERS
+    if not name:
+        raise SpecdecError(f"empty method name in {text!r}")
+    if name not in known:
+        raise SpecdecError(f"unknown method {name!r}; choose from: {', '.join(known)}")
+    opts = {}
+    for p in parts[1:]:
+        k, eq, v = p.partition("=")
+        k = k.strip().replace("-", "_")
+        if not eq or not k or not v.strip():
+            raise SpecdecError(f"bad option {p!r} in method {text!r}: expected key=value")
+        if k in opts:
+            raise SpecdecError(f"option {k!r} given twice in method {text!r}")
+        opts[k] = _value(v.strip())
+    return MethodSpec(name, opts, text)
+
+
+def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | None = None) -> list[MethodSpec]:
+    """The methods to time. The two baseline candidates (hf and our vanilla) are always included,
+    since the speedup baseline is the faster of them in the same run (DESIGN.md §1)."""
+    if text is None or not text.strip():
+        ours = our_methods() if known is None else known
+        names = ["vanilla", "hf"] + [m for m in ("pld",) if m in ours] + ["hf-pld"]
+        if has_draft:
+            names += [m for m in ("sps", "sps-tree") if m in ours] + ["hf-assisted"]
+        text = ",".join(names)
+    specs = [parse_method(t, known) for t in text.split(",") if t.strip()]
+    labels = [s.label for s in specs]
+    dup = [x for x in labels if labels.count(x) > 1]
+    if dup:
+        raise SpecdecError(f"method {dup[0]!r} is listed twice")
+    bases = [next((s for s in specs if s.label == b), MethodSpec(b, {}, b)) for b in ("vanilla", "hf")]
+    specs = bases + [s for s in specs if s not in bases]
+    if any(s.name == "hf-assisted" for s in specs) and not has_draft:
+        raise SpecdecError("method 'hf-assisted' needs a draft model: pass --draft")
+    return specs

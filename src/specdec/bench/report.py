@@ -1,0 +1,252 @@
+"""report.md and plots/*.png from run.json + summary.json + audit.json (re-runnable on a results dir)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from specdec.bench.metrics import OVERALL
+
+PLOTS = ("speedup_by_category.png", "tau_by_category.png", "acceptance_by_depth.png", "calibration.png")
+TAU_NOTE = ("τ = tokens emitted per target forward in the decode phase (accepted draft tokens + 1 bonus), "
+            "prefill excluded")
+
+
+def _f(x, nd=2, suffix="") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{nd}f}{suffix}"
+
+
+def _pm(m, s, nd=2, suffix="") -> str:
+    if m is None or (isinstance(m, float) and math.isnan(m)):
+        return "—"
+    return f"{m:.{nd}f}{suffix}" + (f" ± {s:.{nd}f}" if s else "")
+
+
+def _cats(summary: dict, run: dict) -> list[str]:
+    cats = [c for c in run.get("categories", []) if any(c in v for v in summary.values())]
+    return cats + [OVERALL]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _metric_table(summary, run, methods, fn) -> str:
+    rows = []
+    for c in _cats(summary, run):
+        name = f"**{c}**" if c == OVERALL else c
+        rows.append([name] + [fn(summary[m].get(c)) if summary[m].get(c) else "—" for m in methods])
+    return _table(["category"] + [f"`{m}`" for m in methods], rows)
+
+
+def render(run: dict, summary: dict, audit: dict) -> str:
+    methods = [m["label"] for m in run["methods"] if m["label"] in summary]
+    ours = [m for m in methods if summary[m][OVERALL].get("tau") is not None]
+    spec = [m for m in ours if summary[m][OVERALL].get("alpha_by_depth")]
+    cfg, mach, tgt = run["config"], run["machine"], run["target"]
+    base = run["baseline"]
+    tot = run.get("baseline_candidates_total_s", {})
+    md = [f"# specdec bench: {cfg['extra'].get('model') or tgt.get('name_or_path') or tgt['model_type']}", ""]
+    if run.get("command"):
+        md += ["```", run["command"], "```", ""]
+    status = "PASS" if audit["ok"] else f"FAIL ({audit['bugs']} mismatch(es) that are not numerical ties)"
+    md += [
+        f"Started {run['started']}, {run['duration_s']:.0f} s in all ({run['timed_s']:.0f} s timed). "
+        f"{run['questions']} questions, {run['generations']} timed generations. Losslessness audit: **{status}**.",
+        "",
+        "## Setup", "",
+        _table(["", ""], [
+            ["CPU", f"{mach['cpu']} ({mach['usable_cpus']} usable of {mach['logical_cpus']} logical CPUs)"],
+            ["torch threads", f"{mach['torch_threads']} (interop {mach['torch_interop_threads']}), pinned for the run"],
+            ["versions", f"python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}, "
+                         f"specdec {mach['specdec']} {mach.get('git_commit', '')}"],
+            ["target", f"{cfg['extra'].get('model') or tgt.get('name_or_path')} ({tgt['model_type']}, "
+                       f"{tgt['parameters'] / 1e6:.1f}M params, {tgt['dtype']}, {tgt['device']}, "
+                       f"runner {tgt['runner']})"],
+            ["draft", "—" if not run.get("draft") else
+             f"{run['draft'].get('name_or_path')} ({run['draft']['parameters'] / 1e6:.1f}M params)"],
+            ["questions", f"{run['questions']} from {cfg['extra'].get('dataset', '?')} "
+                          f"({', '.join(run['categories'])})"],
+            ["decoding", f"max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, "
+                         f"seed {cfg['seed']}, {cfg['repeats']} repeat(s), {cfg['warmup']} warm-up round(s)"],
+            ["baseline", f"`{base}`: the faster of HF generate (`hf`, {_f(tot.get('hf'), 1)} s) and our "
+                         f"`vanilla` ({_f(tot.get('vanilla'), 1)} s) in this run"],
+            ["timing", "wall time per generation; per prompt the methods run back to back in a rotated order"],
+        ]), "",
+    ]
+    if run.get("skipped"):
+        md += [f"Skipped {len(run['skipped'])} prompt(s) too long for the context: "
+               + ", ".join(f"{s['question_id']}/turn {s['turn']}" for s in run["skipped"]), ""]
+    md += [f"## Speedup vs `{base}`", "", "Total baseline wall time / total method wall time over the same prompts; "
+           "mean ± std over repeats.", "",
+           _metric_table(summary, run, methods, lambda c: _pm(c["speedup"], c["speedup_std"], 2, "×")), ""]
+    md += ["## Tokens per second", "", _metric_table(summary, run, methods,
+                                                      lambda c: _pm(c["tokens_per_s"], c["tokens_per_s_std"], 1)), ""]
+    if ours:
+        md += ["## τ", "", TAU_NOTE + ".", "", _metric_table(summary, run, ours, lambda c: _f(c.get("tau"))), ""]
+    if spec:
+        depth = max(len(summary[m][OVERALL]["alpha_by_depth"]) for m in spec)
+        md += ["## Acceptance by depth", "", "α_k = accepted at depth k / tried at depth k (tried: depth k−1 was "
+               "accepted); all categories.", "",
+               _table(["method"] + [f"α_{k + 1}" for k in range(depth)], [
+                   [f"`{m}`"] + [_f(a) for a in summary[m][OVERALL]["alpha_by_depth"]]
+                   + ["—"] * (depth - len(summary[m][OVERALL]["alpha_by_depth"])) for m in spec]), ""]
+        longest = max(max(summary[m][OVERALL]["accept_histogram"], default=1) for m in spec)
+        rows = []
+        for m in spec:
+            h = {int(k): v for k, v in summary[m][OVERALL]["accept_histogram"].items()}
+            n = sum(h.values()) or 1
+            rows.append([f"`{m}`"] + [_f(100 * h.get(k, 0) / n, 1, "%") for k in range(1, longest + 1)])
+        md += ["## Accepted-length histogram", "", "Share of target forwards that emitted k tokens (accepted + bonus).",
+               "", _table(["method"] + [f"k={k}" for k in range(1, longest + 1)], rows), ""]
+    if ours:
+        rows = []
+        for m in ours:
+            s = summary[m][OVERALL]["time_split"]
+            rows.append([f"`{m}`", _f(s["total"], 1)] + [f"{_f(s[k], 1)} ({_f(100 * s[k + '_frac'], 0, '%')})"
+                                                          for k in ("prefill", "draft", "verify", "overhead")])
+        md += ["## Time split", "", "Seconds (share of the generation), all categories; overhead = the rest of the "
+               "loop (KV compaction bookkeeping, drafter accept, emission).", "",
+               _table(["method", "total s", "prefill", "draft", "verify", "overhead"], rows), ""]
+    lev = [m for m in spec if "expected_improvement" in summary[m][OVERALL]]
+    if lev:
+        rows = []
+        for m in lev:
+            c = summary[m][OVERALL]
+            rows.append([f"`{m}`", _f(c["alpha"], 3), str(c["gamma"]), _f(c["cost_ratio"], 3), _f(c["expected_tau"]),
+                         _f(c["tau"]), _f(c["expected_improvement"], 2, "×"), _f(c["speedup_vs_vanilla"], 2, "×")])
+        md += ["## Leviathan analysis", "",
+               "α = acceptance rate of all tried draft tokens; c = draft step cost / target forward cost (our "
+               "vanilla's decode forward); expected improvement = (1−α^{γ+1}) / ((1−α)(γc+1)), the chain "
+               "formula with i.i.d. acceptance (trees may beat it: siblings add chances). Measured = speedup vs "
+               "our `vanilla`.", "",
+               _table(["method", "α", "γ", "c", "expected τ", "measured τ", "expected improvement", "measured"], rows),
+               ""]
+    md += ["## Losslessness audit", "",
+           f"Mode: {audit.get('mode', '')}; reference: our `{audit['reference']}`; {audit['checked']} outputs checked; "
+           f"{len(audit['mismatches'])} mismatch(es): {audit['ties']} numerical tie(s) (the two tokens' target logits "
+           f"within {audit['tol']:g}), {audit['bugs']} bug(s).", ""]
+    if audit["mismatches"]:
+        md += [_table(["method", "question", "turn", "rep", "position", "vanilla tok", "method tok", "top-2 gap",
+                       "pair gap", "verdict"], [
+            [f"`{x['method']}`", str(x["question_id"]), str(x["turn"]), str(x["repeat"]), str(x["position"]),
+             str(x["reference_token"]), str(x["method_token"]), f"{x['top2_gap']:.2e}",
+             f"{x['pair_gap']:.2e}" if "pair_gap" in x else "—", x["verdict"]]
+            for x in audit["mismatches"][:50]]), ""]
+    md += ["## Plots", ""] + [f"![{p[:-4]}](plots/{p})" for p in PLOTS] + [""]
+    md += ["## Files", "", "`run.json` (setup, machine), `summary.json` (every metric per method × category), "
+           "`audit.json`, `raw/<method>.jsonl` (one line per generation: tokens, wall time, engine stats, calibration "
+           "pairs), `plots/`.", ""]
+    return "\n".join(md)
+
+
+def write_report(out: Path, run: dict, summary: dict, audit: dict) -> Path:
+    out = Path(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    plot_all(out / "plots", run, summary)
+    p = out / "report.md"
+    p.write_text(render(run, summary, audit))
+    return p
+
+
+def rebuild(out: str | Path) -> Path:
+    """Regenerate report.md and plots from the JSON files of a results dir."""
+    out = Path(out)
+    load = lambda n: json.loads((out / n).read_text())  # noqa: E731
+    return write_report(out, load("run.json"), load("summary.json"), load("audit.json"))
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _grouped(ax, cats, methods, value) -> None:
+    import numpy as np
+
+    x = np.arange(len(cats))
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ys = [value(m, c) for c in cats]
+        ax.bar(x + (i - (len(methods) - 1) / 2) * w, [0 if y is None or math.isnan(y) else y for y in ys], w, label=m)
+    ax.set_xticks(x)
+    ax.set_xticklabels(cats, rotation=30, ha="right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: labels are long
+
+
+def plot_all(d: Path, run: dict, summary: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m["label"] for m in run["methods"] if m["label"] in summary]
+    cats = _cats(summary, run)
+    title = run["config"]["extra"].get("model") or run["target"].get("name_or_path") or run["target"]["model_type"]
+    get = lambda m, c, k: (summary[m].get(c) or {}).get(k)  # noqa: E731
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) + 2) + 3, 4))
+    _grouped(ax, cats, [m for m in methods if m != run["baseline"]], lambda m, c: get(m, c, "speedup"))
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_ylabel(f"speedup vs {run['baseline']}")
+    ax.set_title(f"Speedup by category: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(d / "speedup_by_category.png", dpi=110)
+    plt.close(fig)
+
+    ours = [m for m in methods if get(m, OVERALL, "tau") is not None]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) + 2) + 3, 4))
+    _grouped(ax, cats, ours, lambda m, c: get(m, c, "tau"))
+    ax.set_ylabel("τ (tokens / target forward)")
+    ax.set_title("τ by category (decode phase, prefill excluded)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(d / "tau_by_category.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    spec = [m for m in ours if get(m, OVERALL, "alpha_by_depth")]
+    for m in spec:
+        a = get(m, OVERALL, "alpha_by_depth")
+        ax.plot(range(1, len(a) + 1), a, marker="o", label=m)
+    if spec:
+        ax.set_xlabel("tree depth k")
+        ax.set_ylabel("α_k (accepted | depth k−1 accepted)")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no speculative method in this run")
+    ax.set_title("Acceptance by depth", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(d / "acceptance_by_depth.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    cal = [m for m in ours if get(m, OVERALL, "calibration")]
+    for m in cal:
+        pts = get(m, OVERALL, "calibration")
+        line, = ax.plot([p["confidence"] for p in pts], [p["acceptance"] for p in pts], label=m)
+        n = max(p["n"] for p in pts)  # marker area ~ nodes in the bin: sparse bins are noisy
+        ax.scatter([p["confidence"] for p in pts], [p["acceptance"] for p in pts],
+                   s=[10 + 90 * p["n"] / n for p in pts], color=line.get_color())
+    if cal:
+        ax.plot([0, 1], [0, 1], color="k", lw=0.8, ls="--", label="perfect calibration")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("draft confidence of the node (marker size ~ nodes)")
+        ax.set_ylabel("acceptance rate")
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no drafter in this run exposes tree scores\n(calibration needs e.g. sps-tree or eagle2)")
+    ax.set_title("Draft confidence vs acceptance", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(d / "calibration.png", dpi=110)
+    plt.close(fig)

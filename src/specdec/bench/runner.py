@@ -1,0 +1,345 @@
+"""Timing: every method in one process, warmed up, interleaved per prompt, wall time per generation.
+
+Fairness rules (DESIGN.md §1): same prompts, same max_new_tokens, same EOS set for every method; per
+prompt and repeat the methods run back to back in a rotated order, so drift (thermal, another
+process) spreads over all of them instead of biasing whichever runs last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.bench.audit import TIE_TOL, audit
+from specdec.bench.data import Question
+from specdec.bench.methods import MethodSpec
+from specdec.engine import Stats, decode
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class BenchConfig:
+    methods: list[MethodSpec]
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    repeats: int = 1
+    warmup: int = 1  # untimed generations per method before the first timed one
+    warmup_tokens: int = 32
+    threads: int | None = None  # None: all cores the process may use
+    backend: str = "auto"
+    audit_questions: int = 3  # at T>0: greedy prompts replayed for the audit
+    tie_tol: float = TIE_TOL
+    progress: bool = True
+    command: str = ""
+    extra: dict = field(default_factory=dict)  # recorded as-is (dataset, model name, ...)
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+
+class OurMethod:
+    def __init__(self, spec: MethodSpec, dec) -> None:
+        self.spec, self.dec = spec, dec
+        d = dec.drafter
+        # draft steps per tree, for the Leviathan analysis (None: the deepest depth tried)
+        self.gamma = next((getattr(d, a) for a in ("gamma", "depth", "num_tokens") if getattr(d, a, None)),
+                          spec.opts.get("gamma"))
+
+    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
+        dec, stats, trace = self.dec, Stats(), []
+
+        def on_verify(tree, verdict):  # references only: the arithmetic happens after the clock stops
+            if tree.scores is not None and len(tree):
+                trace.append((tree.scores, tree.parents, verdict.path))
+
+        params = SamplingParams(temperature, seed=seed)
+        t0 = time.perf_counter()
+        tokens = [t for step in decode(dec.runner, dec.drafter, prompt_ids, params, max_new, dec.eos_ids, stats,
+                                       on_verify=on_verify) for t in step]
+        wall = time.perf_counter() - t0
+        s = stats.summary()
+        rec_stats = {
+            "target_forwards": stats.target_forwards, "accept_histogram": stats.accept_histogram(),
+            "depth_tries": list(stats.depth_tries), "depth_accepts": list(stats.depth_accepts),
+            "time": s["time"], "gamma": self.gamma, "tau": stats.tau, "mean_tree_size": s["mean_tree_size"],
+            "finish_reason": stats.finish_reason,
+        }
+        return {"tokens": tokens, "wall_time": wall, "stats": rec_stats, "calibration": _calibration(trace)}
+
+
+def _calibration(trace) -> list[list]:
+    """(confidence, value V, depth, accepted) for every node whose parent was reached, i.e. every
+    node the verifier actually tried; confidence = the node's own draft probability."""
+    out = []
+    for scores, parents, path in trace:
+        s, par = scores.float().cpu().tolist(), parents.tolist()
+        on_path = set(path)
+        depth = []
+        for i, p in enumerate(par):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            if p >= 0 and p not in on_path:
+                continue
+            conf = s[i] - (s[p] if p >= 0 else 0.0)
+            out.append([round(2.718281828459045 ** conf, 5), round(2.718281828459045 ** s[i], 5), depth[i],
+                        i in on_path])
+    return out
+
+
+class HFMethod:
+    """HF `generate` peers: plain, prompt lookup, assisted (a draft model)."""
+
+    def __init__(self, spec: MethodSpec, model, eos_ids: set[int], draft_model=None) -> None:
+        from transformers import GenerationConfig
+
+        self.spec, self.model, self.draft = spec, model, draft_model
+        opts = dict(spec.opts)
+        gc = {}
+        if spec.name == "hf-pld":
+            gc["prompt_lookup_num_tokens"] = opts.pop("num_tokens", opts.pop("prompt_lookup_num_tokens", 10))
+            gc["max_matching_ngram_size"] = opts.pop("ngram", opts.pop("max_matching_ngram_size", 2))
+        elif spec.name == "hf-assisted":
+            if draft_model is None:
+                raise SpecdecError("method 'hf-assisted' needs a draft model: pass --draft")
+            if "num_tokens" in opts:
+                gc["num_assistant_tokens"] = opts.pop("num_tokens")
+            if "schedule" in opts:
+                gc["num_assistant_tokens_schedule"] = opts.pop("schedule")
+        known = set(GenerationConfig().to_dict())
+        bad = sorted(k for k in opts if k not in known)
+        if bad:
+            raise SpecdecError(f"unknown option(s) for method {spec.label!r}: {', '.join(bad)} (options of the hf "
+                               "peers are GenerationConfig fields, plus num_tokens / ngram / schedule)")
+        gc.update(opts)  # anything else is a GenerationConfig field, passed through
+        eos = sorted(eos_ids)
+        self.base = dict(eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **gc)
+        try:
+            GenerationConfig(**self.base).validate(strict=True)
+        except Exception as e:
+            raise SpecdecError(f"bad options for method {spec.label!r}: {e}") from None
+        self._gc = GenerationConfig
+
+    @torch.inference_mode()
+    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
+        dev = next(self.model.parameters()).device
+        ids = torch.tensor([prompt_ids], device=dev)
+        kw = dict(self.base, max_new_tokens=max_new, do_sample=temperature > 0)
+        if temperature > 0:  # HF's defaults would add top-k 50: match our plain sampling
+            kw.update(temperature=temperature, top_k=0, top_p=1.0)
+        gc = self._gc(**kw)
+        extra = {"assistant_model": self.draft} if self.spec.name == "hf-assisted" else {}
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **extra)
+        wall = time.perf_counter() - t0
+        return {"tokens": out[0, len(prompt_ids):].tolist(), "wall_time": wall, "stats": None, "calibration": None}
+
+
+def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_tokenizer=None) -> dict:
+    from specdec.api import from_models
+
+    built = {}
+    vanilla = None
+    for spec in cfg.methods:
+        if spec.is_peer:
+            continue
+        dec = from_models(model, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, **spec.opts)
+        built[spec.label] = OurMethod(spec, dec)
+        if spec.label == "vanilla":
+            vanilla = dec
+    if vanilla is None:
+        raise SpecdecError("the benchmark needs our 'vanilla' method (the reference of the audit)")
+    for spec in cfg.methods:
+        if spec.is_peer:
+            built[spec.label] = HFMethod(spec, model, vanilla.eos_ids, draft_model)
+    return {s.label: built[s.label] for s in cfg.methods}
+
+
+# ------------------------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict:
+    import transformers
+
+    import specdec
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except Exception:
+        commit = ""
+    from specdec.target.packed import onednn_available
+
+    return {
+        "cpu": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": affinity, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "specdec": getattr(specdec, "__version__", ""), "git_commit": commit,
+        "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+        "onednn_packed_linears": onednn_available(),
+    }
+
+
+def safe_name(label: str) -> str:
+    return re.sub(r"[^\w.=-]+", "_", label)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", unit="gen", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def run_bench(cfg: BenchConfig, questions: list[Question], model, tokenizer, draft_model=None,
+              draft_tokenizer=None, out_dir: str | os.PathLike | None = None) -> dict:
+    """Runs everything and writes out_dir/{run.json, summary.json, audit.json, raw/*.jsonl, report.md,
+    plots/*.png}. Returns {"run", "summary", "audit", "records", "prompts"}."""
+
+    if not questions:
+        raise SpecdecError("no questions to run")
+    if cfg.repeats < 1 or cfg.max_new_tokens < 1:
+        raise SpecdecError("--repeats and --max-new-tokens must be >= 1")
+    if cfg.temperature < 0:
+        raise SpecdecError("--temperature must be >= 0")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or len(getattr(os, "sched_getaffinity", lambda _: [1] * os.cpu_count())(0)))
+    try:
+        return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir) -> dict:
+    from specdec.bench import metrics, report
+
+    methods = build_methods(cfg, model, tokenizer, draft_model, draft_tokenizer)
+    vanilla = methods["vanilla"].dec
+    max_len = vanilla.runner.max_length
+    out = Path(out_dir) if out_dir is not None else None
+    labels = list(methods)
+    started = time.time()
+
+    def gen_seed(qi: int, turn: int) -> int:
+        return cfg.seed * 1_000_003 + qi * 16 + turn
+
+    # warm-up: first calls pay for allocator growth, oneDNN primitive creation, HF's generate setup
+    warm = vanilla.encode([{"role": "user", "content": questions[0].turns[0]}])
+    if len(warm) + cfg.warmup_tokens < max_len:
+        for _ in range(cfg.warmup):
+            for lab in labels:
+                methods[lab].run(warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens))
+
+    n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
+    records: list[dict] = []
+    prompts: dict = {}
+    skipped: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(_progress(n_runs, cfg.progress))
+        raw_files = {}
+        if out is not None:
+            (out / "raw").mkdir(parents=True, exist_ok=True)
+            raw_files = {lab: stack.enter_context(open(out / "raw" / f"{safe_name(lab)}.jsonl", "w"))
+                         for lab in labels}
+        for qi, q in enumerate(questions):
+            history: list[dict] = []
+            for turn, text in enumerate(q.turns):
+                msgs = history + [{"role": "user", "content": text}]
+                ids = vanilla.encode(msgs)
+                if len(ids) + cfg.max_new_tokens > max_len:
+                    skipped.append({"question_id": q.question_id, "turn": turn, "prompt_tokens": len(ids),
+                                    "reason": f"prompt + max_new_tokens exceeds the context ({max_len})"})
+                    bar.update((len(q.turns) - turn) * cfg.repeats * len(labels))
+                    break
+                prompts[(q.question_id, turn)] = ids
+                answer = None
+                for rep in range(cfg.repeats):
+                    k = (qi + turn + rep) % len(labels)
+                    for pos, lab in enumerate(labels[k:] + labels[:k]):
+                        bar.set_postfix_str(f"q={q.question_id} t={turn} {lab}", refresh=False)
+                        r = methods[lab].run(ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens)
+                        rec = {"method": lab, "name": methods[lab].spec.name, "question_id": q.question_id,
+                               "category": q.category, "turn": turn, "repeat": rep, "order": pos,
+                               "prompt_tokens": len(ids), "new_tokens": len(r["tokens"]), **r}
+                        records.append(rec)
+                        if raw_files:
+                            raw_files[lab].write(json.dumps(rec) + "\n")
+                            raw_files[lab].flush()
+                        if lab == "vanilla" and answer is None:
+                            answer = r["tokens"]
+                        bar.update(1)
+                # MT-bench: the second turn sees the target's own first answer (our vanilla's, so
+                # every method gets the same second-turn prompt)
+                history = msgs + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
+    timed_s = time.time() - started
+
+    # losslessness audit: at T=0 the timed outputs themselves; at T>0 a greedy replay of a few prompts
+    if cfg.temperature == 0:
+        audit_recs = records
+    else:
+        audit_recs = []
+        for key in list(prompts)[: cfg.audit_questions]:
+            for lab in labels:
+                r = methods[lab].run(prompts[key], 0.0, 0, cfg.max_new_tokens)
+                audit_recs.append({"method": lab, "question_id": key[0], "turn": key[1], "repeat": 0,
+                                   "tokens": r["tokens"]})
+    aud = audit(audit_recs, prompts, model, "vanilla", cfg.tie_tol)
+    n_replay = min(cfg.audit_questions, len(prompts))
+    aud["mode"] = "timed outputs (T=0)" if cfg.temperature == 0 else f"greedy replay of {n_replay} prompts (T>0 run)"
+
+    baseline = metrics.choose_baseline(records)
+    summary = metrics.summarize(records, baseline, "vanilla")
+    totals = {c: sum(r["wall_time"] for r in records if r["method"] == c) for c in ("hf", "vanilla")}
+    run = {
+        "command": cfg.command, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "duration_s": time.time() - started, "timed_s": timed_s,
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("methods", "progress")},
+        "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer} for s in cfg.methods],
+        "questions": len(questions), "generations": len(records), "skipped": skipped,
+        "categories": list(dict.fromkeys(q.category for q in questions)),
+        "baseline": baseline, "baseline_candidates_total_s": totals,
+        "machine": machine_info(), "target": _model_info(model, vanilla.runner),
+        "draft": _model_info(draft_model, None) if draft_model is not None else None,
+    }
+    result = {"run": run, "summary": summary, "audit": aud, "records": records, "prompts": prompts}
+    if out is not None:
+        (out / "run.json").write_text(json.dumps(run, indent=1, default=str))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "audit.json").write_text(json.dumps(aud, indent=1))
+        report.write_report(out, run, summary, aud)
+    return result
+
+
+def _model_info(model, runner) -> dict:
+    cfg = model.config
+    p = next(model.parameters())
+    return {
+        "name_or_path": getattr(cfg, "_name_or_path", "") or "", "model_type": cfg.model_type,
+        "parameters": sum(t.numel() for t in model.parameters()), "dtype": str(p.dtype).replace("torch.", ""),
+        "device": str(p.device), "runner": type(runner).__name__ if runner is not None else None,
+        "vocab_size": getattr(cfg, "vocab_size", None),
+    }

@@ -1,0 +1,1 @@
+"""Self-distillation data and training for draft heads (DESIGN.md §5)."""

@@ -1,0 +1,376 @@
+"""Train an EAGLE head on datagen shards (DESIGN.md §5).
+
+Row t of a sequence reads (x_{t+1}, f_t + noise) and predicts f_{t+1}:
+loss = SmoothL1(f̂_{t+1}, f_{t+1}) + w · CE(p_target, p̂), p = softmax of the (draft-vocabulary) LM head
+on f_{t+1} and f̂_{t+1}, averaged over rows whose input token x_{t+1} is an answer token.
+
+Exact resume: batches and noise are pure functions of (seed, step, sequence), so a checkpoint needs only
+the head, the optimizer, the scheduler and the step; it is written to a temporary dir and renamed.
+Multi-process: `accelerate launch --multi_gpu --num_processes 2 -m specdec.cli train eagle ...` (on a
+machine without GPUs this is torchrun -> MULTI_CPU, gloo, DDP; `--cpu` would start a single process);
+each process takes a slice of the same global batch and the loss is normalised by the global token
+count, so N processes follow the 1-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.errors import SpecdecError
+from specdec.training.datagen import list_shards
+
+# heads.eagle (and with it transformers) is imported inside functions: the CLI parser imports this module
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    steps: int = 0  # 0: derived from epochs
+    epochs: float = 1.0
+    batch_size: int = 16  # sequences per optimizer step, over all processes
+    max_len: int = 1024
+    lr: float = 3e-4
+    warmup: int = 100
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    ce_weight: float = 0.1
+    noise: float = 0.1  # input features get U(-noise, noise)
+    draft_vocab: int = 0  # 0 = the full target vocabulary (frozen target LM head)
+    freeze_lm_head: bool = False  # for a reduced head: keep the rows copied from the target
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---- data ----
+
+class ShardData:
+    """All shards in memory (fp16 features: ~1.2 KB per token at H = 576)."""
+
+    def __init__(self, data_dir: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024) -> None:
+        from safetensors.torch import load_file
+
+        d = Path(data_dir)
+        files = [d / n for n in names] if names is not None else list_shards(d)
+        if not files:
+            raise SpecdecError(f"no data shards (shard-*.safetensors) in {d}: run `specdec datagen` first")
+        self.names = [f.name for f in files]
+        meta_f = d / "meta.json"
+        self.meta = json.loads(meta_f.read_text()) if meta_f.is_file() else {}
+        ids, feats, masks, spans = [], [], [], []
+        base = 0
+        for f in files:
+            if not f.is_file():
+                raise SpecdecError(f"data shard {f} is missing (it was there when this run started)")
+            try:
+                t = load_file(str(f))
+            except Exception as e:
+                raise SpecdecError(f"cannot read data shard {f}: {e}") from None
+            off = t["offsets"].tolist()
+            for a, b in zip(off[:-1], off[1:]):
+                if b - a >= 2:
+                    spans.append((base + a, base + min(b, a + max_len)))
+            ids.append(t["input_ids"].long())
+            feats.append(t["features"])
+            masks.append(t["loss_mask"])
+            base += off[-1]
+        self.ids, self.feats, self.mask = torch.cat(ids), torch.cat(feats), torch.cat(masks)
+        self.spans = spans
+        self.hidden_size = self.feats.shape[1]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(b - a for a, b in self.spans)
+
+    def token_counts(self, vocab: int) -> torch.Tensor:
+        """How often each token is an answer token (what the head must predict)."""
+        m = self.mask.bool()
+        return torch.bincount(self.ids[m], minlength=vocab)[:vocab]
+
+    def batch(self, seq_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded (ids [b, T], features fp32 [b, T, H], loss mask [b, T] fp32; pads have mask 0)."""
+        lens = [self.spans[i][1] - self.spans[i][0] for i in seq_idx]
+        t = max(lens)
+        ids = torch.zeros(len(seq_idx), t, dtype=torch.long)
+        feats = torch.zeros(len(seq_idx), t, self.hidden_size)
+        mask = torch.zeros(len(seq_idx), t)
+        for r, i in enumerate(seq_idx):
+            a, b = self.spans[i]
+            ids[r, : b - a] = self.ids[a:b]
+            feats[r, : b - a] = self.feats[a:b].float()
+            mask[r, : b - a] = self.mask[a:b].float()
+        return ids, feats, mask
+
+
+def global_batch(n: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Sequence indices of global step `step`: epoch-wise permutations, a pure function of the step."""
+    per_epoch = max(1, n // batch_size)
+    epoch, pos = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    return perm[pos * batch_size:(pos + 1) * batch_size].tolist()
+
+
+def build_draft_vocab(counts: torch.Tensor, size: int, always: set[int] = frozenset()) -> torch.Tensor:
+    """The `size` most frequent tokens (ties -> lower id) plus `always`; sorted target ids."""
+    size = min(size, counts.numel())
+    order = sorted(range(counts.numel()), key=lambda i: (-int(counts[i]), i))
+    keep = list(dict.fromkeys([t for t in always if t < counts.numel()] + order))[:size]
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+# ---- the trainer ----
+
+class _Objective(nn.Module):
+    """Everything with gradients runs inside forward, so DDP sees every use of the parameters."""
+
+    def __init__(self, head, embed: torch.Tensor, target_lm: torch.Tensor) -> None:
+        super().__init__()
+        self.head = head
+        # frozen target tensors as plain attributes: not parameters, and not buffers DDP would broadcast
+        self.embed, self.target_lm = embed, target_lm
+
+    def forward(self, ids, feats, mask, noise: torch.Tensor | None, n_global: float, ce_weight: float):
+        tok_in, f_in, f_out = ids[:, 1:], feats[:, :-1], feats[:, 1:]
+        w = mask[:, 1:]  # the head's input token x_{t+1} is an answer token
+        if noise is not None:
+            f_in = f_in + noise
+        pred = self.head(F.embedding(tok_in, self.embed), f_in)
+        lm_t = self.target_lm if self.head.d2t is None else self.target_lm[self.head.d2t]
+        with torch.no_grad():
+            p_t = torch.softmax(F.linear(f_out, lm_t), dim=-1)
+        logp = torch.log_softmax(self.head.logits(pred, self.target_lm), dim=-1)
+        ce = -(p_t * logp).sum(-1)
+        vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
+        loss = ((vl + ce_weight * ce) * w).sum() / n_global
+        with torch.no_grad():
+            acc = ((logp.argmax(-1) == p_t.argmax(-1)).float() * w).sum()
+            stats = torch.stack([(vl * w).sum(), (ce * w).sum(), acc, w.sum()])
+        return loss, stats
+
+
+def lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / (cfg.warmup + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+    return f
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    return sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
+def _save_checkpoint(out: Path, head, opt, sched, step: int, state: dict, keep: int) -> Path:
+    ck = out / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    final = ck / f"step-{step:07d}"
+    tmp = ck / f".tmp-step-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save({"model": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "step": step, "torch_rng": torch.get_rng_state(), **state}, tmp / "state.pt")
+    head.save(tmp / "head", extra=state.get("head_meta"))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # a checkpoint exists under its real name only when complete
+    for old in _checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool = True) -> dict:
+    """Train (or resume) an EAGLE head for `target_model`. Returns a summary; the head ends up in
+    cfg.out/head (an HF-style dir usable with `--head`)."""
+    from accelerate import Accelerator
+    from tqdm import tqdm
+
+    from specdec.heads.eagle import EagleHead, head_config, target_fingerprint
+
+    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    rank, world = acc.process_index, acc.num_processes
+    out = Path(cfg.out)
+    dev = acc.device
+    emb = target_model.get_input_embeddings().weight.detach().to(dev, torch.float32)
+    target_lm = target_model.get_output_embeddings().weight.detach().to(dev, torch.float32)
+    fp = target_fingerprint(target_model)
+
+    ckpts = _checkpoints(out)
+    resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False) if ckpts else None
+    if resume is not None:
+        saved = TrainConfig.from_dict(resume["config"])
+        for k in ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
+                  "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip"):
+            if getattr(saved, k) != getattr(cfg, k):
+                raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
+                                   "resume with the same settings or use another --out")
+    data = ShardData(cfg.data, resume["shards"] if resume else None, cfg.max_len)
+    if data.meta.get("target") and data.meta["target"] != fp:
+        raise SpecdecError(f"the data in {cfg.data} was made with a different target model")
+    if data.hidden_size != target_model.config.hidden_size:
+        raise SpecdecError(f"data features have size {data.hidden_size}, the target {target_model.config.hidden_size}")
+    total = cfg.steps or max(1, int(cfg.epochs * len(data) / cfg.batch_size))
+    if cfg.batch_size < world:
+        raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
+
+    torch.manual_seed(cfg.seed)
+    head = EagleHead(head_config(target_model.config))
+    if cfg.draft_vocab:
+        eos = getattr(target_model.config, "eos_token_id", None)
+        always = set([eos] if isinstance(eos, int) else (eos or []))
+        vocab = build_draft_vocab(data.token_counts(emb.shape[0]), cfg.draft_vocab, always)
+        head.set_draft_vocab(vocab, target_lm.cpu())
+    if resume is not None:
+        head.load_state_dict(resume["model"])
+    head.to(dev)
+    if head.lm_head is not None and cfg.freeze_lm_head:
+        head.lm_head.weight.requires_grad_(False)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+        sched.load_state_dict(resume["scheduler"])
+    start = resume["step"] if resume else 0
+    objective = acc.prepare(_Objective(head, emb, target_lm))
+
+    n_data = data.n_tokens
+    head_meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
+                                            "config": asdict(cfg) | {"stop_after": 0}}}
+    log_f = out / "log.jsonl"
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        if log_f.is_file():  # drop log lines of steps a killed run did after its last checkpoint
+            lines = [ln for ln in log_f.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
+            log_f.write_text("".join(ln + "\n" for ln in lines))
+    acc.wait_for_everyone()
+    state = {"config": asdict(cfg), "shards": data.names, "head_meta": head_meta}
+    bar = tqdm(total=total, initial=start, disable=not (progress and acc.is_main_process), unit="step",
+               desc="train eagle", dynamic_ncols=True)
+    acc_stats = torch.zeros(4, device=dev)
+    t0, tok_done, history = time.perf_counter(), 0, []
+    step = start
+    objective.train()
+    while step < total:
+        idx = global_batch(len(data), cfg.batch_size, cfg.seed, step)
+        mine = idx[rank::world]
+        ids, feats, mask = (t.to(dev) for t in data.batch(mine))
+        n_local = mask[:, 1:].sum()
+        n_global = float(acc.reduce(n_local.detach().clone(), reduction="sum")) if world > 1 else float(n_local)
+        noise = None
+        if cfg.noise > 0:  # per sequence and step: independent of how the batch is split over processes
+            noise = torch.zeros(feats[:, :-1].shape)
+            for r, i in enumerate(mine):
+                g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1_000_033 + i)
+                n_i = data.spans[i][1] - data.spans[i][0] - 1
+                noise[r, :n_i] = (torch.rand(n_i, noise.shape[-1], generator=g) * 2 - 1) * cfg.noise
+            noise = noise.to(dev)
+        # DDP averages gradients over processes: scale so the sum matches a global token mean
+        loss, stats = objective(ids, feats, mask, noise, max(n_global, 1.0) / world, cfg.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        if cfg.clip > 0:
+            acc.clip_grad_norm_(params, cfg.clip)
+        opt.step()
+        sched.step()
+        step += 1
+        acc_stats += stats
+        tok_done += sum(data.spans[i][1] - data.spans[i][0] for i in mine)
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == total:
+            s = acc.reduce(acc_stats.clone(), reduction="sum") if world > 1 else acc_stats
+            n = max(float(s[3]), 1.0)
+            rec = {"step": step, "loss": (float(s[0]) + cfg.ce_weight * float(s[1])) / n,
+                   "feature_loss": float(s[0]) / n,
+                   "ce": float(s[1]) / n, "top1_acc": float(s[2]) / n, "lr": sched.get_last_lr()[0],
+                   "tokens_per_s": tok_done * world / (time.perf_counter() - t0), "processes": world}
+            history.append(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['top1_acc']:.3f}")
+            if acc.is_main_process:
+                with log_f.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+            acc_stats.zero_()
+        if (step % cfg.save_every == 0 or step == total) and acc.is_main_process:
+            _save_checkpoint(out, acc.unwrap_model(objective).head, opt, sched, step, state, cfg.keep_checkpoints)
+        acc.wait_for_everyone()
+        if cfg.stop_after and step - start >= cfg.stop_after and step < total:
+            break
+    bar.close()
+    final = acc.unwrap_model(objective).head
+    if step == total and acc.is_main_process:
+        final.save(out / "head", extra=head_meta)
+    acc.wait_for_everyone()
+    return {"steps": step, "total_steps": total, "history": history, "head": final,
+            "seconds": time.perf_counter() - t0, "data_tokens": n_data}
+
+
+# ---- CLI ----
+
+def add_parser(sub) -> None:
+    tp = sub.add_parser("train", help="train a draft head on `specdec datagen` data")
+    kinds = tp.add_subparsers(dest="kind", required=True)
+    p = kinds.add_parser("eagle", help="an EAGLE-1/2 head (resumes from --out if it holds checkpoints)")
+    p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
+    d = TrainConfig(data="", out="")
+    for f in fields(TrainConfig):
+        if f.name in ("data", "out"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(d, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=default)
+        else:
+            p.add_argument(flag, type=type(default), default=default)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_train_eagle)
+
+
+def cmd_train_eagle(args) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from specdec.target.loading import materialize
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig.from_dict(vars(args))
+    path = materialize(args.model)
+    try:  # only the embeddings and the LM head are used: no tokenizer needed
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    except (OSError, ValueError) as e:
+        raise SpecdecError(f"could not load the target model {args.model!r}: {e}") from None
+    r = train_eagle(cfg, model)
+    last = r["history"][-1] if r["history"] else {}
+    print(f"train eagle: step {r['steps']}/{r['total_steps']} in {r['seconds']:.0f} s; "
+          f"loss {last.get('loss', float('nan')):.4f}, top-1 agreement {last.get('top1_acc', float('nan')):.3f}; "
+          f"head: {Path(cfg.out) / 'head'}")
+    return 0

@@ -1,0 +1,204 @@
+"""The benchmark end to end on random tiny models with an offline char-level tokenizer: every report
+file, the audit catching a corrupted output, compare, and CLI errors."""
+
+import json
+import string
+
+import pytest
+import torch
+
+from specdec.bench.audit import audit, first_divergence
+from specdec.bench.data import Question
+from specdec.bench.methods import parse_methods
+from specdec.bench.report import PLOTS
+from specdec.bench.runner import BenchConfig, run_bench
+from specdec.cli import main
+from tests.conftest import tiny_model
+from tests.test_engine import noisy_copy
+
+
+def char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def models():
+    tok = char_tokenizer()
+    target = tiny_model("llama", vocab_size=len(tok))
+    return target, tok, noisy_copy(target, scale=0.2)
+
+
+QS = [Question("81", "writing", ["Write a poem.", "Now shorter."]), Question("7", "qa", ["What is 2+2?"])]
+
+
+@pytest.fixture(scope="module")
+def result(models, tmp_path_factory):
+    target, tok, draft = models
+    out = tmp_path_factory.mktemp("bench")
+    specs = parse_methods("vanilla,sps:gamma=3,sps-tree:topk=2:gamma=3:tree_tokens=6,hf-pld:num_tokens=4,hf-assisted",
+                          has_draft=True)
+    cfg = BenchConfig(specs, max_new_tokens=16, repeats=2, warmup_tokens=4, progress=False, threads=1,
+                      extra={"dataset": "test"})
+    return run_bench(cfg, QS, target, tok, draft, tok, out), out
+
+
+def test_end_to_end_writes_every_file(result):
+    res, out = result
+    for f in ["report.md", "run.json", "summary.json", "audit.json"] + [f"plots/{p}" for p in PLOTS]:
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    for p in PLOTS:
+        assert (out / "plots" / p).read_bytes()[:4] == b"\x89PNG"
+    labels = [m["label"] for m in res["run"]["methods"]]
+    assert labels == ["vanilla", "hf", "sps:gamma=3", "sps-tree:topk=2:gamma=3:tree_tokens=6", "hf-pld:num_tokens=4",
+                      "hf-assisted"]
+    raw = {p.name for p in (out / "raw").iterdir()}
+    assert len(raw) == len(labels)
+    # 3 prompts (2 turns + 1) x 2 repeats per method
+    lines = [json.loads(x) for x in (out / "raw" / "sps_gamma=3.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and {(x["question_id"], x["turn"]) for x in lines} == {("81", 0), ("81", 1), ("7", 0)}
+    # round-robin: the first method differs between prompts
+    firsts = {(r["question_id"], r["turn"], r["repeat"]): r["method"] for r in res["records"] if r["order"] == 0}
+    assert len(set(firsts.values())) > 1
+    s = res["summary"]
+    assert set(s["vanilla"]) == {"writing", "qa", "overall"}
+    assert s["vanilla"]["overall"]["tau"] == 1.0
+    tree = s["sps-tree:topk=2:gamma=3:tree_tokens=6"]["overall"]
+    assert tree["calibration"] and 1 <= tree["tau"] <= 4 and "expected_improvement" in tree
+    assert res["run"]["baseline"] in ("hf", "vanilla")
+    assert res["run"]["machine"]["torch_threads"] >= 1 and res["run"]["machine"]["cpu"]
+    md = (out / "report.md").read_text()
+    for section in ("## Speedup vs", "## τ", "## Acceptance by depth", "## Leviathan analysis",
+                    "## Losslessness audit", "## Time split", "prefill excluded", "plots/calibration.png"):
+        assert section in md, section
+
+
+def test_lossless_outputs_pass_the_audit(result):
+    res, _ = result
+    aud = res["audit"]
+    assert aud["checked"] == 6 * 6 - 3  # every generation except the reference's own first repeat
+    assert aud["ok"], aud["mismatches"]
+    # second turns use vanilla's own first answer: same prompt length for every method
+    t1 = {r["prompt_tokens"] for r in res["records"] if r["turn"] == 1}
+    assert len(t1) == 1
+
+
+def test_audit_catches_a_corrupted_output(models, result):
+    target, tok, _ = models
+    res, _ = result
+    recs = [dict(r) for r in res["records"] if r["method"] in ("vanilla", "sps:gamma=3")]
+    prompts = res["prompts"]
+    bad = next(r for r in recs if r["method"] == "sps:gamma=3" and r["question_id"] == "7")
+    pos = 5
+    ref_tok = bad["tokens"][pos]
+    logits = target(torch.tensor([prompts[("7", 0)] + bad["tokens"][:pos]])).logits[0, -1]
+    wrong = int(logits.argsort()[0])  # the target's least likely token: certainly not a tie
+    bad["tokens"] = bad["tokens"][:pos] + [wrong] + bad["tokens"][pos + 1:]
+    aud = audit(recs, prompts, target)
+    assert not aud["ok"] and aud["bugs"] == 1
+    m = aud["mismatches"][0]
+    assert (m["method"], m["question_id"], m["position"]) == ("sps:gamma=3", "7", pos)
+    assert m["reference_token"] == ref_tok and m["method_token"] == wrong
+    assert m["verdict"] == "bug" and m["top2_gap"] > 0 and m["argmax"] == ref_tok
+
+
+def test_audit_calls_a_near_tie_a_tie(models):
+    target, _, _ = models
+    prompt = [5, 6, 7]
+    logits = target(torch.tensor([prompt])).logits[0, -1]
+    t1, t2 = logits.topk(2).indices.tolist()
+    with torch.no_grad():  # force an exact tie between the top-2 at this position
+        b = target.lm_head.weight
+        saved = b[t2].clone()
+        h = target.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        b[t2] += (h * (logits[t1] - logits[t2]) / (h @ h))
+    try:
+        recs = [{"method": "vanilla", "question_id": "q", "turn": 0, "repeat": 0, "tokens": [t1, 3]},
+                {"method": "x", "question_id": "q", "turn": 0, "repeat": 0, "tokens": [t2, 3]}]
+        aud = audit(recs, {("q", 0): prompt}, target)
+        assert aud["ok"] and aud["ties"] == 1 and aud["mismatches"][0]["verdict"] == "tie"
+    finally:
+        with torch.no_grad():
+            target.lm_head.weight[t2] = saved
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_compare_and_report_rebuild(result, tmp_path, capsys):
+    _, out = result
+    assert main(["bench", "compare", str(out), str(out), "--out", str(tmp_path / "cmp.md")]) == 0
+    text = capsys.readouterr().out
+    assert "| `sps:gamma=3` | **overall** |" in text and "+0%" in text
+    assert (tmp_path / "cmp.md").read_text() == text
+    assert main(["bench", "compare", str(out), str(tmp_path)]) == 2
+    assert "not a `specdec bench` results directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--methods", "vanilla,warp9"], "unknown method 'warp9'"),
+    (["--categories", "poetry"], "unknown category 'poetry'"),
+    (["--methods", "sps:gamma"], "expected key=value"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, capsys, argv, msg):
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["x"]}) + "\n")
+    assert main(["bench", "--questions", str(q), "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error:") and msg in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_method_option_fails_before_timing(models):
+    target, tok, _ = models
+    from specdec.errors import SpecdecError
+
+    cfg = BenchConfig(parse_methods("vanilla,hf-pld:bogus_field=3", False), max_new_tokens=4, progress=False)
+    with pytest.raises(SpecdecError, match="bogus_field"):
+        run_bench(cfg, QS[1:], target, tok)
+    cfg = BenchConfig(parse_methods("sps:gamma=2:warp=1", True), max_new_tokens=4, progress=False)
+    with pytest.raises(SpecdecError, match="unknown option"):
+        run_bench(cfg, QS[1:], target, tok, target, tok)
+
+
+def test_sampled_run_audits_by_greedy_replay(models):
+    target, tok, draft = models
+    cfg = BenchConfig(parse_methods("sps:gamma=2", True), max_new_tokens=8, temperature=0.8, warmup=0,
+                      progress=False, threads=1, audit_questions=1)
+    res = run_bench(cfg, QS[1:], target, tok, draft, tok)
+    assert res["audit"]["mode"].startswith("greedy replay of 1 prompt")
+    assert res["audit"]["ok"] and res["audit"]["checked"] == 2
+    assert {r["method"] for r in res["records"]} == {"vanilla", "hf", "sps:gamma=2"}
+
+
+def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys):
+    target, tok, _ = models
+    import specdec.target.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda spec, device=None, dtype=None: (target, tok, None))
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["Hi?"]}) + "\n"
+                         for i, c in enumerate(["qa", "qa", "rag"])))
+    out = tmp_path / "res"
+    rc = main(["bench", "--quick", "--questions", str(q), "--methods", "vanilla,hf", "--max-new-tokens", "6",
+               "--threads", "1", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "losslessness audit: PASS" in text and str(out / "report.md") in text
+    run = json.loads((out / "run.json").read_text())
+    assert run["questions"] == 2 and run["config"]["extra"]["quick"]  # one per category
+    assert run["command"].startswith("specdec ")

@@ -1,0 +1,342 @@
+"""EAGLE head, EAGLE-1/2 drafting (lossless at T = 0 and T > 0), data generation and training."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.drafters.base import NoDrafter
+from specdec.drafters.eagle import EagleDrafter, build_static_tree
+from specdec.errors import SpecdecError
+from specdec.heads.eagle import EagleHead, HeadRunner, head_config
+from specdec.sampling import SamplingParams
+from specdec.target.lean import LeanRunner
+from specdec.training.datagen import generate_answers, pack_shard, teacher_force, write_shard
+from specdec.training.train import TrainConfig, build_draft_vocab, train_eagle
+from tests.conftest import tiny_model
+from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run
+from tests.test_verify import chi2_pvalue
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_head(model, seed=0, draft_vocab=None):
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(model.config)).eval()
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.tensor(draft_vocab), model.lm_head.weight.detach())
+    return head
+
+
+def drafter_for(model, head, dynamic, **kw):
+    emb, lm = model.get_input_embeddings().weight, model.lm_head.weight
+    return EagleDrafter(HeadRunner(head, emb, lm), dynamic, **kw)
+
+
+def make_data(model, out: Path, n_seq=96, answer_len=32, seed=0):
+    """Self-distillation shards for a tiny model (no tokenizer: random token prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    v = model.config.vocab_size
+    for shard in range(2):
+        prompts = [torch.randint(3, v, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(n_seq // 2)]
+        answers = generate_answers(model, prompts, answer_len, 1.0 if shard else 0.0, {model.config.vocab_size - 1}, 0)
+        seqs = [p + a for p, a in zip(prompts, answers)]
+        t = pack_shard(seqs, [len(p) for p in prompts], teacher_force(model, seqs))
+        write_shard(out / f"shard-{shard:05d}.safetensors", t, {"source": "test"})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_data(tiny, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cfg = TrainConfig(data=str(tiny_data), out=str(out), steps=100, batch_size=8, lr=3e-2, warmup=5,
+                      save_every=1000, log_every=10)
+    r = train_eagle(cfg, tiny, progress=False)
+    return r, out
+
+
+# ---- the head ----
+
+def test_head_forward_shapes_and_lean_runner_matches(tiny):
+    head = make_head(tiny)
+    emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
+    toks, f = torch.randint(0, 97, (2, 10)), torch.randn(2, 10, 64)
+    with torch.no_grad():
+        out = head(emb[toks], f)
+        assert out.shape == (2, 10, 64)
+        assert head.logits(out, lm).shape == (2, 10, 97)
+    r = HeadRunner(head, emb, lm)
+    h1 = r.forward(toks[0, :4], f[0, :4])
+    r.commit(range(4))
+    h2 = r.forward(toks[0, 4:], f[0, 4:])
+    torch.testing.assert_close(torch.cat([h1, h2]), out[0], atol=1e-5, rtol=1e-5)
+    # tree rows see only their ancestors: two siblings at the same position equal two separate chains
+    r.rollback()
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 5] = mask[1, 4] = False
+    sib = r.forward(toks[1, :2], f[1, :2], torch.tensor([4, 4]), mask)
+    for j in range(2):
+        with torch.no_grad():
+            ref = head(emb[torch.cat([toks[0, :4], toks[1, j:j + 1]])][None],
+                       torch.cat([f[0, :4], f[1, j:j + 1]])[None])[0, -1]
+        torch.testing.assert_close(sib[j], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
+    ids = [90, 3, 17, 5, 60]
+    head = make_head(tiny, draft_vocab=ids)
+    assert head.d2t.tolist() == sorted(ids)
+    r = HeadRunner(head, tiny.get_input_embeddings().weight)
+    h = r.forward(torch.tensor([1, 2]), torch.randn(2, 64))
+    logits = r.logits(h)
+    assert logits.shape == (2, 5)
+    # the reduced head starts as the target's rows: same scores for those tokens
+    torch.testing.assert_close(logits, (h @ tiny.lm_head.weight.detach().T)[:, sorted(ids)], atol=1e-4, rtol=1e-4)
+    assert r.to_target(torch.tensor([0, 4])).tolist() == [3, 90]
+    head.save(tmp_path / "h")
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "h" / "model.safetensors"))
+    assert (sd["d2t"] + torch.arange(5)).tolist() == sorted(ids)  # EAGLE-3 convention: offsets
+    assert sd["t2d"].sum() == 5 and bool(sd["t2d"][90])
+    assert "layers.0.input_layernorm.weight" not in sd and sd["fc.weight"].shape == (64, 128)
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
+    back = EagleHead.load(tmp_path / "h", hidden_size=64, vocab_size=97)
+    assert back.d2t.tolist() == sorted(ids)
+    for k, t in head.state_dict().items():
+        assert torch.equal(t, back.state_dict()[k]), k
+    assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3).tolist() == [0, 2, 3]
+    assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3, always={1}).tolist() == [1, 2, 3]
+
+
+def test_corrupt_or_mismatched_head_is_a_clear_error(tiny, tmp_path):
+    from specdec.api import from_models
+
+    make_head(tiny).save(tmp_path / "ok")
+    with pytest.raises(SpecdecError, match="hidden size 64 but the target has 128"):
+        EagleHead.load(tmp_path / "ok", hidden_size=128, vocab_size=97)
+    with pytest.raises(SpecdecError, match="vocabulary of 97 tokens but the target has 200"):
+        EagleHead.load(tmp_path / "ok", hidden_size=64, vocab_size=200)
+    other = tiny_model("llama", hidden_size=32, intermediate_size=64)
+    with pytest.raises(SpecdecError, match="hidden size 64 but the target has 32"):
+        from_models(other, None, "eagle2", head=str(tmp_path / "ok"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    data = (tmp_path / "ok" / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(SpecdecError, match="damaged"):
+        EagleHead.load(bad, 64, 97)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(SpecdecError, match="not a valid LlamaConfig"):
+        EagleHead.load(bad, 64, 97)
+    with pytest.raises(SpecdecError, match="config.json is missing"):
+        EagleHead.load(tmp_path / "nothing", 64, 97)
+    with pytest.raises(SpecdecError, match="needs an EAGLE head"):
+        from_models(tiny, None, "eagle")
+
+
+# ---- tree construction ----
+
+def test_static_tree_follows_choices_by_rank():
+    table = torch.log_softmax(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)), -1)
+    calls = []
+
+    def step(sel, tokens, parents):
+        calls.append(sel.tolist())
+        return torch.stack([table[int(tokens[i])] for i in sel])
+
+    root = table[0]
+    tree = build_static_tree(root, step, [[1], [0], [0, 0], [0, 2], [1, 0], [0, 0, 0]])
+    top = lambda row, k: int(torch.topk(row, k + 1).indices[k])  # noqa: E731
+    t = tree.tokens.tolist()
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert t[0] == top(root, 0) and t[1] == top(root, 1)
+    assert t[2] == top(table[t[0]], 0) and t[3] == top(table[t[0]], 2) and t[4] == top(table[t[1]], 0)
+    assert t[5] == top(table[t[2]], 0)
+    assert calls == [[0, 1], [2]]  # one step per depth, only nodes with children
+    with pytest.raises(SpecdecError, match="needs its parent"):
+        build_static_tree(root, step, [[0], [1, 0]])
+
+
+# ---- losslessness ----
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["eagle", "eagle2"])
+@pytest.mark.parametrize("which", ["untrained", "trained", "trained-reduced"])
+def test_eagle_greedy_equals_vanilla(tiny, trained, dynamic, which):
+    if which == "untrained":
+        head = make_head(tiny)
+    else:
+        head = trained[0]["head"]
+        if which == "trained-reduced":
+            head = EagleHead.load(trained[1] / "head")  # a reduced copy of the trained head
+            keep = torch.arange(0, 97, 2)
+            head.set_draft_vocab(keep, tiny.lm_head.weight.detach())
+    target = LeanRunner(tiny)
+    drafter = drafter_for(tiny, head, dynamic, **({"depth": 4, "topk": 3, "total_tokens": 8} if dynamic else {}))
+    taus = []
+    for prompt in PROMPTS:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
+        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
+        assert got == want
+        taus.append(stats.tau)
+    if which == "trained":  # a trained head gets drafts accepted, so the accept paths really run
+        assert np.mean(taus) > 1.5
+
+
+def test_eagle2_ablations_and_api_are_lossless(tiny, trained):
+    from specdec.api import from_models
+
+    head_dir = str(trained[1] / "head")
+    target = LeanRunner(tiny)
+    want, _ = run(target, NoDrafter(), PROMPTS[1], SamplingParams(), 30)
+    for opts in ({"rank_by": "confidence"}, {"rerank": False}, {"gamma": 3, "topk": 2, "tree_tokens": 5}):
+        dec = from_models(tiny, None, "eagle2", head=head_dir, **opts)
+        got, _ = run(dec.runner, dec.drafter, PROMPTS[1], SamplingParams(), 30)
+        assert got == want, opts
+    dec = from_models(tiny, None, "eagle", head=head_dir, choices=[[0], [0, 0], [0, 0, 0]])
+    got, s = run(dec.runner, dec.drafter, PROMPTS[1], SamplingParams(), 30)
+    assert got == want and max(s.tree_sizes) == 3
+    with pytest.raises(SpecdecError, match="unknown option"):
+        from_models(tiny, None, "eagle", head=head_dir, bogus=1)
+
+
+@pytest.mark.parametrize(
+    "dynamic,params", [(True, SamplingParams(1.0)), (False, SamplingParams(0.8, top_k=3))],
+    ids=["eagle2-T1", "eagle-T0.8-topk3"])
+def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    head = make_head(model, seed=3)
+    kw = {"depth": 3, "topk": 2, "total_tokens": 5} if dynamic else {"choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}
+    drafter = drafter_for(model, head, dynamic, **kw)
+    target = LeanRunner(model)
+    prompt = [1, 3, 0, 2]
+    counts = np.zeros(SMALL_V**3)
+    for seed in range(2500):
+        toks, _ = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 3)
+        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+# ---- training ----
+
+def test_training_loss_decreases(trained):
+    hist = trained[0]["history"]
+    assert hist[-1]["loss"] < 0.8 * hist[0]["loss"]
+    assert hist[-1]["top1_acc"] > hist[0]["top1_acc"]
+    assert (trained[1] / "head" / "model.safetensors").is_file()
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tiny, tiny_data, tmp_path):
+    kw = dict(data=str(tiny_data), steps=12, batch_size=6, lr=2e-3, warmup=3, save_every=4, log_every=2,
+              draft_vocab=40)
+    full = train_eagle(TrainConfig(out=str(tmp_path / "a"), **kw), tiny, progress=False)
+    part = train_eagle(TrainConfig(out=str(tmp_path / "b"), stop_after=4, **kw), tiny, progress=False)
+    assert part["steps"] == 4 and not (tmp_path / "b" / "head").exists()
+    part = train_eagle(TrainConfig(out=str(tmp_path / "b"), stop_after=4, **kw), tiny, progress=False)
+    assert part["steps"] == 8
+    rest = train_eagle(TrainConfig(out=str(tmp_path / "b"), **kw), tiny, progress=False)
+    assert rest["steps"] == 12
+    a, b = full["head"].state_dict(), rest["head"].state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la = (tmp_path / "a" / "log.jsonl").read_text().splitlines()
+    lb = (tmp_path / "b" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in la] == [json.loads(x)["loss"] for x in lb]
+    with pytest.raises(SpecdecError, match="lr="):
+        train_eagle(TrainConfig(out=str(tmp_path / "b"), **(kw | {"lr": 1.0})), tiny, progress=False)
+
+
+def test_accelerate_launch_two_cpu_processes(tiny, tiny_data, tmp_path):
+    model_dir = tmp_path / "target"
+    tiny.save_pretrained(model_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    common = ["--model", str(model_dir), "--data", str(tiny_data), "--steps", "4", "--batch-size", "8",
+              "--log-every", "1", "--save-every", "2", "--lr", "1e-3"]
+    # `--cpu` would make accelerate's simple launcher start ONE process; the multi-process launcher
+    # (torchrun) on a machine without GPUs gives MULTI_CPU with gloo
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "-m", "specdec.cli", "train", "eagle", "--out", str(tmp_path / "two")] + common
+    p = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "specdec.cli", "train", "eagle", "--out", str(tmp_path / "one")]
+                         + common, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    rec2 = [json.loads(x) for x in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
+    assert rec2[0]["processes"] == 2
+    l2 = [r["loss"] for r in rec2]
+    l1 = [json.loads(x)["loss"] for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
+    assert len(l2) == len(l1) == 4
+    np.testing.assert_allclose(l2, l1, rtol=1e-3)  # same global batches, same token-mean loss
+    assert (tmp_path / "two" / "head" / "config.json").is_file()
+
+
+# ---- data generation ----
+
+def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
+    from specdec.target.loading import cache_dir
+    from specdec.training.datagen import (
+        Plan,
+        benchmark_prompts,
+        default_shared_data,
+        is_benchmark,
+        list_shards,
+        run_datagen,
+    )
+
+    conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))
+    gsm = default_shared_data() / "gsm8k" / "train.jsonl"
+    if not conv or not gsm.is_file():
+        pytest.skip("needs the converted SmolLM2 tokenizer and ../shared/data")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(conv[0])
+    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    bench = benchmark_prompts(default_shared_data())
+    assert len(bench) >= 480  # Spec-Bench turns (MT-bench included)
+    q = json.loads((default_shared_data() / "mt_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
+    assert is_benchmark(q, bench) and is_benchmark("  " + q.upper() + " ", bench)
+    assert not is_benchmark("What is 2 + 2?", bench)
+    plan = Plan(shard_size=4, sources=["gsm8k", "self"], temperatures=[0.0, 1.0], max_new_tokens=6,
+                self_prompt_tokens=8)
+    out = tmp_path / "d"
+    t = run_datagen(model, tok, out, 2, plan, batch_size=4, progress=False)
+    assert t["shards"] == 2 and [p.name for p in list_shards(out)] == ["shard-00000.safetensors",
+                                                                      "shard-00001.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(str(out / "shard-00000.safetensors"), "pt") as f:
+        meta = f.metadata()
+        ids, feats, mask, off = (f.get_tensor(k) for k in ("input_ids", "features", "loss_mask", "offsets"))
+    assert json.loads(meta["source"]) == "gsm8k" and json.loads(meta["sequences"]) == 4
+    assert feats.shape == (ids.numel(), 64) and feats.dtype == torch.float16 and off[-1] == ids.numel()
+    first = tok.decode(ids[off[0]:off[1]][mask[off[0]:off[1]] == 0])
+    assert "<|im_start|>user" in first and first.rstrip().endswith("<|im_start|>assistant")
+    assert 0 < int(mask.sum()) <= 4 * 6
+    before = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    t = run_datagen(model, tok, out, 3, plan, batch_size=4, progress=False)  # resume: only shard 2 is new
+    assert t["shards"] == 1 and (out / "shard-00000.safetensors").stat().st_mtime_ns == before
+    with pytest.raises(SpecdecError, match="different target or plan"):
+        run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)
