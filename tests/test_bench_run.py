@@ -78,6 +78,8 @@ def test_end_to_end_writes_every_file(result):
     assert tree["calibration"] and 1 <= tree["tau"] <= 4 and "expected_improvement" in tree
     assert res["run"]["baseline"] in ("hf", "vanilla")
     assert res["run"]["machine"]["torch_threads"] >= 1 and res["run"]["machine"]["cpu"]
+    other = res["run"]["contention"]["other_cpu_frac"]
+    assert other is None or 0.0 <= other <= 1.0
     md = (out / "report.md").read_text()
     for section in ("## Speedup vs", "## τ", "## Acceptance by depth", "## Leviathan analysis",
                     "## Losslessness audit", "## Time split", "prefill excluded", "plots/calibration.png"):
@@ -140,7 +142,11 @@ def test_first_divergence():
 
 
 def test_compare_and_report_rebuild(result, tmp_path, capsys):
+    from specdec.bench.report import rebuild
+
     _, out = result
+    before = (out / "report.md").read_text()
+    assert rebuild(out).read_text() == before  # the JSON files alone regenerate the report
     assert main(["bench", "compare", str(out), str(out), "--out", str(tmp_path / "cmp.md")]) == 0
     text = capsys.readouterr().out
     assert "| `sps:gamma=3` | **overall** |" in text and "+0%" in text
@@ -202,3 +208,13 @@ def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys)
     run = json.loads((out / "run.json").read_text())
     assert run["questions"] == 2 and run["config"]["extra"]["quick"]  # one per category
     assert run["command"].startswith("specdec ")
+
+
+def test_report_flags_a_contended_run(result):
+    from specdec.bench.report import render
+
+    res, _ = result
+    run = dict(res["run"], contention={"other_cpu_frac": 0.4})
+    assert "Warning: other processes used 40% of the CPUs" in render(run, res["summary"], res["audit"])
+    run = dict(res["run"], contention={"other_cpu_frac": 0.0})
+    assert "Warning" not in render(run, res["summary"], res["audit"])

@@ -124,6 +124,15 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     assert back.d2t.tolist() == sorted(ids)
     for k, t in head.state_dict().items():
         assert torch.equal(t, back.state_dict()[k]), k
+    # shipped small: fp16, rows taken from the target through d2t (they are still the target's rows here)
+    head.save(tmp_path / "small", dtype=torch.float16, lm_head=False)
+    sd = load_file(str(tmp_path / "small" / "model.safetensors"))
+    assert "lm_head.weight" not in sd and sd["fc.weight"].dtype == torch.float16
+    with pytest.raises(SpecdecError, match="takes its LM head rows from the target"):
+        EagleHead.load(tmp_path / "small", 64, 97)
+    small = EagleHead.load(tmp_path / "small", 64, 97, target_lm_head=tiny.lm_head.weight)
+    torch.testing.assert_close(small.lm_head.weight, head.lm_head.weight)
+    torch.testing.assert_close(small.fc.weight, head.fc.weight, atol=1e-3, rtol=1e-3)
     assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3).tolist() == [0, 2, 3]
     assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3, always={1}).tolist() == [1, 2, 3]
 
@@ -319,7 +328,7 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
     q = json.loads((default_shared_data() / "mt_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
     assert is_benchmark(q, bench) and is_benchmark("  " + q.upper() + " ", bench)
     assert not is_benchmark("What is 2 + 2?", bench)
-    plan = Plan(shard_size=4, sources=["gsm8k", "self"], temperatures=[0.0, 1.0], max_new_tokens=6,
+    plan = Plan(shard_size=4, sources=["gsm8k", "self", "gsm8k-gold"], temperatures=[0.0, 1.0], max_new_tokens=6,
                 self_prompt_tokens=8)
     out = tmp_path / "d"
     t = run_datagen(model, tok, out, 2, plan, batch_size=4, progress=False)
@@ -338,5 +347,13 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
     before = (out / "shard-00000.safetensors").stat().st_mtime_ns
     t = run_datagen(model, tok, out, 3, plan, batch_size=4, progress=False)  # resume: only shard 2 is new
     assert t["shards"] == 1 and (out / "shard-00000.safetensors").stat().st_mtime_ns == before
+    with safe_open(str(out / "shard-00002.safetensors"), "pt") as f:  # GSM8K's own solutions, teacher-forced
+        ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        assert json.loads(f.metadata()["source"]) == "gsm8k-gold"
+    assert "The answer is" in tok.decode(ids[mask == 1]) and "<<" not in tok.decode(ids[mask == 1])
+    from specdec.training.train import ShardData
+
+    both = ShardData(f"{out},{out}")  # several datagen dirs at once
+    assert len(both) == 2 * len(ShardData(str(out))) and len(both.names) == 6
     with pytest.raises(SpecdecError, match="different target or plan"):
         run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)

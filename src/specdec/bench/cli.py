@@ -108,6 +108,10 @@ def cmd_bench(args) -> int:
         c = cells[OVERALL]
         tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
         print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s}")
+    other = run["contention"].get("other_cpu_frac")
+    if other is not None and other > 0.05:
+        print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "
+              "these timings are not trustworthy; rerun on an idle machine")
     print(f"losslessness audit: {'PASS' if aud['ok'] else 'FAIL'} ({aud['checked']} checked, "
           f"{aud['ties']} numerical ties, {aud['bugs']} bugs)")
     print(f"report: {out / 'report.md'}")

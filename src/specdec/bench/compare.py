@@ -36,18 +36,25 @@ def _delta(a, b) -> str:
     return f"{100 * (b - a) / a:+.0f}%"
 
 
+def _other_load(run: dict) -> str:
+    x = (run.get("contention") or {}).get("other_cpu_frac")
+    return _f(None if x is None else 100 * x, 1, "%")
+
+
 def compare(a: str | Path, b: str | Path) -> str:
     ra, sa, aa = load_result(a)
     rb, sb, ab = load_result(b)
     setup = []
     for label, get in [
-        ("target", lambda r: r["target"].get("name_or_path")), ("baseline", lambda r: r["baseline"]),
+        ("target", lambda r: r["config"].get("extra", {}).get("model") or r["target"].get("name_or_path")),
+        ("baseline", lambda r: r["baseline"]),
         ("questions", lambda r: r["questions"]), ("categories", lambda r: ", ".join(r["categories"])),
         ("max_new_tokens", lambda r: r["config"]["max_new_tokens"]),
         ("temperature", lambda r: r["config"]["temperature"]), ("repeats", lambda r: r["config"]["repeats"]),
         ("CPU", lambda r: r["machine"]["cpu"]), ("torch threads", lambda r: r["machine"]["torch_threads"]),
         ("torch", lambda r: r["machine"]["torch"]), ("transformers", lambda r: r["machine"]["transformers"]),
-        ("commit", lambda r: r["machine"].get("git_commit", "")), ("started", lambda r: r["started"]),
+        ("commit", lambda r: r["machine"].get("git_commit", "")),
+        ("other CPU load", _other_load), ("started", lambda r: r["started"]),
     ]:
         va, vb = get(ra), get(rb)
         setup.append(f"| {label} | {va} | {vb} |{' ≠' if va != vb else ''}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from specdec.bench.metrics import OVERALL
 
 PLOTS = ("speedup_by_category.png", "tau_by_category.png", "acceptance_by_depth.png", "calibration.png")
+CONTENTION_WARN = 0.05  # share of the CPUs other processes may use before the numbers are flagged
 TAU_NOTE = ("τ = tokens emitted per target forward in the decode phase (accepted draft tokens + 1 bonus), "
             "prefill excluded")
 
@@ -50,6 +51,7 @@ def render(run: dict, summary: dict, audit: dict) -> str:
     spec = [m for m in ours if summary[m][OVERALL].get("alpha_by_depth")]
     cfg, mach, tgt = run["config"], run["machine"], run["target"]
     base = run["baseline"]
+    other = (run.get("contention") or {}).get("other_cpu_frac")
     tot = run.get("baseline_candidates_total_s", {})
     md = [f"# specdec bench: {cfg['extra'].get('model') or tgt.get('name_or_path') or tgt['model_type']}", ""]
     if run.get("command"):
@@ -77,8 +79,13 @@ def render(run: dict, summary: dict, audit: dict) -> str:
             ["baseline", f"`{base}`: the faster of HF generate (`hf`, {_f(tot.get('hf'), 1)} s) and our "
                          f"`vanilla` ({_f(tot.get('vanilla'), 1)} s) in this run"],
             ["timing", "wall time per generation; per prompt the methods run back to back in a rotated order"],
+            ["other load", "—" if other is None else f"other processes used {100 * other:.1f}% of the CPUs "
+                                                       "during the timed run"],
         ]), "",
     ]
+    if other is not None and other > CONTENTION_WARN:
+        md += [f"> **Warning: other processes used {100 * other:.0f}% of the CPUs during the timed run.** "
+               "These timings measure that contention as much as the methods; rerun on an idle machine.", ""]
     if run.get("skipped"):
         md += [f"Skipped {len(run['skipped'])} prompt(s) too long for the context: "
                + ", ".join(f"{s['question_id']}/turn {s['turn']}" for s in run["skipped"]), ""]
@@ -96,7 +103,8 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                _table(["method"] + [f"α_{k + 1}" for k in range(depth)], [
                    [f"`{m}`"] + [_f(a) for a in summary[m][OVERALL]["alpha_by_depth"]]
                    + ["—"] * (depth - len(summary[m][OVERALL]["alpha_by_depth"])) for m in spec]), ""]
-        longest = max(max(summary[m][OVERALL]["accept_histogram"], default=1) for m in spec)
+        # keys are ints in memory, strings after a JSON round trip (rebuild)
+        longest = max(max(map(int, summary[m][OVERALL]["accept_histogram"]), default=1) for m in spec)
         rows = []
         for m in spec:
             h = {int(k): v for k, v in summary[m][OVERALL]["accept_histogram"].items()}

@@ -202,6 +202,32 @@ def machine_info() -> dict:
     }
 
 
+def _cpu_busy_s() -> float | None:
+    """Seconds of CPU time every process on the machine has used (user+nice+system+irq), from /proc/stat."""
+    try:
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return sum(int(x) for x in f[1:4] + f[6:9]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ContentionMeter:
+    """Share of the usable CPUs that *other* processes used during the timed run: a benchmark that
+    shared the cores with another job measures that job as much as the method."""
+
+    def __init__(self) -> None:
+        self.busy0, self.own0, self.t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+
+    def result(self) -> dict:
+        busy1, own1, wall = _cpu_busy_s(), time.process_time(), time.perf_counter() - self.t0
+        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if self.busy0 is None or busy1 is None or wall <= 0:
+            return {"other_cpu_frac": None}
+        others = max(0.0, (busy1 - self.busy0) - (own1 - self.own0))
+        return {"other_cpu_frac": others / (wall * ncpu), "own_cpu_frac": (own1 - self.own0) / (wall * ncpu),
+                "loadavg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
 def safe_name(label: str) -> str:
     return re.sub(r"[^\w.=-]+", "_", label)
 
@@ -255,6 +281,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 methods[lab].run(warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens))
 
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
+    meter = ContentionMeter()
     records: list[dict] = []
     prompts: dict = {}
     skipped: list[dict] = []
@@ -296,6 +323,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 # every method gets the same second-turn prompt)
                 history = msgs + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
     timed_s = time.time() - started
+    contention = meter.result()
 
     # losslessness audit: at T=0 the timed outputs themselves; at T>0 a greedy replay of a few prompts
     if cfg.temperature == 0:
@@ -321,7 +349,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer} for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
         "categories": list(dict.fromkeys(q.category for q in questions)),
-        "baseline": baseline, "baseline_candidates_total_s": totals,
+        "baseline": baseline, "baseline_candidates_total_s": totals, "contention": contention,
         "machine": machine_info(), "target": _model_info(model, vanilla.runner),
         "draft": _model_info(draft_model, None) if draft_model is not None else None,
     }

@@ -161,7 +161,7 @@ def from_target(model, runner, method: str, opts: dict) -> EagleDrafter:
         if not os.path.isdir(head):
             raise SpecdecError(f"EAGLE head {head!r} is not a directory")
         head = EagleHead.load(head, hidden_size=runner.hidden_size, vocab_size=embed.shape[0],
-                              device=p.device, dtype=p.dtype)
+                              device=p.device, dtype=p.dtype, target_lm_head=model.get_output_embeddings().weight)
     elif head.hidden_size != runner.hidden_size or head.vocab_size != embed.shape[0]:
         raise SpecdecError(f"EAGLE head (hidden {head.hidden_size}, vocab {head.vocab_size}) does not match "
                            f"the target (hidden {runner.hidden_size}, vocab {embed.shape[0]})")

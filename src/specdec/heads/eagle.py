@@ -122,12 +122,19 @@ class EagleHead(nn.Module):
 
     # ---- HF-style directory ----
 
-    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
-        """Atomic: written to a temporary dir, then renamed over `path`."""
+    def save(self, path: str | os.PathLike, extra: dict | None = None, dtype: torch.dtype | None = None,
+             lm_head: bool = True) -> None:
+        """Atomic: written to a temporary dir, then renamed over `path`. dtype: e.g. fp16 to ship small;
+        lm_head=False leaves out a reduced head's rows (valid when they are the target's own rows, e.g.
+        trained with the LM head frozen): the loader takes them from the target through d2t."""
         from safetensors.torch import save_file
 
         path = Path(path)
         sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k != "d2t"}
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        if not lm_head:
+            sd.pop("lm_head.weight", None)
         if self.d2t is not None:
             d2t = self.d2t.cpu()
             sd["d2t"] = d2t - torch.arange(d2t.numel())
@@ -137,9 +144,10 @@ class EagleHead(nn.Module):
         cfg["architectures"] = ["LlamaForCausalLM"]
         cfg["draft_vocab_size"] = self.draft_vocab_size or self.vocab_size
         cfg["specdec"] = {"kind": "eagle", "reduced_vocab": self.d2t is not None,
-                          "fc_bias": self.fc.bias is not None, **(extra or {})}
+                          "lm_head": "own" if "lm_head.weight" in sd else "target", **(extra or {})}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+        tmp.chmod(0o755)  # mkdtemp makes 0700
         try:
             save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
@@ -156,8 +164,10 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
-             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> EagleHead:
-        """Load and check against the target (hidden size, vocabulary). Every failure is a SpecdecError."""
+             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+             target_lm_head: torch.Tensor | None = None) -> EagleHead:
+        """Load and check against the target (hidden size, vocabulary). Every failure is a SpecdecError.
+        target_lm_head: needed for a reduced head saved without its rows (lm_head=False)."""
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -184,19 +194,27 @@ class EagleHead(nn.Module):
         if tuple(sd["fc.weight"].shape) != (h, 2 * h):
             raise SpecdecError(f"EAGLE head {path}: fc.weight is {tuple(sd['fc.weight'].shape)}, "
                                f"expected {(h, 2 * h)} for hidden size {h}")
-        reduced = "lm_head.weight" in sd and "d2t" in sd
-        vd = sd["lm_head.weight"].shape[0] if reduced else None
+        reduced = "d2t" in sd
+        vd = sd["d2t"].shape[0] if reduced else None
+        if reduced:
+            ids = sd["d2t"].long().reshape(-1) + torch.arange(vd)
+            if vd == 0 or int(ids.min()) < 0 or int(ids.max()) >= v:
+                raise SpecdecError(f"EAGLE head {path}: d2t maps outside the target vocabulary of {v}")
+        if reduced and "lm_head.weight" not in sd:
+            if target_lm_head is None:
+                raise SpecdecError(f"EAGLE head {path} takes its LM head rows from the target: pass the target")
+            if tuple(target_lm_head.shape) != (v, h):
+                raise SpecdecError(f"EAGLE head {path}: the target's LM head is {tuple(target_lm_head.shape)}, "
+                                   f"expected {(v, h)}")
+            sd["lm_head.weight"] = target_lm_head.detach().cpu()[ids]
         if "lm_head.weight" in sd and not reduced and tuple(sd["lm_head.weight"].shape) != (v, h):
             raise SpecdecError(f"EAGLE head {path}: lm_head.weight without d2t must be [{v}, {h}]")
         head = cls(config, vd, fc_bias="fc.bias" in sd)
         state = {k: t for k, t in sd.items() if k in _LAYER_KEYS or k.startswith("fc.")}
         if reduced:
-            d2t = sd["d2t"].long()
-            if d2t.shape != (vd,):
-                raise SpecdecError(f"EAGLE head {path}: d2t has shape {tuple(d2t.shape)}, expected ({vd},)")
-            ids = d2t + torch.arange(vd)
-            if int(ids.min()) < 0 or int(ids.max()) >= v:
-                raise SpecdecError(f"EAGLE head {path}: d2t maps outside the target vocabulary of {v}")
+            if tuple(sd["lm_head.weight"].shape) != (vd, h):
+                raise SpecdecError(f"EAGLE head {path}: lm_head.weight is {tuple(sd['lm_head.weight'].shape)}, "
+                                   f"expected {(vd, h)} for {vd} draft tokens")
             state["lm_head.weight"] = sd["lm_head.weight"]
             state["d2t"] = ids
         # a full-size lm_head.weight (some exports carry one) is dropped: the target's own head is used

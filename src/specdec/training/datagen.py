@@ -331,8 +331,9 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         totals["answer_tokens"] += n_ans
         totals["gen_seconds"] += t1 - t0
         totals["tf_seconds"] += t2 - t1
-        bar.write(f"shard {i} ({src}, T={temp}): {len(seqs)} seqs, {n_ans} answer tokens, "
-                  f"{n_ans / max(t1 - t0, 1e-9):.0f} tok/s generation, {t2 - t1:.1f} s teacher forcing")
+        gen = "no generation" if src == "gsm8k-gold" else f"{n_ans / max(t1 - t0, 1e-9):.0f} tok/s generation"
+        bar.write(f"shard {i} ({src}, T={temp}): {len(seqs)} seqs, {n_ans} answer tokens, {gen}, "
+                  f"{t2 - t1:.1f} s teacher forcing")
     bar.close()
     totals["seconds"] = time.perf_counter() - t_start
     return totals

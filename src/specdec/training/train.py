@@ -67,16 +67,20 @@ class TrainConfig:
 class ShardData:
     """All shards in memory (fp16 features: ~1.2 KB per token at H = 576)."""
 
-    def __init__(self, data_dir: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024) -> None:
+    def __init__(self, data: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024) -> None:
+        """data: one datagen dir or several, comma-separated; names: the exact shard files of a run
+        being resumed (datagen may have added shards since)."""
         from safetensors.torch import load_file
 
-        d = Path(data_dir)
-        files = [d / n for n in names] if names is not None else list_shards(d)
+        dirs = [Path(d.strip()) for d in str(data).split(",") if d.strip()]
+        if names is not None:
+            files = [Path(n) for n in names]
+        else:
+            files = [f.resolve() for d in dirs for f in list_shards(d)]
         if not files:
-            raise SpecdecError(f"no data shards (shard-*.safetensors) in {d}: run `specdec datagen` first")
-        self.names = [f.name for f in files]
-        meta_f = d / "meta.json"
-        self.meta = json.loads(meta_f.read_text()) if meta_f.is_file() else {}
+            raise SpecdecError(f"no data shards (shard-*.safetensors) in {data}: run `specdec datagen` first")
+        self.names = [str(f) for f in files]
+        self.metas = [json.loads((d / "meta.json").read_text()) for d in dirs if (d / "meta.json").is_file()]
         ids, feats, masks, spans = [], [], [], []
         base = 0
         for f in files:
@@ -232,7 +236,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
                 raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
                                    "resume with the same settings or use another --out")
     data = ShardData(cfg.data, resume["shards"] if resume else None, cfg.max_len)
-    if data.meta.get("target") and data.meta["target"] != fp:
+    if any(m.get("target") and m["target"] != fp for m in data.metas):
         raise SpecdecError(f"the data in {cfg.data} was made with a different target model")
     if data.hidden_size != target_model.config.hidden_size:
         raise SpecdecError(f"data features have size {data.hidden_size}, the target {target_model.config.hidden_size}")
@@ -339,7 +343,7 @@ def add_parser(sub) -> None:
     kinds = tp.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser("eagle", help="an EAGLE-1/2 head (resumes from --out if it holds checkpoints)")
     p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
     p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
     d = TrainConfig(data="", out="")
     for f in fields(TrainConfig):
