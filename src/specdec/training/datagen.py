@@ -151,6 +151,38 @@ def teacher_force(model, seqs: list[list[int]], batch_tokens: int = 8192) -> lis
     return feats  # type: ignore[return-value]
 
 
+class AnswerMaker:
+    """Batched answers (+ the target's features of prompt + answer). The lean batched path makes the
+    features in the generating forwards; other architectures use HF generate, then teacher forcing."""
+
+    def __init__(self, model, lean: bool = True) -> None:
+        from specdec.target import lean as lean_mod
+
+        self.model = model
+        self.runner = None
+        if lean and lean_mod.supports(model):
+            runner = lean_mod.LeanRunner(model)
+            if all(w is None for w in runner.windows):
+                self.runner = runner
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_ids: set[int],
+                 pad_id: int, top_p: float = 1.0, seed: int = 0, features: bool = True,
+                 ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+        if self.runner is not None:
+            from specdec.sampling import SamplingParams
+            from specdec.target.batched import batch_generate
+
+            params = SamplingParams(temperature, 0, top_p)
+            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+            answers, feats = batch_generate(self.runner, prompts, max_new_tokens, params, eos_ids, gen, features)
+            return answers, feats if features else None
+        torch.manual_seed(seed)
+        answers = generate_answers(self.model, prompts, max_new_tokens, temperature, eos_ids, pad_id, top_p)
+        if not features:
+            return answers, None
+        return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)])
+
+
 def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor],
                dtype: torch.dtype = torch.float16, hidden_size: int = 0) -> dict[str, torch.Tensor]:
     offsets = [0]
@@ -189,10 +221,11 @@ def list_shards(data_dir: str | os.PathLike) -> list[Path]:
 class PromptSource:
     """Token-id prompts (chat template applied) for each shard of the plan."""
 
-    def __init__(self, model, tok, plan: Plan, gsm8k: Path | None, bench: set[str], batch_size: int) -> None:
+    def __init__(self, maker: AnswerMaker, tok, plan: Plan, gsm8k: Path | None, bench: set[str],
+                 batch_size: int) -> None:
         if not getattr(tok, "chat_template", None):
             raise SpecdecError("datagen needs a chat model: this tokenizer has no chat template")
-        self.model, self.tok, self.plan, self.bench, self.batch_size = model, tok, plan, bench, batch_size
+        self.maker, self.tok, self.plan, self.bench, self.batch_size = maker, tok, plan, bench, batch_size
         self.gsm: list[dict] = []
         if any(s.startswith("gsm8k") for s in plan.sources):
             if gsm8k is None or not gsm8k.is_file():
@@ -221,13 +254,13 @@ class PromptSource:
         prefix = self.tok(self.user_prefix, add_special_tokens=False)["input_ids"]
         got: list[str] = []
         seen: set[str] = set()
-        for _attempt in range(8):
+        for attempt in range(8):
             need = self.plan.shard_size - len(got)
             if need <= 0:
                 break
             b = max(self.batch_size, need)
-            outs = generate_answers(self.model, [prefix] * b, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id,
-                                    top_p=0.95)
+            outs, _ = self.maker([prefix] * b, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id, top_p=0.95,
+                                 seed=(self.plan.seed * 1_000_003 + shard) * 16 + attempt, features=False)
             for o in outs:
                 text = self.tok.decode([t for t in o if t not in eos_ids], skip_special_tokens=True).strip()
                 if len(text) < 12 or _norm(text) in seen or is_benchmark(text, self.bench):
@@ -281,7 +314,8 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
     excl = Path(exclude_dir) if exclude_dir else default_shared_data()
     bench = benchmark_prompts(excl if excl.is_dir() else None)
     gsm_path = Path(gsm8k) if gsm8k else default_shared_data() / "gsm8k" / "train.jsonl"
-    prompts = PromptSource(model, tok, plan, gsm_path, bench, batch_size)
+    maker = AnswerMaker(model)
+    prompts = PromptSource(maker, tok, plan, gsm_path, bench, batch_size)
     eos = _eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     todo = [i for i in range(n_shards) if not (out / f"shard-{i:05d}.safetensors").is_file()]
@@ -302,21 +336,27 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         if src == "gsm8k-gold":
             answers = [tok(_gold_answer(r["answer"]), add_special_tokens=False)["input_ids"] + [min(eos)]
                        for r in rows]
+            feats: list = [None] * len(ps)
         else:
-            answers = [[] for _ in ps]
+            answers, feats = [[] for _ in ps], [None] * len(ps)
             order = sorted(range(len(ps)), key=lambda j: len(ps[j]))  # similar lengths: less left padding
             for b in range(0, len(order), batch_size):
                 idx = order[b:b + batch_size]
-                got = generate_answers(model, [ps[j] for j in idx], plan.max_new_tokens, temp, eos, pad, plan.top_p)
-                for j, a in zip(idx, got):
-                    answers[j] = a
+                got, got_f = maker([ps[j] for j in idx], plan.max_new_tokens, temp, eos, pad, plan.top_p,
+                                   seed=(plan.seed * 1_000_003 + i) * 4096 + b)
+                for j, a, f in zip(idx, got, got_f):
+                    answers[j], feats[j] = a, f
                 bar.update(len(idx))
                 n_new = sum(len(answers[j]) for j in order[: b + batch_size])
                 bar.set_postfix(shard=i, gen_tok_s=f"{n_new / (time.perf_counter() - t0):.0f}")
         t1 = time.perf_counter()
         keep = [j for j in range(len(ps)) if answers[j]]
         seqs = [ps[j] + answers[j] for j in keep]
-        feats = teacher_force(model, seqs)
+        missing = [n for n, j in enumerate(keep) if feats[j] is None]
+        tf = teacher_force(model, [seqs[n] for n in missing]) if missing else []
+        feats = [feats[j] for j in keep]
+        for n, f in zip(missing, tf):
+            feats[n] = f
         t2 = time.perf_counter()
         tensors = pack_shard(seqs, [len(ps[j]) for j in keep], feats, _DTYPES[feature_dtype], model.config.hidden_size)
         n_ans = int(tensors["loss_mask"].sum())
