@@ -131,7 +131,7 @@ METHODS = ("vanilla", "sps", "sps-tree", "pld", "eagle", "eagle2")
 
 def load(
     target: str | None = None,
-    method: str = "vanilla",
+    method: str = "auto",
     draft: str | None = None,
     device: str | None = None,
     dtype: torch.dtype | None = None,
@@ -141,10 +141,11 @@ def load(
 ) -> Decoder:
     """Load a target (HF dir, .gguf, or the embedded default "smollm2") and a drafting method.
 
-    methods: vanilla; sps (draft model chain, opts: gamma); sps-tree (draft model top-k tree, opts:
-    gamma = depth, topk, tree_tokens).
+    methods: auto (eagle2 with the shipped head where one fits the target, else vanilla); vanilla; sps
+    (draft model chain, opts: gamma); sps-tree (draft model top-k tree, opts: gamma = depth, topk,
+    tree_tokens); pld; eagle / eagle2 (opts: head=<dir>, see drafters/eagle.py).
     """
-    if method not in METHODS:
+    if method not in METHODS + ("auto",):
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     if threads:
         torch.set_num_threads(threads)
@@ -162,6 +163,10 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
     """A Decoder over models already in memory (what `load` does after loading)."""
     runner = make_runner(model, backend)
     drafter: Drafter
+    if method == "auto":  # fast by default, where we ship a head for this target
+        from specdec.heads.eagle import find_shipped_head
+
+        method = "eagle2" if find_shipped_head(model) is not None else "vanilla"
     if method == "vanilla":
         _no_opts(opts, method)
         drafter = NoDrafter()

@@ -20,7 +20,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="vanilla", help="vanilla | sps | sps-tree | eagle | eagle2")
+    p.add_argument("--method", default="auto",
+                   help="auto (default: eagle2 with the shipped head where one fits the target, else vanilla) | "
+                        "vanilla | sps | sps-tree | pld | eagle | eagle2")
     p.add_argument("--draft", default=None, help="draft model for sps / sps-tree (same tokenizer)")
     p.add_argument("--gamma", type=int, default=None, help="draft length (chain) or depth (tree)")
     p.add_argument("--topk", type=int, default=None, help="children per expanded node (trees)")
