@@ -197,16 +197,17 @@ def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys)
 
     monkeypatch.setattr(loading, "load_model", lambda spec, device=None, dtype=None: (target, tok, None))
     q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["Hi?"]}) + "\n"
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["Hi?", "And then?"]}) + "\n"
                          for i, c in enumerate(["qa", "qa", "rag"])))
     out = tmp_path / "res"
     rc = main(["bench", "--quick", "--questions", str(q), "--methods", "vanilla,hf", "--max-new-tokens", "6",
-               "--threads", "1", "--no-progress", "--out", str(out)])
+               "--threads", "1", "--no-progress", "--out", str(out), "--first-turn"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "losslessness audit: PASS" in text and str(out / "report.md") in text
     run = json.loads((out / "run.json").read_text())
     assert run["questions"] == 2 and run["config"]["extra"]["quick"]  # one per category
+    assert run["generations"] == 2 * 2  # --first-turn: 2 questions x 2 methods, second turns dropped
     assert run["command"].startswith("specdec ")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import time
@@ -22,6 +23,7 @@ def add_bench_parser(sub) -> None:
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
     b.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
+    b.add_argument("--first-turn", action="store_true", help="only the first turn of multi-turn questions")
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (--quick: 64)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--methods", default=None,
@@ -76,6 +78,8 @@ def cmd_bench(args) -> int:
         qs = quick_subset(qs, QUICK["per_category"], QUICK["mt_questions"])
         if args.limit:
             qs = qs[: args.limit]
+    if args.first_turn:
+        qs = [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
     max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
     repeats = args.repeats or 1
     if args.threads is not None and args.threads < 1:
