@@ -21,6 +21,7 @@ import torch
 from specdec.api import from_models
 from specdec.target.hf import HFRunner
 from specdec.target.loading import load_model
+from specdec.tune import forward_costs
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
@@ -47,23 +48,6 @@ def hf_generate(model, ids: list[int], n: int) -> tuple[list[int], float]:
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                          pad_token_id=eos[0] if isinstance(eos, list) else eos)
     return out[0, len(ids):].tolist(), time.perf_counter() - t
-
-
-def forward_scaling(runner, reps: int = 10, ctx: int = 200) -> dict[int, float]:
-    runner.reset()
-    runner.forward(torch.randint(0, 1000, (ctx,)), logits_rows=slice(-1, None))
-    runner.commit(range(ctx))
-    times = {}
-    for n in (1, 2, 4, 8, 16):
-        xs = torch.randint(0, 1000, (n,))
-        ts = []
-        for _ in range(reps + 2):
-            t = time.perf_counter()
-            runner.forward(xs)
-            runner.rollback()
-            ts.append(time.perf_counter() - t)
-        times[n] = statistics.median(ts[2:]) * 1000
-    return times
 
 
 def run_methods(decoders: dict, model, tok, prompts: list[str], n_new: int) -> dict:
@@ -121,8 +105,9 @@ def main() -> None:
         lines += table(res)
         lines += ["", "| runner | t(1) ms | t(2)/t(1) | t(4)/t(1) | t(8)/t(1) | t(16)/t(1) |", "|---" * 6 + "|"]
         for name, runner in [("lean (ours)", dec["vanilla"].runner), ("HF forward", HFRunner(model))]:
-            t = forward_scaling(runner)
-            lines.append(f"| {name} | {t[1]:.1f} | " + " | ".join(f"{t[n] / t[1]:.2f}" for n in (2, 4, 8, 16)) + " |")
+            t = forward_costs(runner, (1, 2, 4, 8, 16))
+            ratios = " | ".join(f"{t[n] / t[1]:.2f}" for n in (2, 4, 8, 16))
+            lines.append(f"| {name} | {t[1] * 1e3:.1f} | {ratios} |")
     else:
         root = Path(args.qwen_dir)
         model, tok, _ = load_model(root / "qwen2.5-coder-1.5b-instruct", device="cpu")

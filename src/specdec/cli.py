@@ -97,10 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
+    from specdec import tune
     from specdec.training import datagen, train
 
     datagen.add_parser(sub)
     train.add_parser(sub)
+    tune.add_parser(sub)
     from specdec.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

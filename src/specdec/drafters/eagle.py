@@ -157,6 +157,7 @@ def from_target(model, runner, method: str, opts: dict) -> EagleDrafter:
         if head is None:
             raise SpecdecError(f"method {method!r} needs an EAGLE head for this model: pass head=<dir> "
                                "(train one with `specdec datagen` + `specdec train eagle`)")
+    head_dir = None if isinstance(head, EagleHead) else head
     if not isinstance(head, EagleHead):
         if not os.path.isdir(head):
             raise SpecdecError(f"EAGLE head {head!r} is not a directory")
@@ -187,4 +188,8 @@ def from_target(model, runner, method: str, opts: dict) -> EagleDrafter:
         for name in ("depth", "topk", "total_tokens", "rank_by", "rerank"):
             if name in opts:
                 kw[name] = opts.pop(name)
+        if head_dir is not None:  # the budget `specdec tune` chose for this head; explicit options win
+            from specdec.tune import load_tuning
+
+            kw = {**(load_tuning(head_dir) or {}), **kw}
     return EagleDrafter(runner_h, dynamic, **kw)

@@ -1,0 +1,140 @@
+"""`specdec tune`: the offline acceptance is exact for greedy, the choice, tuning.json, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdec.api import from_models
+from specdec.cli import main
+from specdec.drafters.base import NoDrafter
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.tree import build_dynamic_tree
+from specdec.tune import (
+    Config,
+    Row,
+    accepted_lengths,
+    candidates,
+    load_tuning,
+    matched_path,
+    rank,
+    replay,
+    save_tuning,
+    tune,
+    tuning_path,
+    walk,
+)
+from tests.test_eagle import tiny, tiny_data, trained  # noqa: F401  (module fixtures)
+from tests.test_engine import PROMPTS, run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # ops this small gain nothing from a second thread, and on a busy machine two threads wait for each other
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_one_expansion_gives_every_depth_and_size():
+    g = torch.Generator().manual_seed(0)
+    table = torch.log_softmax(3 * torch.randn(30, 30, generator=g), -1)
+    step = lambda sel, tokens, parents: torch.stack([table[int(tokens[i])] for i in sel])
+    truth, prev = [], 0  # a text the trees partly guess: each token is one of the top 3 after the last
+    for r in torch.randint(0, 3, (8,), generator=g).tolist():
+        prev = int(torch.topk(table[prev], 3).indices[r])
+        truth.append(prev)
+    for k in range(1, 5):
+        full = build_dynamic_tree(table[0], step, 6, k, 1 << 30)
+        configs = [Config(d, k, m) for d in range(1, 7) for m in range(1, 26)]
+        for budget in (1 << 30, 3):
+            got = accepted_lengths(full, truth, configs, budget)
+            for c in configs:
+                tree = build_dynamic_tree(table[0], step, min(c.depth, budget), k, min(c.total_tokens, budget))
+                assert got[c] == len(matched_path(tree, truth)), (c, budget)
+        # m < depth: the same tree as depth m, so candidates() leaves it out
+        a, b = build_dynamic_tree(table[0], step, 5, k, 3), build_dynamic_tree(table[0], step, 3, k, 3)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    assert all(c.depth <= c.total_tokens <= c.topk + (c.depth - 1) * c.topk ** 2 for c in candidates())
+    assert Config(4, 1, 4) in candidates() and Config(4, 1, 6) not in candidates()
+
+
+def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):  # noqa: F811
+    head = str(trained[1] / "head")
+    configs = [Config(4, 3, 8), Config(3, 1, 3), Config(2, 3, 4)]
+    walker = from_models(tiny, None, "eagle2", head=head)
+    taus = []
+    for prompt in PROMPTS[1:3]:
+        cont, _ = run(walker.runner, NoDrafter(), prompt, SamplingParams(), 40)
+        w = walk(walker.drafter, walker.runner, prompt, cont, configs)
+        for c in configs:
+            dec = from_models(tiny, None, "eagle2", head=head, **c._asdict())
+            got, stats = run(dec.runner, dec.drafter, prompt, SamplingParams(), len(cont))
+            assert got == cont
+            assert replay(w.accepted[c]) == stats.accept_lengths, c
+            taus.append(stats.tau)
+    assert max(taus) > 2  # real acceptance, deep paths included
+
+
+def test_rank_picks_the_fastest_expected_config():
+    rows = [Row(Config(2, 1, 2), 1.8, 0.002, 0.050, 0.001),  # cheapest: 34.0 tok/s
+            Row(Config(4, 2, 6), 2.6, 0.006, 0.060, 0.001),  # 38.8: neither cheapest nor highest tau
+            Row(Config(5, 3, 10), 2.8, 0.010, 0.065, 0.001),  # 36.8
+            Row(Config(6, 4, 20), 3.0, 0.015, 0.090, 0.001)]  # highest tau: 28.3
+    assert [r.config for r in rank(rows)] == [(4, 2, 6), (5, 3, 10), (2, 1, 2), (6, 4, 20)]
+    tie = [Row(Config(3, 2, 8), 2.0, 0.01, 0.04, 0.0), Row(Config(3, 2, 4), 2.0, 0.01, 0.04, 0.0)]
+    assert rank(tie)[0].config.total_tokens == 4  # equal speed: the smaller tree
+
+
+def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path, monkeypatch):  # noqa: F811
+    import specdec.tune
+
+    head = tmp_path / "head"
+    shutil.copytree(trained[1] / "head", head)
+    dec = from_models(tiny, None, "eagle2", head=str(head))
+    configs = [Config(2, 1, 2), Config(3, 2, 4), Config(4, 3, 8)]
+    rec = tune(dec, PROMPTS[:2], tokens=30, configs=configs, reps=1, time_every=8)
+    best = (rec["depth"], rec["topk"], rec["total_tokens"])
+    assert best in configs and best == tuple(rec["top"][0][k] for k in ("depth", "topk", "total_tokens"))
+    assert rec["tau"] >= 1 and rec["machine"]["torch"] == torch.__version__ and set(rec["target_ms"]) == {
+        "1", "3", "5", "9"}
+    assert (dec.drafter.depth, dec.drafter.topk, dec.drafter.total_tokens) == (5, 4, 10)  # left as it was
+
+    assert save_tuning(rec, tuning_path(head)) == head / "tuning.json"
+    assert json.loads((head / "tuning.json").read_text())["top"] == rec["top"]
+    assert load_tuning(head) == dict(zip(("depth", "topk", "total_tokens"), best))
+    d = from_models(tiny, None, "eagle2", head=str(head)).drafter
+    assert (d.depth, d.topk, d.total_tokens) == best
+    d = from_models(tiny, None, "eagle2", head=str(head), depth=7, tree_tokens=12).drafter  # explicit wins
+    assert (d.depth, d.topk, d.total_tokens) == (7, best[1], 12)
+
+    # a shipped (package) head: tune writes under the cache, which wins over the shipped tuning.json
+    monkeypatch.setattr(specdec.tune, "SHIPPED_HEADS", tmp_path.resolve())
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    assert tuning_path(head) == tmp_path / "cache" / "tuning" / "head.json"
+    assert load_tuning(head) == dict(zip(("depth", "topk", "total_tokens"), best))
+    save_tuning({"depth": 3, "topk": 2, "total_tokens": 6}, tuning_path(head))
+    d = from_models(tiny, None, "eagle2", head=str(head)).drafter
+    assert (d.depth, d.topk, d.total_tokens) == (3, 2, 6)
+    tuning_path(head).write_text('{"depth": 3}')
+    with pytest.raises(SpecdecError, match="not a valid tuning file"):
+        from_models(tiny, None, "eagle2", head=str(head))
+
+
+def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):  # noqa: F811
+    assert main(["tune", "--head", str(tmp_path / "nothing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["tune", "--prompts", "0"]) == 2
+    assert "--prompts must be" in capsys.readouterr().err
+    monkeypatch.setattr("specdec.target.loading.load_model", lambda *a, **k: (tiny, None, None))
+    assert main(["tune"]) == 2  # a model without a shipped head and no --head
+    assert "no EAGLE head ships for this model: pass --head" in capsys.readouterr().err
+    with pytest.raises(SpecdecError, match="needs an eagle2 decoder"):
+        tune(from_models(tiny, None), PROMPTS[:1])
+    (tmp_path / "t.json").write_text(json.dumps({"depth": 0, "topk": 2, "total_tokens": 4}))
+    monkeypatch.setattr("specdec.tune.tuning_path", lambda h: tmp_path / "t.json")
+    with pytest.raises(SpecdecError, match="integers >= 1"):
+        load_tuning(tmp_path)
