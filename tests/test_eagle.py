@@ -229,6 +229,29 @@ def test_eagle2_ablations_and_api_are_lossless(tiny, trained):
         from_models(tiny, None, "eagle", head=head_dir, bogus=1)
 
 
+def test_full_vocab_ablation_restores_the_whole_target_head(tiny, trained, tmp_path):
+    from specdec.api import from_models
+
+    head = EagleHead.load(trained[1] / "head")
+    head.set_draft_vocab(torch.arange(0, 97, 3), tiny.lm_head.weight.detach())  # target rows, as shipped
+    head.save(tmp_path / "reduced", lm_head=False)
+    target = LeanRunner(tiny)
+    want, _ = run(target, NoDrafter(), PROMPTS[2], SamplingParams(), 30)
+    reduced = from_models(tiny, None, "eagle2", head=str(tmp_path / "reduced"))
+    full = from_models(tiny, None, "eagle2", head=str(tmp_path / "reduced"), full_vocab=True)
+    assert reduced.drafter.runner.d2t is not None and full.drafter.runner.d2t is None
+    h = torch.randn(2, 64)
+    assert full.drafter.runner.logits(h).shape == (2, 97)
+    # the reduced head's logits are exactly the full head's logits at the kept ids
+    torch.testing.assert_close(reduced.drafter.runner.logits(h), full.drafter.runner.logits(h)[:, ::3])
+    for dec in (reduced, full):
+        got, _ = run(dec.runner, dec.drafter, PROMPTS[2], SamplingParams(), 30)
+        assert got == want
+    head.save(tmp_path / "own")  # trained-in rows: "full vocabulary" would be another model
+    with pytest.raises(SpecdecError, match="full_vocab needs"):
+        from_models(tiny, None, "eagle2", head=str(tmp_path / "own"), full_vocab=True)
+
+
 @pytest.mark.parametrize(
     "dynamic,params", [(True, SamplingParams(1.0)), (False, SamplingParams(0.8, top_k=3))],
     ids=["eagle2-T1", "eagle-T0.8-topk3"])

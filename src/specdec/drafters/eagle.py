@@ -166,6 +166,12 @@ def from_target(model, runner, method: str, opts: dict) -> EagleDrafter:
     elif head.hidden_size != runner.hidden_size or head.vocab_size != embed.shape[0]:
         raise SpecdecError(f"EAGLE head (hidden {head.hidden_size}, vocab {head.vocab_size}) does not match "
                            f"the target (hidden {runner.hidden_size}, vocab {embed.shape[0]})")
+    if opts.pop("full_vocab", False) and head.d2t is not None:
+        # ablation: the same head over the whole target vocabulary. Only meaningful when its rows are
+        # the target's own (trained frozen), so that the reduced head is a pure restriction of this one.
+        if head.meta.get("lm_head", "target") != "target":
+            raise SpecdecError("full_vocab needs a head whose reduced LM head rows are the target's (lm_head: target)")
+        head.lm_head, head.d2t, head.draft_vocab_size = None, None, None
     lm = None
     if head.lm_head is None:
         # reuse the target runner's (pre-packed) LM head rather than holding a second copy
