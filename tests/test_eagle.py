@@ -380,3 +380,16 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
     assert len(both) == 2 * len(ShardData(str(out))) and len(both.names) == 6
     with pytest.raises(SpecdecError, match="different target or plan"):
         run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)
+
+
+def test_ship_to_writes_a_small_copy_that_loads_as_the_same_head(tiny, tiny_data, tmp_path):
+    cfg = TrainConfig(data=str(tiny_data), out=str(tmp_path / "run"), steps=3, batch_size=4, warmup=1,
+                      draft_vocab=40, freeze_lm_head=True, ship_to=str(tmp_path / "ship"), log_every=1)
+    r = train_eagle(cfg, tiny, progress=False)
+    full, small = tmp_path / "run" / "head" / "model.safetensors", tmp_path / "ship" / "model.safetensors"
+    assert small.stat().st_size < 0.6 * full.stat().st_size  # fp16 and no LM head rows
+    back = EagleHead.load(tmp_path / "ship", 64, 97, target_lm_head=tiny.lm_head.weight)
+    torch.testing.assert_close(back.lm_head.weight, r["head"].lm_head.weight)  # frozen: still the target's rows
+    for k, v in r["head"].state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k].float(), v.float(), atol=2e-3, rtol=2e-3)
+    assert back.meta["target"]["vocab_size"] == 97 and back.meta["lm_head"] == "target"

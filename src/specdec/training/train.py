@@ -55,6 +55,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
+    ship_to: str = ""  # also write a small copy here: fp16, and no LM head rows if they stayed the target's
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -267,7 +268,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
 
     n_data = data.n_tokens
     head_meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
-                                            "config": asdict(cfg) | {"stop_after": 0}}}
+                                            "config": asdict(cfg) | {"stop_after": 0, "ship_to": ""}}}
     log_f = out / "log.jsonl"
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +332,9 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     final = acc.unwrap_model(objective).head
     if step == total and acc.is_main_process:
         final.save(out / "head", extra=head_meta)
+        if cfg.ship_to:
+            final.save(cfg.ship_to, extra=head_meta, dtype=torch.float16,
+                       lm_head=not cfg.freeze_lm_head)
     acc.wait_for_everyone()
     return {"steps": step, "total_steps": total, "history": history, "head": final,
             "seconds": time.perf_counter() - t0, "data_tokens": n_data}
