@@ -96,3 +96,23 @@ def test_stop_string_and_streaming(smol):
     chunks = list(dec.stream(msgs, max_new_tokens=N_NEW))
     assert "".join(c.text for c in chunks) == full.text
     assert chunks[-1].final.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_shipped_eagle_head_greedy_equals_vanilla(smol, method):
+    """The head shipped in the package: found for SmolLM2 by fingerprint, lossless, and really accepting."""
+    from specdec.heads.eagle import find_shipped_head
+
+    model, tok, _ = smol
+    assert find_shipped_head(model) is not None
+    vanilla = from_models(model, tok)
+    spec = from_models(model, tok, method)
+    assert from_models(model, tok, "auto").method == "eagle2"  # the default uses it
+    taus = []
+    for p in PROMPTS:
+        msgs = [{"role": "user", "content": p}]
+        want = vanilla.generate(msgs, max_new_tokens=N_NEW)
+        got = spec.generate(msgs, max_new_tokens=N_NEW)
+        assert_same_or_tie(model, want.prompt_ids, want.token_ids, got.token_ids)
+        taus.append(got.stats.tau)
+    assert sum(taus) / len(taus) > 2.0  # a trained head, not a stub
