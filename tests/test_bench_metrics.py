@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.bench import metrics as M
-from specdec.bench.data import load_questions, quick_subset, read_jsonl
+from specdec.bench.data import Question, first_per_category, load_questions, quick_subset, read_jsonl
 from specdec.bench.methods import parse_method, parse_methods
 from specdec.engine import Stats
 from specdec.errors import SpecdecError
@@ -177,6 +177,12 @@ def test_installed_humaneval_and_shared_spec_bench():
     quick = quick_subset(sb)
     assert sum(len(q.turns) == 2 for q in quick) == 2
     assert len({q.category for q in quick}) == len(quick)
+
+
+def test_first_per_category_keeps_file_order():
+    qs = [Question(str(i), c, ["x"]) for i, c in enumerate("aabacbbc")]
+    assert [q.question_id for q in first_per_category(qs, 2)] == ["0", "1", "2", "4", "5", "7"]
+    assert [q.question_id for q in first_per_category(qs, 1)] == ["0", "2", "4"]
 
 
 @pytest.mark.parametrize("line, msg", [

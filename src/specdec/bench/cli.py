@@ -23,6 +23,7 @@ def add_bench_parser(sub) -> None:
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
     b.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
+    b.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     b.add_argument("--first-turn", action="store_true", help="only the first turn of multi-turn questions")
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (--quick: 64)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -63,7 +64,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specdec.bench.data import load_questions, quick_subset
+    from specdec.bench.data import first_per_category, load_questions, quick_subset
     from specdec.bench.methods import parse_methods
     from specdec.bench.metrics import OVERALL
     from specdec.bench.runner import BenchConfig, run_bench
@@ -73,7 +74,11 @@ def cmd_bench(args) -> int:
     # everything a user can get wrong is checked before the (slow) model load
     specs = parse_methods(args.methods, has_draft=args.draft is not None)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    qs = load_questions(args.dataset, args.questions, cats, None if args.quick else args.limit)
+    qs = load_questions(args.dataset, args.questions, cats, None if args.quick or args.per_category else args.limit)
+    if args.per_category is not None:
+        if args.per_category < 1:
+            raise SpecdecError("--per-category must be >= 1")
+        qs = first_per_category(qs, args.per_category)[: args.limit]
     if args.quick:
         qs = quick_subset(qs, QUICK["per_category"], QUICK["mt_questions"])
         if args.limit:

@@ -146,6 +146,17 @@ def load_questions(
     return qs
 
 
+def first_per_category(questions: list[Question], n: int) -> list[Question]:
+    """The first n questions of every category, in file order."""
+    seen: dict[str, int] = {}
+    out = []
+    for q in questions:
+        if seen.get(q.category, 0) < n:
+            out.append(q)
+            seen[q.category] = seen.get(q.category, 0) + 1
+    return out
+
+
 def quick_subset(questions: list[Question], per_category: int = 1, mt_questions: int = 2) -> list[Question]:
     """A small representative subset: the first `per_category` questions of each category, except
     that MT-bench's 8 categories count as one task (Spec-Bench's grouping) with `mt_questions`
