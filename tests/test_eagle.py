@@ -378,6 +378,8 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
 
     both = ShardData(f"{out},{out}")  # several datagen dirs at once
     assert len(both) == 2 * len(ShardData(str(out))) and len(both.names) == 6
+    with pytest.raises(SpecdecError, match="data directory not found: .*nowhere"):
+        ShardData(f"{out},{out}/nowhere")  # a missing dir is an error, not silently less data
     with pytest.raises(SpecdecError, match="different target or plan"):
         run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)
 

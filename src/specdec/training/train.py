@@ -73,7 +73,10 @@ class ShardData:
         being resumed (datagen may have added shards since)."""
         from safetensors.torch import load_file
 
-        dirs = [Path(d.strip()) for d in str(data).split(",") if d.strip()]
+        dirs = [Path(d.strip()).expanduser() for d in str(data).split(",") if d.strip()]
+        missing = [str(d) for d in dirs if not d.is_dir()]
+        if names is None and missing:  # e.g. a "~" the shell left unexpanded after a comma
+            raise SpecdecError(f"data directory not found: {', '.join(missing)}")
         if names is not None:
             files = [Path(n) for n in names]
         else:
