@@ -282,16 +282,10 @@ def tune(decoder, prompts: Sequence[list[int]], tokens: int = 96, configs: Seque
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    from specdec.bench.runner import machine_info  # one place reads the CPU model
+
+    return {"cpu": machine_info()["cpu"] or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 # ---- where the choice lives ----
