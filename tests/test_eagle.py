@@ -395,3 +395,25 @@ def test_ship_to_writes_a_small_copy_that_loads_as_the_same_head(tiny, tiny_data
     for k, v in r["head"].state_dict().items():
         torch.testing.assert_close(back.state_dict()[k].float(), v.float(), atol=2e-3, rtol=2e-3)
     assert back.meta["target"]["vocab_size"] == 97 and back.meta["lm_head"] == "target"
+
+
+def test_init_from_warm_starts_with_the_heads_weights_and_vocab(tiny, tiny_data, tmp_path):
+    base = TrainConfig(data=str(tiny_data), out=str(tmp_path / "a"), steps=6, batch_size=4, lr=1e-2, warmup=1,
+                       draft_vocab=40, freeze_lm_head=True, log_every=1)
+    first = train_eagle(base, tiny, progress=False)
+    # zero learning rate: the warm-started head must come out exactly as it went in
+    frozen = TrainConfig(data=str(tiny_data), out=str(tmp_path / "b"), steps=2, batch_size=4, lr=0.0, warmup=0,
+                         freeze_lm_head=True, init_from=str(tmp_path / "a" / "head"), log_every=1)
+    again = train_eagle(frozen, tiny, progress=False)
+    for k, v in first["head"].state_dict().items():
+        assert torch.equal(again["head"].state_dict()[k], v), k
+    # and it starts where the first run ended, not from scratch
+    scratch = train_eagle(TrainConfig(**(vars(frozen) | {"out": str(tmp_path / "c"), "init_from": "",
+                                                          "draft_vocab": 40})), tiny, progress=False)
+    assert again["history"][0]["loss"] < scratch["history"][0]["loss"]
+    with pytest.raises(SpecdecError, match="draft vocabulary of 40"):
+        train_eagle(TrainConfig(**(vars(frozen) | {"out": str(tmp_path / "d"), "draft_vocab": 30})), tiny,
+                    progress=False)
+    with pytest.raises(SpecdecError, match="config.json is missing"):
+        train_eagle(TrainConfig(**(vars(frozen) | {"out": str(tmp_path / "e"), "init_from": str(tmp_path)})), tiny,
+                    progress=False)

@@ -56,6 +56,7 @@ class TrainConfig:
     seed: int = 0
     stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
     ship_to: str = ""  # also write a small copy here: fp16, and no LM head rows if they stayed the target's
+    init_from: str = ""  # start from this head's weights and draft vocabulary (warm start on new data)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -235,7 +236,8 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     if resume is not None:
         saved = TrainConfig.from_dict(resume["config"])
         for k in ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
-                  "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip"):
+                  "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip",
+                  "init_from"):
             if getattr(saved, k) != getattr(cfg, k):
                 raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
                                    "resume with the same settings or use another --out")
@@ -250,7 +252,14 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
 
     torch.manual_seed(cfg.seed)
     head = EagleHead(head_config(target_model.config))
-    if cfg.draft_vocab:
+    if cfg.init_from:  # the warm start fixes the draft vocabulary too (its rows may come from the target)
+        head = EagleHead.load(cfg.init_from, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
+                              target_lm_head=target_lm.cpu())
+        if cfg.draft_vocab and cfg.draft_vocab != (head.draft_vocab_size or head.vocab_size):
+            raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of "
+                               f"{head.draft_vocab_size or head.vocab_size}, not --draft-vocab {cfg.draft_vocab}")
+        head.train()
+    elif cfg.draft_vocab:
         eos = getattr(target_model.config, "eos_token_id", None)
         always = set([eos] if isinstance(eos, int) else (eos or []))
         vocab = build_draft_vocab(data.token_counts(emb.shape[0]), cfg.draft_vocab, always)
