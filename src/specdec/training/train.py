@@ -251,19 +251,20 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
 
     torch.manual_seed(cfg.seed)
-    head = EagleHead(head_config(target_model.config))
     if cfg.init_from:  # the warm start fixes the draft vocabulary too (its rows may come from the target)
         head = EagleHead.load(cfg.init_from, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
-                              target_lm_head=target_lm.cpu())
-        if cfg.draft_vocab and cfg.draft_vocab != (head.draft_vocab_size or head.vocab_size):
-            raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of "
-                               f"{head.draft_vocab_size or head.vocab_size}, not --draft-vocab {cfg.draft_vocab}")
-        head.train()
-    elif cfg.draft_vocab:
-        eos = getattr(target_model.config, "eos_token_id", None)
-        always = set([eos] if isinstance(eos, int) else (eos or []))
-        vocab = build_draft_vocab(data.token_counts(emb.shape[0]), cfg.draft_vocab, always)
-        head.set_draft_vocab(vocab, target_lm.cpu())
+                              target_lm_head=target_lm.cpu()).train()
+        vd = head.draft_vocab_size or head.vocab_size
+        if cfg.draft_vocab and cfg.draft_vocab != vd:
+            raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
+                               f"not --draft-vocab {cfg.draft_vocab}")
+    else:
+        head = EagleHead(head_config(target_model.config))
+        if cfg.draft_vocab:
+            eos = getattr(target_model.config, "eos_token_id", None)
+            always = set([eos] if isinstance(eos, int) else (eos or []))
+            vocab = build_draft_vocab(data.token_counts(emb.shape[0]), cfg.draft_vocab, always)
+            head.set_draft_vocab(vocab, target_lm.cpu())
     if resume is not None:
         head.load_state_dict(resume["model"])
     head.to(dev)
