@@ -417,3 +417,39 @@ def test_init_from_warm_starts_with_the_heads_weights_and_vocab(tiny, tiny_data,
     with pytest.raises(SpecdecError, match="config.json is missing"):
         train_eagle(TrainConfig(**(vars(frozen) | {"out": str(tmp_path / "e"), "init_from": str(tmp_path)})), tiny,
                     progress=False)
+
+
+# ---- unrolled (multi-step) training ----
+
+def test_unrolled_steps_match_what_the_head_sees_when_drafting(tiny):
+    """Step k of `unrolled` must compute exactly draft depth k+1 of the inference runner: same inputs
+    (its own previous prediction), same keys (target rows up to the accepted one plus its own path)."""
+    from specdec.training.train import unrolled, unrolled_mask
+
+    head = make_head(tiny, seed=3)
+    emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
+    t, steps = 12, 3
+    toks, f = torch.randint(0, 97, (1, t)), torch.randn(1, t, 64)
+    with torch.no_grad():
+        preds = list(unrolled(head, emb[toks], f, steps))
+    assert len(preds) == steps and unrolled_mask(4, 2).sum(1).tolist() == [1, 2, 3, 4]
+    for a in range(t - steps + 1):  # a = the last accepted row
+        r = HeadRunner(head, emb, lm)
+        out = r.forward(toks[0, : a + 1], f[0, : a + 1])
+        torch.testing.assert_close(out[a], preds[0][0, a], atol=1e-4, rtol=1e-4)
+        prev = out[a : a + 1]
+        for k in range(1, steps):
+            prev = r.forward(toks[0, a + k : a + k + 1], prev)
+            torch.testing.assert_close(prev[0], preds[k][0, a + k], atol=1e-4, rtol=1e-4)
+
+
+def test_unrolled_training_learns_every_step_and_checks_its_option(tiny, tiny_data, tmp_path):
+    kw = dict(data=str(tiny_data), steps=40, batch_size=8, lr=2e-2, warmup=5, save_every=1000, log_every=10)
+    r = train_eagle(TrainConfig(out=str(tmp_path / "u3"), unroll=3, **kw), tiny, progress=False)
+    first, last = r["history"][0], r["history"][-1]
+    assert len(last["top1_acc_by_step"]) == 3
+    assert last["loss"] < 0.9 * first["loss"]
+    # the later steps learn too (they read the head's own, detached predictions)
+    assert all(b > a for a, b in zip(first["top1_acc_by_step"], last["top1_acc_by_step"]))
+    with pytest.raises(SpecdecError, match="unroll"):
+        train_eagle(TrainConfig(out=str(tmp_path / "u0"), unroll=0, **kw), tiny, progress=False)

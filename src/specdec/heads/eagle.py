@@ -82,16 +82,19 @@ class EagleHead(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal reference/training forward. embeds = embed(x_{t+1}), features = f_t, both [B, T, H];
-        returns f̂_{t+1} [B, T, H]. Right padding is harmless (causal: pads never reach real rows)."""
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
+        """Reference/training forward. embeds = embed(x_{t+1}), features = f_t, both [B, T, H];
+        returns f̂_{t+1} [B, T, H]. Causal by default (right padding is harmless: pads never reach real
+        rows); attention_mask [B, 1, T, cached + T] bool and an HF cache serve unrolled training."""
         b, t, _ = embeds.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=embeds.device).expand(b, t)
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos_sin = self.rotary_emb(x, position_ids)
-        return self.layers[0](x, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+        return self.layers[0](x, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, use_cache=past_key_values is not None,
+                              position_embeddings=cos_sin)
 
     def logits(self, hidden: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """Over the draft vocabulary (the full target vocabulary unless reduced)."""

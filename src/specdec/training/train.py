@@ -57,6 +57,7 @@ class TrainConfig:
     stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
     ship_to: str = ""  # also write a small copy here: fp16, and no LM head rows if they stayed the target's
     init_from: str = ""  # start from this head's weights and draft vocabulary (warm start on new data)
+    unroll: int = 1  # draft steps trained per row: > 1 also trains on the head's own predictions
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -153,32 +154,71 @@ def build_draft_vocab(counts: torch.Tensor, size: int, always: set[int] = frozen
 
 # ---- the trainer ----
 
-class _Objective(nn.Module):
-    """Everything with gradients runs inside forward, so DDP sees every use of the parameters."""
+def unrolled_mask(t: int, step: int, device=None) -> torch.Tensor:
+    """[t, (step + 1) t] bool: what row i of draft step `step` sees when the keys of steps 0..step are
+    concatenated. At inference, depth step+1 drafted from an accepted row a sits at row i = a + step and
+    sees the target-feature rows <= a plus one row of each earlier draft depth (its own path): so step-0
+    keys j <= i - step, and the step-m key at row i - step + m (m = 1..step; m = step is itself)."""
+    i = torch.arange(t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    blocks = [j <= i - step] + [j == i - step + m for m in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
 
-    def __init__(self, head, embed: torch.Tensor, target_lm: torch.Tensor) -> None:
+
+class _Objective(nn.Module):
+    """Everything with gradients runs inside forward, so DDP sees every use of the parameters.
+
+    unroll > 1 also trains on the head's own outputs (EAGLE-3's training-time test, HASS): step k
+    feeds row t the step-(k-1) prediction of row t-1 in place of f_t, attending as at draft depth k+1
+    (`unrolled_mask`), so the head learns from the inputs it will see beyond the first draft depth."""
+
+    def __init__(self, head, embed: torch.Tensor, target_lm: torch.Tensor, unroll: int = 1) -> None:
         super().__init__()
         self.head = head
         # frozen target tensors as plain attributes: not parameters, and not buffers DDP would broadcast
         self.embed, self.target_lm = embed, target_lm
+        self.unroll = unroll
 
     def forward(self, ids, feats, mask, noise: torch.Tensor | None, n_global: float, ce_weight: float):
+        """Returns the loss and stats [unroll, 4] (feature loss, CE, top-1 hits, rows) summed per step."""
         tok_in, f_in, f_out = ids[:, 1:], feats[:, :-1], feats[:, 1:]
         w = mask[:, 1:]  # the head's input token x_{t+1} is an answer token
         if noise is not None:
             f_in = f_in + noise
-        pred = self.head(F.embedding(tok_in, self.embed), f_in)
+        emb = F.embedding(tok_in, self.embed)
         lm_t = self.target_lm if self.head.d2t is None else self.target_lm[self.head.d2t]
         with torch.no_grad():
             p_t = torch.softmax(F.linear(f_out, lm_t), dim=-1)
-        logp = torch.log_softmax(self.head.logits(pred, self.target_lm), dim=-1)
-        ce = -(p_t * logp).sum(-1)
-        vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
-        loss = ((vl + ce_weight * ce) * w).sum() / n_global
-        with torch.no_grad():
-            acc = ((logp.argmax(-1) == p_t.argmax(-1)).float() * w).sum()
-            stats = torch.stack([(vl * w).sum(), (ce * w).sum(), acc, w.sum()])
-        return loss, stats
+            top_t = p_t.argmax(-1)
+        t = tok_in.shape[1]
+        loss, stats = 0.0, []
+        for k, pred in enumerate(unrolled(self.head, emb, f_in, self.unroll)):
+            logp = torch.log_softmax(self.head.logits(pred, self.target_lm), dim=-1)
+            ce = -(p_t * logp).sum(-1)
+            vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
+            wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
+            loss = loss + ((vl + ce_weight * ce) * wk).sum() / (n_global * self.unroll)
+            with torch.no_grad():
+                acc = ((logp.argmax(-1) == top_t).float() * wk).sum()
+                stats.append(torch.stack([(vl * wk).sum(), (ce * wk).sum(), acc, wk.sum()]))
+        return loss, torch.stack(stats)
+
+
+def unrolled(head, embeds: torch.Tensor, features: torch.Tensor, steps: int):
+    """Yields the head's predictions [B, T, H] for draft steps 0..steps-1 (see `unrolled_mask`)."""
+    from transformers import DynamicCache
+
+    if steps == 1:
+        yield head(embeds, features)
+        return
+    b, t, _ = embeds.shape
+    cache = DynamicCache()
+    for k in range(steps):
+        mask = unrolled_mask(t, k, embeds.device)[None, None].expand(b, 1, -1, -1)
+        pred = head(embeds, features, attention_mask=mask, past_key_values=cache)
+        yield pred
+        # the next step's row t reads this step's prediction of row t-1; no gradient through it
+        features = F.pad(pred.detach()[:, :-1], (0, 0, 1, 0))
 
 
 def lr_lambda(cfg: TrainConfig, total: int):
@@ -237,7 +277,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         saved = TrainConfig.from_dict(resume["config"])
         for k in ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                   "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip",
-                  "init_from"):
+                  "init_from", "unroll"):
             if getattr(saved, k) != getattr(cfg, k):
                 raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
                                    "resume with the same settings or use another --out")
@@ -247,6 +287,8 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     if data.hidden_size != target_model.config.hidden_size:
         raise SpecdecError(f"data features have size {data.hidden_size}, the target {target_model.config.hidden_size}")
     total = cfg.steps or max(1, int(cfg.epochs * len(data) / cfg.batch_size))
+    if cfg.unroll < 1:
+        raise SpecdecError(f"--unroll must be >= 1, got {cfg.unroll}")
     if cfg.batch_size < world:
         raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
 
@@ -277,7 +319,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         opt.load_state_dict(resume["optimizer"])
         sched.load_state_dict(resume["scheduler"])
     start = resume["step"] if resume else 0
-    objective = acc.prepare(_Objective(head, emb, target_lm))
+    objective = acc.prepare(_Objective(head, emb, target_lm, cfg.unroll))
 
     n_data = data.n_tokens
     head_meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
@@ -293,7 +335,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     state = {"config": asdict(cfg), "shards": data.names, "head_meta": head_meta}
     bar = tqdm(total=total, initial=start, disable=not (progress and acc.is_main_process), unit="step",
                desc="train eagle", dynamic_ncols=True)
-    acc_stats = torch.zeros(4, device=dev)
+    acc_stats = torch.zeros(cfg.unroll, 4, device=dev)
     t0, tok_done, history = time.perf_counter(), 0, []
     step = start
     objective.train()
@@ -325,11 +367,13 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         bar.update(1)
         if step % cfg.log_every == 0 or step == total:
             s = acc.reduce(acc_stats.clone(), reduction="sum") if world > 1 else acc_stats
-            n = max(float(s[3]), 1.0)
-            rec = {"step": step, "loss": (float(s[0]) + cfg.ce_weight * float(s[1])) / n,
-                   "feature_loss": float(s[0]) / n,
-                   "ce": float(s[1]) / n, "top1_acc": float(s[2]) / n, "lr": sched.get_last_lr()[0],
+            n = max(float(s[0, 3]), 1.0)  # step 0 (= plain EAGLE training) keeps the old fields
+            rec = {"step": step, "loss": (float(s[0, 0]) + cfg.ce_weight * float(s[0, 1])) / n,
+                   "feature_loss": float(s[0, 0]) / n,
+                   "ce": float(s[0, 1]) / n, "top1_acc": float(s[0, 2]) / n, "lr": sched.get_last_lr()[0],
                    "tokens_per_s": tok_done * world / (time.perf_counter() - t0), "processes": world}
+            if cfg.unroll > 1:
+                rec["top1_acc_by_step"] = [round(float(r[2]) / max(float(r[3]), 1.0), 4) for r in s]
             history.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['top1_acc']:.3f}")
             if acc.is_main_process:
