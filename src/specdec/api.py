@@ -143,7 +143,8 @@ def load(
 
     methods: auto (eagle2 with the shipped head where one fits the target, else vanilla); vanilla; sps
     (draft model chain, opts: gamma); sps-tree (draft model top-k tree, opts: gamma = depth, topk,
-    tree_tokens); pld; eagle / eagle2 (opts: head=<dir>, see drafters/eagle.py).
+    tree_tokens); pld; eagle / eagle2 (opts: head=<dir>, see drafters/eagle.py; lookup=N adds a
+    prompt-lookup chain of N tokens to every draft tree, drafters/union.py).
     """
     if method not in METHODS + ("auto",):
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
@@ -196,8 +197,16 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
             opts["depth"] = opts.pop("gamma")
         if "tree_tokens" in opts:
             opts["total_tokens"] = opts.pop("tree_tokens")
+        lookup = opts.pop("lookup", 0)  # also verify a prompt-lookup chain of this many tokens
         drafter = from_target(model, runner, method, opts)
         _no_opts(opts, method)
+        if lookup:
+            from specdec.drafters.prompt_lookup import PromptLookupDrafter
+            from specdec.drafters.union import UnionDrafter
+
+            if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 0:
+                raise SpecdecError(f"lookup must be a number of tokens >= 0, got {lookup!r}")
+            drafter = UnionDrafter(drafter, PromptLookupDrafter(num_tokens=lookup))
     else:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     return Decoder(runner, tokenizer, drafter, method, _eos_ids(model, tokenizer))

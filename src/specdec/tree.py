@@ -82,6 +82,34 @@ class DraftTree:
         keep = (self.depth <= max_depth).nonzero().flatten()
         return self.select(keep)
 
+    def union(self, other: DraftTree) -> DraftTree:
+        """This tree plus `other`'s paths, shared prefixes merged (no two siblings carry the same token).
+        Only for deterministic trees (no q): a union of point-mass drafts is still one, so the verifier
+        stays exact. Scores survive only if both trees have them."""
+        if self.draft_probs is not None or other.draft_probs is not None:
+            raise ValueError("only deterministic draft trees (draft_probs None) can be merged")
+        toks, pars = self.tokens.tolist(), list(self._parents)
+        child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}
+        where: list[int] = []
+        for t, p in zip(other.tokens.tolist(), other._parents):
+            key = (-1 if p < 0 else where[p], t)
+            if key not in child:
+                child[key] = len(toks)
+                toks.append(t)
+                pars.append(key[0])
+            where.append(child[key])
+        if len(toks) == len(self):
+            return self
+        scores = None
+        if self.scores is not None and other.scores is not None:
+            s = torch.full((len(toks),), float("-inf"), dtype=self.scores.dtype)
+            s[: len(self)] = self.scores.cpu()
+            for j, i in enumerate(where):  # a node both trees drafted keeps the higher score
+                s[i] = max(float(s[i]), float(other.scores[j]))
+            scores = s.to(self.scores.device)
+        dev = self.tokens.device
+        return DraftTree(torch.tensor(toks, device=dev), torch.tensor(pars, device=dev), scores)
+
     def select(self, keep: torch.Tensor) -> DraftTree:
         """Sub-tree of the given node indices (sorted, closed under parents)."""
         keep = keep.to(torch.long).cpu()

@@ -1,0 +1,40 @@
+"""Several drafters at once: the target verifies the union of their trees in one forward.
+
+A model-based tree and prompt lookup win on different tokens (the head on fresh text, lookup on text
+the answer quotes or repeats), and a lookup chain costs no draft step. Every member sees every
+verdict, so stateful drafters (EAGLE's head cache) stay in step. Members must draft point masses
+(no q): the union of such drafts is again one, and the verifier stays exact at any temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from specdec.drafters.base import DecodeContext, Drafter
+from specdec.tree import DraftTree
+from specdec.verify import Verdict
+
+
+class UnionDrafter(Drafter):
+    def __init__(self, *members: Drafter, name: str | None = None) -> None:
+        if len(members) < 2:
+            raise ValueError("a union needs at least two drafters")
+        self.members = members
+        self.name = name or "+".join(m.name for m in members)
+
+    def begin(self, ctx: DecodeContext) -> None:
+        for m in self.members:
+            m.begin(ctx)
+
+    def propose(self, ctx: DecodeContext) -> DraftTree:
+        tree = self.members[0].propose(ctx)
+        for m in self.members[1:]:
+            room = ctx.max_nodes - len(tree)
+            if room <= 0:
+                break
+            tree = tree.union(m.propose(replace(ctx, max_nodes=room)))
+        return tree
+
+    def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
+        for m in self.members:
+            m.accept(ctx, verdict)
