@@ -73,6 +73,18 @@ def trained(tiny, tiny_data, tmp_path_factory):
     return r, out
 
 
+def sample_first3(target, drafter, prompt, params, n=2500):
+    """Counts of the first 3 tokens over n seeds, and every draft size verified. 6 tokens are decoded
+    so that whole trees get drafted (the engine drafts no more than it may still emit); the first 3
+    must follow the target's exact joint."""
+    counts, sizes = np.zeros(SMALL_V**3), []
+    for seed in range(n):
+        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
+        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
+        sizes += st.tree_sizes
+    return counts, sizes
+
+
 # ---- the head ----
 
 def test_head_forward_shapes_and_lean_runner_matches(tiny):
@@ -264,14 +276,7 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
     drafter = drafter_for(model, head, dynamic, **kw)
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2]
-    counts = np.zeros(SMALL_V**3)
-    sizes = []
-    for seed in range(2500):
-        # 6 tokens so that whole trees get drafted (the engine drafts no more than it may still
-        # emit); the first 3 of them must follow the target's exact joint
-        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
-        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
-        sizes += st.tree_sizes
+    counts, sizes = sample_first3(target, drafter, prompt, params)
     assert max(sizes) >= 4
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
@@ -508,11 +513,6 @@ def test_eagle2_with_lookup_sampling_matches_vanilla_distribution():
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
     params = SamplingParams(1.0, top_p=0.9)
-    counts = np.zeros(SMALL_V**3)
-    sizes = []
-    for seed in range(2500):
-        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
-        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
-        sizes += st.tree_sizes
+    counts, sizes = sample_first3(target, drafter, prompt, params)
     assert max(sizes) > 3  # lookup branches were verified too
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
