@@ -25,9 +25,9 @@ from tests.test_verify import chi2_pvalue
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_head(model, seed=0, draft_vocab=None):
+def make_head(model, seed=0, draft_vocab=None, layers=1):
     torch.manual_seed(seed)
-    head = EagleHead(head_config(model.config)).eval()
+    head = EagleHead(head_config(model.config, num_hidden_layers=layers)).eval()
     if draft_vocab is not None:
         head.set_draft_vocab(torch.tensor(draft_vocab), model.lm_head.weight.detach())
     return head
@@ -87,8 +87,9 @@ def sample_first3(target, drafter, prompt, params, n=2500):
 
 # ---- the head ----
 
-def test_head_forward_shapes_and_lean_runner_matches(tiny):
-    head = make_head(tiny)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_head_forward_shapes_and_lean_runner_matches(tiny, layers):
+    head = make_head(tiny, layers=layers)
     emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
     toks, f = torch.randint(0, 97, (2, 10)), torch.randn(2, 10, 64)
     with torch.no_grad():
@@ -429,14 +430,52 @@ def test_init_from_warm_starts_with_the_heads_weights_and_vocab(tiny, tiny_data,
                     progress=False)
 
 
+def test_grown_head_starts_as_the_old_one_then_trains_saves_and_loads(tiny, tiny_data, tmp_path):
+    """--layers 2 --init-from a 1-layer head: the new layer's residual branches start at zero, so the
+    deeper head computes the old head's features exactly; training then moves it; the result round-trips."""
+    base = make_head(tiny, seed=5)
+    base.save(tmp_path / "one")
+    grown = EagleHead.load(tmp_path / "one", 64, 97)
+    grown.grow(2)
+    assert len(grown.layers) == 2 and grown.config.num_hidden_layers == 2
+    emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
+    toks, f = torch.randint(0, 97, (1, 9)), torch.randn(1, 9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(grown(emb[toks], f), base(emb[toks], f), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(HeadRunner(grown, emb, lm).forward(toks[0], f[0]), base(emb[toks], f)[0],
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(SpecdecError, match="cannot shrink"):
+        grown.grow(1)
+    cfg = TrainConfig(data=str(tiny_data), out=str(tmp_path / "run"), steps=8, batch_size=4, lr=1e-2, warmup=1,
+                      init_from=str(tmp_path / "one"), layers=2, log_every=1)
+    r = train_eagle(cfg, tiny, progress=False)
+    trained = r["head"]
+    assert len(trained.layers) == 2 and trained.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    back = EagleHead.load(tmp_path / "run" / "head", 64, 97)
+    assert back.config.num_hidden_layers == 2
+    with torch.no_grad():
+        torch.testing.assert_close(back(emb[toks], f), trained.eval()(emb[toks], f), atol=1e-5, rtol=1e-5)
+    # a 2-layer file that lost its second layer's weights is refused, not half-loaded
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(tmp_path / "run" / "head" / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if not k.startswith("layers.1.mlp")},
+              str(tmp_path / "run" / "head" / "model.safetensors"))
+    with pytest.raises(SpecdecError, match=r"missing \['layers.1.mlp"):
+        EagleHead.load(tmp_path / "run" / "head", 64, 97)
+    with pytest.raises(SpecdecError, match="--layers"):
+        train_eagle(TrainConfig(**(vars(cfg) | {"out": str(tmp_path / "neg"), "layers": -1})), tiny, progress=False)
+
+
 # ---- unrolled (multi-step) training ----
 
-def test_unrolled_steps_match_what_the_head_sees_when_drafting(tiny):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unrolled_steps_match_what_the_head_sees_when_drafting(tiny, layers):
     """Step k of `unrolled` must compute exactly draft depth k+1 of the inference runner: same inputs
     (its own previous prediction), same keys (target rows up to the accepted one plus its own path)."""
     from specdec.training.train import unrolled, unrolled_mask
 
-    head = make_head(tiny, seed=3)
+    head = make_head(tiny, seed=3, layers=layers)
     emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
     t, steps = 12, 3
     toks, f = torch.randint(0, 97, (1, t)), torch.randn(1, t, 64)

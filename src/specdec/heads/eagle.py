@@ -1,12 +1,12 @@
 """The EAGLE draft head (DESIGN.md §4, §6) and a lean runner for it with its own KV cache.
 
 Row t of the head reads (x_{t+1}, f_t): fc(cat(embed(x_{t+1}), f_t)) -> one Llama decoder layer
-without input norm -> f̂_{t+1}, at position t. Token logits come from the target's frozen LM head
+without input norm (EAGLE; optionally more, ordinary pre-norm layers after it) -> f̂_{t+1}, at position t. Token logits come from the target's frozen LM head
 (no final norm), or from a reduced head over the V_d most frequent tokens with a draft->target id map.
 
-On disk: an HF-style dir, config.json a LlamaConfig with num_hidden_layers 1 (+ our "specdec" block and
-EAGLE-3's "draft_vocab_size"), model.safetensors with fc.weight, layers.0.self_attn.*, layers.0.mlp.*,
-layers.0.post_attention_layernorm.weight and, for a reduced vocabulary, lm_head.weight + d2t (EAGLE-3
+On disk: an HF-style dir, config.json a LlamaConfig with num_hidden_layers L (1 for EAGLE; + our "specdec"
+block and EAGLE-3's "draft_vocab_size"), model.safetensors with fc.weight, layers.i.self_attn.*,
+layers.i.mlp.*, layers.i.post_attention_layernorm.weight (layers.i.input_layernorm.weight for i > 0) and, for a reduced vocabulary, lm_head.weight + d2t (EAGLE-3
 convention: offsets, target_id = draft_id + d2t[draft_id]) + t2d (bool over the target vocab).
 """
 
@@ -30,17 +30,22 @@ from specdec.target.packed import Linear
 
 _COPIED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
            "rms_norm_eps", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id")
-_LAYER_KEYS = {
-    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
-    "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight",
-}
+_LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "post_attention_layernorm.weight")
+
+
+def _layer_keys(n_layers: int) -> set[str]:
+    keys = {f"layers.{i}.{p}" for i in range(n_layers) for p in _LAYER_PARAMS}
+    return keys | {f"layers.{i}.input_layernorm.weight" for i in range(1, n_layers)}
+
+
 # official EAGLE checkpoints sometimes carry a copy of the target's embeddings: we use the target's own
 _IGNORED = {"embed_tokens.weight", "model.embed_tokens.weight"}
 
 
 def head_config(target_config, **overrides) -> LlamaConfig:
-    """The head's LlamaConfig: sizes, norm eps and RoPE of the target, one layer."""
+    """The head's LlamaConfig: sizes, norm eps and RoPE of the target, one layer (EAGLE) unless overridden."""
     kw = {k: getattr(target_config, k) for k in _COPIED if getattr(target_config, k, None) is not None}
     kw["head_dim"] = kw.get("head_dim") or target_config.hidden_size // target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None)
@@ -55,15 +60,14 @@ def head_config(target_config, **overrides) -> LlamaConfig:
 class EagleHead(nn.Module):
     def __init__(self, config: LlamaConfig, draft_vocab_size: int | None = None, fc_bias: bool = False) -> None:
         super().__init__()
-        if config.num_hidden_layers != 1:
-            raise SpecdecError(f"an EAGLE head has one decoder layer, config says {config.num_hidden_layers}")
+        if config.num_hidden_layers < 1:
+            raise SpecdecError(f"an EAGLE head needs at least one decoder layer, config says {config.num_hidden_layers}")
         config._attn_implementation = "sdpa"
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
-        layer = LlamaDecoderLayer(config, 0)
-        layer.input_layernorm = nn.Identity()  # EAGLE: the fc output enters the layer un-normalised
-        self.layers = nn.ModuleList([layer])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE: the fc output enters the layer un-normalised
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.draft_vocab_size = draft_vocab_size
         self.meta: dict = {}  # the "specdec" block of config.json (training recipe, target fingerprint)
@@ -92,9 +96,24 @@ class EagleHead(nn.Module):
             position_ids = torch.arange(t, device=embeds.device).expand(b, t)
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos_sin = self.rotary_emb(x, position_ids)
-        return self.layers[0](x, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=past_key_values, use_cache=past_key_values is not None,
-                              position_embeddings=cos_sin)
+        for layer in self.layers:
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                      use_cache=past_key_values is not None, position_embeddings=cos_sin)
+        return x
+
+    @torch.no_grad()
+    def grow(self, n_layers: int) -> None:
+        """Append pre-norm decoder layers whose residual branches start at zero (o_proj, down_proj = 0):
+        the deeper head computes exactly what this one did, and training takes it from there."""
+        if n_layers < len(self.layers):
+            raise SpecdecError(f"cannot shrink a {len(self.layers)}-layer head to {n_layers} layers")
+        ref = self.fc.weight
+        for i in range(len(self.layers), n_layers):
+            layer = LlamaDecoderLayer(self.config, i).to(ref.device, ref.dtype)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            self.layers.append(layer)
+        self.config.num_hidden_layers = n_layers
 
     def logits(self, hidden: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """Over the draft vocabulary (the full target vocabulary unless reduced)."""
@@ -181,11 +200,13 @@ class EagleHead(nn.Module):
         except Exception as e:
             raise SpecdecError(f"EAGLE head {path}: config.json is not a valid LlamaConfig ({e})") from None
         sd = _read_tensors(path)
-        extra = set(sd) - _LAYER_KEYS - _IGNORED - {"fc.weight", "fc.bias", "lm_head.weight", "d2t", "t2d"}
-        missing = (_LAYER_KEYS | {"fc.weight"}) - set(sd)
-        if missing or extra or config.num_hidden_layers != 1:
-            why = [f"missing {sorted(missing)}" if missing else "", f"unexpected {sorted(extra)[:6]}" if extra else "",
-                   f"num_hidden_layers={config.num_hidden_layers}" if config.num_hidden_layers != 1 else ""]
+        n_layers = config.num_hidden_layers
+        layer_keys = _layer_keys(n_layers) if isinstance(n_layers, int) and n_layers >= 1 else set()
+        extra = set(sd) - layer_keys - _IGNORED - {"fc.weight", "fc.bias", "lm_head.weight", "d2t", "t2d"}
+        missing = (layer_keys | {"fc.weight"}) - set(sd)
+        if missing or extra or not layer_keys:
+            why = [f"missing {sorted(missing)[:6]}" if missing else "", f"unexpected {sorted(extra)[:6]}" if extra else "",
+                   f"num_hidden_layers={n_layers}" if not layer_keys else ""]
             raise SpecdecError(f"{path} is not an EAGLE-1/2 head: " + "; ".join(w for w in why if w))
         h, v = config.hidden_size, config.vocab_size
         if hidden_size is not None and h != hidden_size:
@@ -213,7 +234,7 @@ class EagleHead(nn.Module):
         if "lm_head.weight" in sd and not reduced and tuple(sd["lm_head.weight"].shape) != (v, h):
             raise SpecdecError(f"EAGLE head {path}: lm_head.weight without d2t must be [{v}, {h}]")
         head = cls(config, vd, fc_bias="fc.bias" in sd)
-        state = {k: t for k, t in sd.items() if k in _LAYER_KEYS or k.startswith("fc.")}
+        state = {k: t for k, t in sd.items() if k in layer_keys or k.startswith("fc.")}
         if reduced:
             if tuple(sd["lm_head.weight"].shape) != (vd, h):
                 raise SpecdecError(f"EAGLE head {path}: lm_head.weight is {tuple(sd['lm_head.weight'].shape)}, "
@@ -259,14 +280,8 @@ class HeadRunner:
         if embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise SpecdecError(f"target embeddings are {tuple(embed.shape)}, the EAGLE head expects "
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
-        layer = head.layers[0]
-        a, m = layer.self_attn, layer.mlp
         self.fc = Linear(head.fc.weight, head.fc.bias, pack)
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), None, pack)
-        self.o = Linear(a.o_proj.weight, None, pack)
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, pack)
-        self.down = Linear(m.down_proj.weight, None, pack)
-        self.post_norm = layer.post_attention_layernorm.weight.detach()
+        self.layers = [_PackedLayer(layer, pack) for layer in head.layers]
         self.eps = cfg.rms_norm_eps
         self.embed = embed.detach()
         if head.lm_head is not None:
@@ -291,12 +306,12 @@ class HeadRunner:
 
     def _alloc(self, capacity: int) -> None:
         capacity = min(max(capacity, 1), self.max_length)
-        shape = (self.n_kv, capacity, self.head_dim)
+        shape = (len(self.layers), self.n_kv, capacity, self.head_dim)
         k = torch.zeros(shape, device=self.device, dtype=self.dtype)
         v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         used = self.length + self.n_pending
         if self.capacity:
-            k[:, :used], v[:, :used] = self.k[:, :used], self.v[:, :used]
+            k[:, :, :used], v[:, :, :used] = self.k[:, :, :used], self.v[:, :, :used]
         self.k, self.v, self.capacity = k, v, capacity
         if self._cos.shape[0] < capacity:
             ids = torch.arange(capacity, device=self.device)[None]
@@ -326,21 +341,24 @@ class HeadRunner:
         e = F.embedding(tokens.to(self.device), self.embed).to(self.dtype)
         h = self.fc(torch.cat([e, features.to(self.dtype)], dim=-1))
         cos, sin = self._cos[positions], self._sin[positions]
-        q, k, v = self.qkv(h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = _rope(q.view(n, nh, hd).transpose(0, 1), cos, sin)
-        self.k[:, start:end] = _rope(k.view(n, nkv, hd).transpose(0, 1), cos, sin)
-        self.v[:, start:end] = v.view(n, nkv, hd).transpose(0, 1)
         causal = mask is None and start == 0 and n > 1
         if mask is None and not causal and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device)
             mask[:, start:] = mask[:, start:].tril()
-        a = F.scaled_dot_product_attention(q[None], self.k[None, :, :end], self.v[None, :, :end],
-                                           attn_mask=None if mask is None else mask.to(self.device),
-                                           is_causal=causal, enable_gqa=nh != nkv)
-        h = h + self.o(a[0].transpose(0, 1).reshape(n, nh * hd))
-        x = F.rms_norm(h, (self.hidden_size,), self.post_norm, self.eps)
-        g, u = self.gate_up(x).chunk(2, dim=-1)
-        h = h + self.down(F.silu(g) * u)
+        if mask is not None:
+            mask = mask.to(self.device)
+        for li, layer in enumerate(self.layers):
+            x = h if layer.input_norm is None else F.rms_norm(h, (self.hidden_size,), layer.input_norm, self.eps)
+            q, k, v = layer.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q = _rope(q.view(n, nh, hd).transpose(0, 1), cos, sin)
+            self.k[li, :, start:end] = _rope(k.view(n, nkv, hd).transpose(0, 1), cos, sin)
+            self.v[li, :, start:end] = v.view(n, nkv, hd).transpose(0, 1)
+            a = F.scaled_dot_product_attention(q[None], self.k[li, None, :, :end], self.v[li, None, :, :end],
+                                               attn_mask=mask, is_causal=causal, enable_gqa=nh != nkv)
+            h = h + layer.o(a[0].transpose(0, 1).reshape(n, nh * hd))
+            x = F.rms_norm(h, (self.hidden_size,), layer.post_norm, self.eps)
+            g, u = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(g) * u)
         self.n_pending += n
         return h
 
@@ -360,13 +378,27 @@ class HeadRunner:
         src = keep + self.length
         dst = torch.arange(self.length, self.length + k, device=self.device)
         if k and not torch.equal(src, dst):
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            self.k[:, :, dst] = self.k[:, :, src]
+            self.v[:, :, dst] = self.v[:, :, src]
         self.length += k
         self.n_pending = 0
 
     def rollback(self) -> None:
         self.n_pending = 0
+
+
+class _PackedLayer:
+    """One decoder layer's weights, fused and pre-packed for batch-1 inference."""
+
+    def __init__(self, layer, pack: bool) -> None:
+        a, m = layer.self_attn, layer.mlp
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), None, pack)
+        self.o = Linear(a.o_proj.weight, None, pack)
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None, pack)
+        self.down = Linear(m.down_proj.weight, None, pack)
+        self.post_norm = layer.post_attention_layernorm.weight.detach()
+        norm = layer.input_layernorm
+        self.input_norm = None if isinstance(norm, nn.Identity) else norm.weight.detach()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ class TrainConfig:
     ship_to: str = ""  # also write a small copy here: fp16, and no LM head rows if they stayed the target's
     init_from: str = ""  # start from this head's weights and draft vocabulary (warm start on new data)
     unroll: int = 1  # draft steps trained per row: > 1 also trains on the head's own predictions
+    layers: int = 0  # decoder layers: 0 = 1 (EAGLE), or as many as --init-from has; more grows that head
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -277,7 +278,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         saved = TrainConfig.from_dict(resume["config"])
         for k in ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                   "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip",
-                  "init_from", "unroll"):
+                  "init_from", "unroll", "layers"):
             if getattr(saved, k) != getattr(cfg, k):
                 raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
                                    "resume with the same settings or use another --out")
@@ -289,6 +290,8 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     total = cfg.steps or max(1, int(cfg.epochs * len(data) / cfg.batch_size))
     if cfg.unroll < 1:
         raise SpecdecError(f"--unroll must be >= 1, got {cfg.unroll}")
+    if cfg.layers < 0:
+        raise SpecdecError(f"--layers must be >= 1 (or 0 for the default), got {cfg.layers}")
     if cfg.batch_size < world:
         raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
 
@@ -300,8 +303,10 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         if cfg.draft_vocab and cfg.draft_vocab != vd:
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
                                f"not --draft-vocab {cfg.draft_vocab}")
+        if cfg.layers:
+            head.grow(cfg.layers)
     else:
-        head = EagleHead(head_config(target_model.config))
+        head = EagleHead(head_config(target_model.config, num_hidden_layers=cfg.layers or 1))
         if cfg.draft_vocab:
             eos = getattr(target_model.config, "eos_token_id", None)
             always = set([eos] if isinstance(eos, int) else (eos or []))
