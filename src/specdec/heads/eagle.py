@@ -1,13 +1,15 @@
 """The EAGLE draft head (DESIGN.md §4, §6) and a lean runner for it with its own KV cache.
 
 Row t of the head reads (x_{t+1}, f_t): fc(cat(embed(x_{t+1}), f_t)) -> one Llama decoder layer
-without input norm (EAGLE; optionally more, ordinary pre-norm layers after it) -> f̂_{t+1}, at position t. Token logits come from the target's frozen LM head
-(no final norm), or from a reduced head over the V_d most frequent tokens with a draft->target id map.
+without input norm (EAGLE; optionally more, ordinary pre-norm layers after it) -> f̂_{t+1}, at
+position t. Token logits come from the target's frozen LM head (no final norm), or from a reduced
+head over the V_d most frequent tokens with a draft->target id map.
 
-On disk: an HF-style dir, config.json a LlamaConfig with num_hidden_layers L (1 for EAGLE; + our "specdec"
-block and EAGLE-3's "draft_vocab_size"), model.safetensors with fc.weight, layers.i.self_attn.*,
-layers.i.mlp.*, layers.i.post_attention_layernorm.weight (layers.i.input_layernorm.weight for i > 0) and, for a reduced vocabulary, lm_head.weight + d2t (EAGLE-3
-convention: offsets, target_id = draft_id + d2t[draft_id]) + t2d (bool over the target vocab).
+On disk: an HF-style dir, config.json a LlamaConfig with num_hidden_layers L (1 for EAGLE; + our
+"specdec" block and EAGLE-3's "draft_vocab_size"), model.safetensors with fc.weight,
+layers.i.self_attn.*, layers.i.mlp.*, layers.i.post_attention_layernorm.weight
+(layers.i.input_layernorm.weight for i > 0) and, for a reduced vocabulary, lm_head.weight + d2t
+(EAGLE-3 convention: offsets, target_id = draft_id + d2t[draft_id]) + t2d (bool over the target vocab).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class EagleHead(nn.Module):
     def __init__(self, config: LlamaConfig, draft_vocab_size: int | None = None, fc_bias: bool = False) -> None:
         super().__init__()
         if config.num_hidden_layers < 1:
-            raise SpecdecError(f"an EAGLE head needs at least one decoder layer, config says {config.num_hidden_layers}")
+            raise SpecdecError(f"an EAGLE head needs a decoder layer, config says {config.num_hidden_layers}")
         config._attn_implementation = "sdpa"
         self.config = config
         h = config.hidden_size
@@ -205,7 +207,8 @@ class EagleHead(nn.Module):
         extra = set(sd) - layer_keys - _IGNORED - {"fc.weight", "fc.bias", "lm_head.weight", "d2t", "t2d"}
         missing = (layer_keys | {"fc.weight"}) - set(sd)
         if missing or extra or not layer_keys:
-            why = [f"missing {sorted(missing)[:6]}" if missing else "", f"unexpected {sorted(extra)[:6]}" if extra else "",
+            why = [f"missing {sorted(missing)[:6]}" if missing else "",
+                   f"unexpected {sorted(extra)[:6]}" if extra else "",
                    f"num_hidden_layers={n_layers}" if not layer_keys else ""]
             raise SpecdecError(f"{path} is not an EAGLE-1/2 head: " + "; ".join(w for w in why if w))
         h, v = config.hidden_size, config.vocab_size
