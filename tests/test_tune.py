@@ -13,6 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.tree import build_dynamic_tree
 from specdec.tune import (
+    TUNED,
     Config,
     Row,
     accepted_lengths,
@@ -24,6 +25,7 @@ from specdec.tune import (
     save_tuning,
     tune,
     tuning_path,
+    visited,
     walk,
 )
 from tests.test_eagle import tiny, tiny_data, trained  # noqa: F401  (module fixtures)
@@ -79,6 +81,30 @@ def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):  # noqa: 
     assert max(taus) > 2  # real acceptance, deep paths included
 
 
+def test_offline_lookup_union_replays_the_engine_exactly(tiny, trained):  # noqa: F811
+    """tune's model of eagle2 + a lookup chain (UnionDrafter): same accept lengths and tree sizes as
+    the engine, step by step."""
+    head = str(trained[1] / "head")
+    configs, lookups = [Config(3, 2, 4), Config(2, 1, 2)], (2, 6)
+    walker = from_models(tiny, None, "eagle2", head=head)
+    grew = helped = 0
+    for prompt in PROMPTS[:4]:
+        cont, _ = run(walker.runner, NoDrafter(), prompt, SamplingParams(), 40)
+        w = walk(walker.drafter, walker.runner, prompt, cont, configs, lookups=lookups)
+        for c in configs:
+            for n in lookups:
+                dec = from_models(tiny, None, "eagle2", head=head, lookup=n, **c._asdict())
+                got, stats = run(dec.runner, dec.drafter, prompt, SamplingParams(), len(cont))
+                assert got == cont
+                per_pos = w.union[(c, n)]
+                steps = visited([a for a, _ in per_pos])
+                assert [per_pos[i][0] + 1 for i in steps] == stats.accept_lengths, (c, n)
+                assert [per_pos[i][1] for i in steps] == stats.tree_sizes, (c, n)
+                grew += sum(size > c.total_tokens for size in stats.tree_sizes)
+                helped += replay([a for a, _ in per_pos]) != replay(w.accepted[c])
+    assert grew and helped  # the chain entered the trees and changed what got accepted
+
+
 def test_rank_picks_the_fastest_expected_config():
     rows = [Row(Config(2, 1, 2), 1.8, 0.002, 0.050, 0.001),  # cheapest: 34.0 tok/s
             Row(Config(4, 2, 6), 2.6, 0.006, 0.060, 0.001),  # 38.8: neither cheapest nor highest tau
@@ -99,9 +125,12 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     rec = tune(dec, PROMPTS[:2], tokens=30, configs=configs, reps=1, time_every=8)
     best = (rec["depth"], rec["topk"], rec["total_tokens"])
     assert best in configs and best == tuple(rec["top"][0][k] for k in ("depth", "topk", "total_tokens"))
-    assert rec["tau"] >= 1 and rec["machine"]["torch"] == torch.__version__ and set(rec["target_ms"]) == {
-        "1", "3", "5", "9"}
+    assert rec["tau"] >= 1 and rec["machine"]["torch"] == torch.__version__
+    assert {"1", "3", "5", "9"} <= set(rec["target_ms"])  # + the sizes trees with a lookup chain reached
     assert (dec.drafter.depth, dec.drafter.topk, dec.drafter.total_tokens) == (5, 4, 10)  # left as it was
+    auto = rec["auto"]  # the fastest over plain trees and trees + a lookup chain of each length tried
+    assert auto["lookup"] in (0, *rec["lookups_tried"]) and auto["tokens_per_second"] >= rec["tokens_per_second"]
+    assert any(r.get("lookup") for r in rec["top_with_lookup"])
 
     assert save_tuning(rec, tuning_path(head)) == head / "tuning.json"
     assert json.loads((head / "tuning.json").read_text())["top"] == rec["top"]
@@ -110,6 +139,18 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     assert (d.depth, d.topk, d.total_tokens) == best
     d = from_models(tiny, None, "eagle2", head=str(head), depth=7, tree_tokens=12).drafter  # explicit wins
     assert (d.depth, d.topk, d.total_tokens) == (7, best[1], 12)
+    # `auto` takes the "auto" choice: its tree and, when one won, the lookup chain
+    rec["auto"] = {"depth": 3, "topk": 2, "total_tokens": 6, "lookup": 5}
+    save_tuning(rec, tuning_path(head))
+    assert load_tuning(head, auto=True) == rec["auto"] and load_tuning(head) == dict(zip(TUNED, best))
+    u = from_models(tiny, None, "auto", head=str(head))
+    e, p = u.drafter.members
+    assert u.drafter.name == "eagle2+pld" and (e.depth, e.topk, e.total_tokens, p.num_tokens) == (3, 2, 6, 5)
+    assert from_models(tiny, None, "auto", head=str(head), lookup=0).drafter.depth == 3  # explicit wins
+    rec["auto"]["lookup"] = -1
+    save_tuning(rec, tuning_path(head))
+    with pytest.raises(SpecdecError, match="lookup must be an integer"):
+        from_models(tiny, None, "auto", head=str(head))
 
     # a shipped (package) head: tune writes under the cache, which wins over the shipped tuning.json
     monkeypatch.setattr(specdec.tune, "SHIPPED_HEADS", tmp_path.resolve())
@@ -129,6 +170,9 @@ def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):  # noq
     assert "is not a directory" in capsys.readouterr().err
     assert main(["tune", "--prompts", "0"]) == 2
     assert "--prompts must be" in capsys.readouterr().err
+    for bad in ("4,x", "0,8"):
+        assert main(["tune", "--lookups", bad]) == 2
+        assert "--lookups must be" in capsys.readouterr().err
     monkeypatch.setattr("specdec.target.loading.load_model", lambda *a, **k: (tiny, None, None))
     assert main(["tune"]) == 2  # a model without a shipped head and no --head
     assert "no EAGLE head ships for this model: pass --head" in capsys.readouterr().err

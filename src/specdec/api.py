@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -141,7 +142,8 @@ def load(
 ) -> Decoder:
     """Load a target (HF dir, .gguf, or the embedded default "smollm2") and a drafting method.
 
-    methods: auto (eagle2 with the shipped head where one fits the target, else vanilla); vanilla; sps
+    methods: auto (eagle2 with the shipped head where one fits the target, with the tree and prompt-lookup
+    chain `specdec tune` chose for it; else vanilla); vanilla; sps
     (draft model chain, opts: gamma); sps-tree (draft model top-k tree, opts: gamma = depth, topk,
     tree_tokens); pld; eagle / eagle2 (opts: head=<dir>, see drafters/eagle.py; lookup=N adds a
     prompt-lookup chain of N tokens to every draft tree, drafters/union.py).
@@ -167,7 +169,12 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
     if method == "auto":  # fast by default, where we ship a head for this target
         from specdec.heads.eagle import find_shipped_head
 
-        method = "eagle2" if find_shipped_head(model) is not None else "vanilla"
+        head = opts.get("head") or find_shipped_head(model)
+        method = "eagle2" if head is not None else "vanilla"
+        if isinstance(head, (str, os.PathLike)):  # the tree (and lookup chain) `specdec tune` chose for auto
+            from specdec.tune import load_tuning
+
+            opts = {"head": str(head), **(load_tuning(head, auto=True) or {}), **opts}
     if method == "vanilla":
         _no_opts(opts, method)
         drafter = NoDrafter()
