@@ -18,7 +18,7 @@ PEERS = ("hf", "hf-pld", "hf-assisted")
 def our_methods() -> tuple[str, ...]:
     from specdec import api
 
-    return tuple(api.METHODS)
+    return tuple(api.METHODS) + ("auto",)  # auto: what `specdec generate` runs by default
 
 
 @dataclass(frozen=True)
