@@ -261,7 +261,7 @@ def rank(rows: Sequence[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (-r.tokens_per_second, r.config.total_tokens, r.config.depth, r.config.topk))
 
 
-def tune(decoder, prompts: Sequence[list[int]], tokens: int = 96, configs: Sequence[Config] | None = None,
+def tune(decoder, prompts: Sequence[list[int]], tokens: int = 256, configs: Sequence[Config] | None = None,
          reps: int = 7, time_every: int = 24, log: Callable[[str], None] = lambda s: None,
          lookups: Sequence[int] = LOOKUPS) -> dict:
     """Measure and choose for an eagle2 Decoder (api.from_models) on token-id prompts. Returns the record
@@ -397,7 +397,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="target: HF dir, .gguf, or the embedded default")
     p.add_argument("--head", default=None, help="EAGLE head dir (default: the one shipped for the model)")
     p.add_argument("--prompts", type=int, default=4, help=f"calibration prompts (1-{len(CALIBRATION_PROMPTS)})")
-    p.add_argument("--tokens", type=int, default=96, help="greedy tokens generated per prompt")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="greedy tokens generated per prompt (as long as real answers: a small model repeats "
+                        "itself late in an answer, which is where a lookup chain pays)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (tune with the count you will use)")
     p.add_argument("--out", default=None, help="result file (default: <head>/tuning.json; for a shipped or "
                    "read-only head ~/.cache/specdec/tuning/<name>.json, where loading also looks)")
