@@ -145,8 +145,17 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     assert load_tuning(head, auto=True) == rec["auto"] and load_tuning(head) == dict(zip(TUNED, best))
     u = from_models(tiny, None, "auto", head=str(head))
     e, p = u.drafter.members
-    assert u.drafter.name == "eagle2+pld" and (e.depth, e.topk, e.total_tokens, p.num_tokens) == (3, 2, 6, 5)
+    assert u.drafter.name == "eagle2+pld" and (e.depth, e.topk, e.total_tokens, p.inner.num_tokens) == (3, 2, 6, 5)
     assert from_models(tiny, None, "auto", head=str(head), lookup=0).drafter.depth == 3  # explicit wins
+    # the tuned chain is priced for greedy decoding: sampled requests get the EAGLE tree alone, unless
+    # the caller asks for the chain
+    explicit = from_models(tiny, None, "auto", head=str(head), lookup=5)
+    sizes = {"greedy": [], "sampled": [], "explicit": []}
+    for prompt in PROMPTS[:3]:
+        for key, dec, params in (("greedy", u, SamplingParams()), ("sampled", u, SamplingParams(1.0, seed=0)),
+                                 ("explicit", explicit, SamplingParams(1.0, seed=0))):
+            sizes[key] += run(dec.runner, dec.drafter, prompt, params, 30)[1].tree_sizes
+    assert max(sizes["greedy"]) > 6 and max(sizes["sampled"]) <= 6 and max(sizes["explicit"]) > 6
     rec["auto"]["lookup"] = -1
     save_tuning(rec, tuning_path(head))
     with pytest.raises(SpecdecError, match="lookup must be an integer"):

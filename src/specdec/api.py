@@ -166,6 +166,7 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
     """A Decoder over models already in memory (what `load` does after loading)."""
     runner = make_runner(model, backend)
     drafter: Drafter
+    greedy_lookup = False
     if method == "auto":  # fast by default, where we ship a head for this target
         from specdec.heads.eagle import find_shipped_head
 
@@ -174,7 +175,9 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
         if isinstance(head, (str, os.PathLike)):  # the tree (and lookup chain) `specdec tune` chose for auto
             from specdec.tune import load_tuning
 
-            opts = {"head": str(head), **(load_tuning(head, auto=True) or {}), **opts}
+            tuned = load_tuning(head, auto=True) or {}
+            greedy_lookup = "lookup" not in opts  # the tuned chain is priced for greedy decoding only
+            opts = {"head": str(head), **tuned, **opts}
     if method == "vanilla":
         _no_opts(opts, method)
         drafter = NoDrafter()
@@ -209,11 +212,12 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
         _no_opts(opts, method)
         if lookup:
             from specdec.drafters.prompt_lookup import PromptLookupDrafter
-            from specdec.drafters.union import UnionDrafter
+            from specdec.drafters.union import GreedyOnly, UnionDrafter
 
             if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 0:
                 raise SpecdecError(f"lookup must be a number of tokens >= 0, got {lookup!r}")
-            drafter = UnionDrafter(drafter, PromptLookupDrafter(num_tokens=lookup))
+            pld = PromptLookupDrafter(num_tokens=lookup)
+            drafter = UnionDrafter(drafter, GreedyOnly(pld) if greedy_lookup else pld)
     else:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     return Decoder(runner, tokenizer, drafter, method, _eos_ids(model, tokenizer))

@@ -40,7 +40,7 @@ from specdec.verify import Verdict
 DEPTHS = range(2, 8)
 TOPKS = range(1, 7)
 SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20)
-LOOKUPS = (4, 8, 12)
+LOOKUPS = (4, 8, 12, 16, 24)
 TUNED = ("depth", "topk", "total_tokens")
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
 

@@ -38,3 +38,21 @@ class UnionDrafter(Drafter):
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         for m in self.members:
             m.accept(ctx, verdict)
+
+
+class GreedyOnly(Drafter):
+    """A member that drafts for greedy requests only. `auto` wraps its lookup chain in this: `specdec
+    tune` prices the chain exactly, but for greedy decoding; sampled text repeats far less (MT-bench
+    turn 1 at T=1: prompt lookup alone reached tau 1.07), so there the chain only widens the verify."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def begin(self, ctx: DecodeContext) -> None:
+        self.inner.begin(ctx)
+
+    def propose(self, ctx: DecodeContext) -> DraftTree:
+        return self.inner.propose(ctx) if ctx.params.greedy else DraftTree.empty()
+
+    def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
+        self.inner.accept(ctx, verdict)
