@@ -63,6 +63,9 @@ def test_expected_improvement_formula():
 
 def test_speedup_mean_std_and_calibration():
     assert M.speedup([2.0, 2.0], [1.0, 1.0]) == 2.0
+    # sampled outputs differ in length: per-token time decides (same time, twice the tokens = 2x)
+    assert M.speedup([2.0, 2.0], [2.0, 2.0], [10, 10], [20, 20]) == 2.0
+    assert M.speedup([2.0], [1.0], [10], [5]) == 1.0
     m, s = M.mean_std([2.0, 4.0])
     assert m == 3.0 and s == pytest.approx(math.sqrt(2))
     assert M.mean_std([1.5]) == (1.5, 0.0)
@@ -93,6 +96,8 @@ def test_summarize_baseline_speedup_and_leviathan():
                  _rec("sps", "a", "x", rep, 1.0, stats=spec), _rec("sps", "b", "y", rep, 0.5, stats=spec)]
     base = M.choose_baseline(recs)
     assert base == "vanilla"  # faster in total than hf
+    longer_hf = [dict(r, new_tokens=40) if r["method"] == "hf" else r for r in recs]
+    assert M.choose_baseline(longer_hf) == "hf"  # more tokens in its 3 s: faster per token
     s = M.summarize(recs, base)
     # repeat 0: x 2/1, y 2/0.5; repeat 1: x 2.2/1
     assert s["sps"]["x"]["speedup"] == pytest.approx((2.0 + 2.2) / 2)

@@ -50,10 +50,17 @@ def mean_alpha(tries: list[int], accepts: list[int]) -> float:
     return sum(accepts) / t if t else 0.0
 
 
-def speedup(baseline_times, method_times) -> float:
-    """Total baseline wall time / total method wall time over the same prompts."""
+def speedup(baseline_times, method_times, baseline_tokens=None, method_tokens=None) -> float:
+    """Baseline time per token / method time per token, totals over the same prompts. With T > 0 the
+    methods emit different texts of different lengths, so only per-token time compares them; without
+    token counts (or at T = 0, where every output is the same) it is the wall-time ratio."""
     m = sum(method_times)
-    return sum(baseline_times) / m if m else float("nan")
+    if not m:
+        return float("nan")
+    if baseline_tokens is None or method_tokens is None:
+        return sum(baseline_times) / m
+    nb, nm = sum(baseline_tokens), sum(method_tokens)
+    return (sum(baseline_times) / nb) / (m / nm) if nb and nm else float("nan")
 
 
 def expected_tau(alpha: float, gamma: float) -> float:
@@ -111,17 +118,18 @@ def _key(r: dict) -> tuple:
 
 
 def choose_baseline(records: list[dict], candidates=("hf", "vanilla")) -> str:
-    """The faster (least total wall time over the common prompts) of HF generate and our vanilla."""
+    """The faster (least wall time per token over the common prompts) of HF generate and our vanilla."""
     totals = {}
     by_method = defaultdict(dict)
     for r in records:
-        by_method[r["method"]][(_key(r), r["repeat"])] = r["wall_time"]
+        by_method[r["method"]][(_key(r), r["repeat"])] = (r["wall_time"], r["new_tokens"])
     present = [c for c in candidates if c in by_method]
     if not present:
         raise ValueError("no baseline candidate among the records")
     common = set.intersection(*(set(by_method[c]) for c in present))
     for c in present:
-        totals[c] = sum(by_method[c][k] for k in common)
+        t, n = (sum(x) for x in zip(*(by_method[c][k] for k in common))) if common else (0.0, 0)
+        totals[c] = t / n if n else float("inf")
     return min(present, key=lambda c: (totals[c], candidates.index(c)))
 
 
@@ -131,13 +139,13 @@ def summarize(records: list[dict], baseline: str, vanilla: str | None = "vanilla
     by = defaultdict(list)
     for r in records:
         by[r["method"]].append(r)
-    base_t = {(_key(r), r["repeat"]): r["wall_time"] for r in by[baseline]}
+    base_t = {(_key(r), r["repeat"]): (r["wall_time"], r["new_tokens"]) for r in by[baseline]}
     van_fwd = None
     if vanilla in by:  # our vanilla's cost of one decode forward: the c denominator
         vs = [r["stats"] for r in by[vanilla] if r.get("stats")]
         fwd = sum(s["target_forwards"] for s in vs)
         van_fwd = sum(s["time"]["verify"] for s in vs) / fwd if fwd else None
-    van_t = {(_key(r), r["repeat"]): r["wall_time"] for r in by.get(vanilla, [])}
+    van_t = {(_key(r), r["repeat"]): (r["wall_time"], r["new_tokens"]) for r in by.get(vanilla, [])}
     out: dict = {}
     for method, recs in by.items():
         cats = defaultdict(list)
@@ -149,13 +157,16 @@ def summarize(records: list[dict], baseline: str, vanilla: str | None = "vanilla
 
 
 def _per_repeat(rs, ref_t) -> list[float]:
-    reps = defaultdict(lambda: ([], []))
+    reps = defaultdict(lambda: ([], [], [], []))
     for r in rs:
         k = (_key(r), r["repeat"])
         if k in ref_t:
-            reps[r["repeat"]][0].append(ref_t[k])
-            reps[r["repeat"]][1].append(r["wall_time"])
-    return [speedup(b, m) for b, m in (reps[k] for k in sorted(reps))]
+            b = reps[r["repeat"]]
+            b[0].append(ref_t[k][0])
+            b[1].append(r["wall_time"])
+            b[2].append(ref_t[k][1])
+            b[3].append(r["new_tokens"])
+    return [speedup(*reps[k]) for k in sorted(reps)]
 
 
 def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> dict:

@@ -89,8 +89,9 @@ def render(run: dict, summary: dict, audit: dict) -> str:
     if run.get("skipped"):
         md += [f"Skipped {len(run['skipped'])} prompt(s) too long for the context: "
                + ", ".join(f"{s['question_id']}/turn {s['turn']}" for s in run["skipped"]), ""]
-    md += [f"## Speedup vs `{base}`", "", "Total baseline wall time / total method wall time over the same prompts; "
-           "mean ± std over repeats.", "",
+    md += [f"## Speedup vs `{base}`", "",
+           "Baseline wall time per token / method wall time per token, totals over the same prompts "
+           "(at T = 0 every output is the same, so this is the wall-time ratio); mean ± std over repeats.", "",
            _metric_table(summary, run, methods, lambda c: _pm(c["speedup"], c["speedup_std"], 2, "×")), ""]
     md += ["## Tokens per second", "", _metric_table(summary, run, methods,
                                                       lambda c: _pm(c["tokens_per_s"], c["tokens_per_s_std"], 1)), ""]
