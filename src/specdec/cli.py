@@ -76,8 +76,9 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         final = chunk.final
     s = final.stats
+    label = dec.drafter.name if "+" in dec.drafter.name else dec.method  # a union names its members
     print(
-        f"\n[{dec.method}] {s.new_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s | "
+        f"\n[{label}] {s.new_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s | "
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards | "
         f"draft {s.draft_time:.2f} s, verify {s.verify_time:.2f} s, prefill {s.prefill_time:.2f} s | "
         f"finish: {final.finish_reason}",
