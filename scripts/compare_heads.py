@@ -32,7 +32,7 @@ def main() -> None:
     for h in a.heads:
         dec = from_models(model, tok, "eagle2", head=h)
         prompts = [dec.encode([{"role": "user", "content": q}]) for q in CALIBRATION_PROMPTS]
-        rows = sorted(tune(dec, prompts, a.tokens, configs=cfgs, reps=2)["top"],
+        rows = sorted(tune(dec, prompts, a.tokens, configs=cfgs, reps=2, lookups=())["top"],
                       key=lambda r: (r["total_tokens"], r["depth"]))
         print(h)
         print("  " + "  ".join(f"d{r['depth']} m{r['total_tokens']}: tau {r['tau']:.2f}" for r in rows), flush=True)

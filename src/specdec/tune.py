@@ -178,7 +178,8 @@ def walk(drafter, target, prompt: list[int], continuation: list[int], configs: S
                 _set(drafter, Config(depth_max, k, 1 << 30))
                 full = drafter.propose(ctx)
                 found = accepted_lengths(full, truth, cs, budget)
-                merged = accepted_lengths(full, chain, cs, budget)  # the chain's prefix the tree holds
+                if lookups:  # the chain's prefix that the tree already holds
+                    merged = accepted_lengths(full, chain, cs, budget)
             for c, a in found.items():
                 w.accepted[c].append(a)
                 m = min(c.total_tokens, budget)
