@@ -19,7 +19,7 @@ from specdec.target.lean import LeanRunner
 from specdec.training.datagen import generate_answers, pack_shard, teacher_force, write_shard
 from specdec.training.train import TrainConfig, build_draft_vocab, train_eagle
 from tests.conftest import tiny_model
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run
+from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
 from tests.test_verify import chi2_pvalue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,18 +71,6 @@ def trained(tiny, tiny_data, tmp_path_factory):
                       save_every=1000, log_every=10)
     r = train_eagle(cfg, tiny, progress=False)
     return r, out
-
-
-def sample_first3(target, drafter, prompt, params, n=2500):
-    """Counts of the first 3 tokens over n seeds, and every draft size verified. 6 tokens are decoded
-    so that whole trees get drafted (the engine drafts no more than it may still emit); the first 3
-    must follow the target's exact joint."""
-    counts, sizes = np.zeros(SMALL_V**3), []
-    for seed in range(n):
-        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
-        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
-        sizes += st.tree_sizes
-    return counts, sizes
 
 
 # ---- the head ----

@@ -33,6 +33,18 @@ def run(runner, drafter, prompt, params, n, eos=()):
     return out, stats
 
 
+def sample_first3(target, drafter, prompt, params, n=2500):
+    """Counts of the first 3 tokens over n seeds, and every draft size verified. 6 tokens are decoded
+    so that whole trees get drafted (the engine drafts no more than it may still emit); the first 3
+    must follow the target's exact joint."""
+    counts, sizes = np.zeros(SMALL_V**3), []
+    for seed in range(n):
+        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
+        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
+        sizes += st.tree_sizes
+    return counts, sizes
+
+
 def hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -106,14 +118,7 @@ def test_speculative_sampling_matches_vanilla_distribution(shape, params):
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))
     drafter = DraftModelDrafter(draft, SMALL_V, gamma=3, tree_topk=2 if shape == "tree" else 0, tree_tokens=5)
     prompt = [1, 3, 0, 2]
-    counts = np.zeros(SMALL_V**3)
-    n, sizes = 3000, []
-    for seed in range(n):
-        # 6 tokens so that whole drafts get verified (the engine drafts no more than it may still emit);
-        # the first 3 must follow the target's exact joint
-        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
-        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
-        sizes += st.tree_sizes
+    counts, sizes = sample_first3(target, drafter, prompt, params, n=3000)
     assert max(sizes) >= 3
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
@@ -199,11 +204,6 @@ def test_prompt_lookup_sampling_matches_vanilla_distribution():
         model.lm_head.weight.mul_(0.25)
     params = SamplingParams(1.1, top_k=4)
     prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1]
-    target, counts, sizes = LeanRunner(model), np.zeros(SMALL_V**3), []
-    for seed in range(2500):
-        toks, st = run(target, PromptLookupDrafter(num_tokens=3), prompt,
-                       SamplingParams(params.temperature, params.top_k, seed=seed), 6)  # 6: see above
-        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
-        sizes += st.tree_sizes
+    counts, sizes = sample_first3(LeanRunner(model), PromptLookupDrafter(num_tokens=3), prompt, params)
     assert max(sizes) == 3
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
