@@ -101,6 +101,34 @@ def test_head_forward_shapes_and_lean_runner_matches(tiny, layers):
         torch.testing.assert_close(sib[j], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_runner_keeps_only_the_accepted_tree_path_in_every_layer(tiny, layers):
+    """After verification the drafter commits a path of tree rows (not contiguous): every layer's cache
+    must then hold exactly what a plain forward over the accepted sequence would."""
+    head = make_head(tiny, seed=2, layers=layers)
+    emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
+    toks, f = torch.randint(0, 97, (12,)), torch.randn(12, 64)
+    r = HeadRunner(head, emb, lm)
+    r.forward(toks[:4], f[:4])
+    r.commit(range(4))
+    parents, depth = [-1, -1, 0, 1, 1, 2], [0, 0, 1, 1, 1, 2]  # the path 0 -> 2 -> 5 gets accepted
+    mask = torch.zeros(6, 10, dtype=torch.bool)
+    mask[:, :4] = True
+    for i in range(6):
+        j = i
+        while j >= 0:
+            mask[i, 4 + j] = True
+            j = parents[j]
+    tree_out = r.forward(toks[4:10], f[4:10], torch.tensor(depth) + 4, mask)
+    r.commit([0, 2, 5])
+    after = r.forward(toks[10:12], f[10:12])
+    kept = torch.tensor([0, 1, 2, 3, 4, 6, 9, 10, 11])
+    with torch.no_grad():
+        ref = head(emb[toks[kept]][None], f[kept][None])[0]
+    torch.testing.assert_close(tree_out[[0, 2, 5]], ref[4:7], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, ref[7:], atol=1e-5, rtol=1e-5)
+
+
 def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     ids = [90, 3, 17, 5, 60]
     head = make_head(tiny, draft_vocab=ids)
