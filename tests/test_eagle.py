@@ -355,15 +355,9 @@ def test_accelerate_launch_two_cpu_processes(tiny, tiny_data, tmp_path):
 # ---- data generation ----
 
 def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
+    from specdec.files import shared_data_dir as default_shared_data
     from specdec.target.loading import cache_dir
-    from specdec.training.datagen import (
-        Plan,
-        benchmark_prompts,
-        default_shared_data,
-        is_benchmark,
-        list_shards,
-        run_datagen,
-    )
+    from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
 
     conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))
     gsm = default_shared_data() / "gsm8k" / "train.jsonl"

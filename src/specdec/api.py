@@ -12,7 +12,7 @@ from specdec.drafters.base import Drafter, NoDrafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.target.loading import check_same_vocab, load_model, make_runner
+from specdec.target.loading import check_same_vocab, eos_ids, load_model, make_runner
 
 Messages = Sequence[dict]
 
@@ -220,18 +220,9 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
             drafter = UnionDrafter(drafter, GreedyOnly(pld) if greedy_lookup else pld)
     else:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    return Decoder(runner, tokenizer, drafter, method, _eos_ids(model, tokenizer))
+    return Decoder(runner, tokenizer, drafter, method, eos_ids(model, tokenizer))
 
 
 def _no_opts(opts: dict, method: str) -> None:
     if opts:
         raise SpecdecError(f"unknown option(s) for method {method!r}: {', '.join(sorted(opts))}")
-
-
-def _eos_ids(model, tok) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tok):
-        e = getattr(src, "eos_token_id", None)
-        if e is not None:
-            ids.update([e] if isinstance(e, int) else e)
-    return ids

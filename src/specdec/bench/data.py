@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
+from specdec.files import find_data
 
 DATASETS = ("spec_bench", "mt_bench", "humaneval", "gsm8k")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -28,20 +29,11 @@ class Question:
     turns: list[str]  # user turns; later turns see the model's own earlier answers
 
 
-def data_roots() -> list[Path]:
-    roots = []
-    if os.environ.get("SPECDEC_DATA"):
-        roots.append(Path(os.environ["SPECDEC_DATA"]))
-    repo = Path(__file__).resolve().parents[3]
-    roots += [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
-    return roots
-
-
 def default_path(dataset: str) -> Path:
     for rel in _DEFAULT_FILES.get(dataset, []):
-        for root in data_roots():
-            if (root / rel).is_file():
-                return root / rel
+        found = find_data(rel)
+        if found is not None:
+            return found
     raise SpecdecError(
         f"no questions file for dataset {dataset!r}: pass --questions PATH (looked for "
         f"{', '.join(_DEFAULT_FILES.get(dataset, ['?']))} under $SPECDEC_DATA, ./shared/data, ../shared/data)"

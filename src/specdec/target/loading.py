@@ -133,3 +133,13 @@ def check_same_vocab(target_tok, draft_tok, target_name: str = "target", draft_n
             f"({len(dv)} vs {len(tv)} tokens; {only_t} only in {target_name}, {only_d} only in {draft_name}, "
             f"{moved} with different ids): a draft model must share the target's vocabulary"
         )
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a generation: the generation config's, the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if e is not None:
+            ids.update([e] if isinstance(e, int) else e)
+    return ids

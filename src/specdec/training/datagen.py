@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,13 +27,11 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.files import atomic_file, atomic_write_text, shared_data_dir
+from specdec.target.loading import eos_ids
 
 SOURCES = ("gsm8k", "self", "gsm8k-gold")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def default_shared_data() -> Path:
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 
 # ---- benchmark exclusion ----
@@ -91,14 +88,6 @@ class Plan:
     def nth_of_source(self, i: int) -> int:
         src = self.shard(i)[0]
         return sum(1 for j in range(i) if self.shard(j)[0] == src)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600
-    os.replace(tmp, path)
 
 
 # ---- model work ----
@@ -201,15 +190,8 @@ def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # atomic: a killed run never leaves a half shard under the real name
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp:  # a killed run never leaves a half shard under the real name
+        save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
 
 
 def list_shards(data_dir: str | os.PathLike) -> list[Path]:
@@ -276,15 +258,6 @@ def _gold_answer(answer: str) -> str:
     return f"{body}\nThe answer is {final.strip()}." if final else body
 
 
-def _eos_ids(model, tok) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tok):
-        e = getattr(src, "eos_token_id", None)
-        if e is not None:
-            ids.update([e] if isinstance(e, int) else e)
-    return ids
-
-
 def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, batch_size: int = 32,
                 gsm8k: str | os.PathLike | None = None, exclude_dir: str | os.PathLike | None = None,
                 feature_dtype: str = "float16", progress: bool = True) -> dict:
@@ -310,13 +283,13 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
             raise SpecdecError(f"{out} holds data made with a different target or plan; use another directory "
                                f"(existing plan: {old.get('plan')})")
     else:
-        _atomic_write_text(meta_file, json.dumps(meta, indent=1))
-    excl = Path(exclude_dir) if exclude_dir else default_shared_data()
+        atomic_write_text(meta_file, json.dumps(meta, indent=1))
+    excl = Path(exclude_dir) if exclude_dir else shared_data_dir()
     bench = benchmark_prompts(excl if excl.is_dir() else None)
-    gsm_path = Path(gsm8k) if gsm8k else default_shared_data() / "gsm8k" / "train.jsonl"
+    gsm_path = Path(gsm8k) if gsm8k else shared_data_dir() / "gsm8k" / "train.jsonl"
     maker = AnswerMaker(model)
     prompts = PromptSource(maker, tok, plan, gsm_path, bench, batch_size)
-    eos = _eos_ids(model, tok)
+    eos = eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     todo = [i for i in range(n_shards) if not (out / f"shard-{i:05d}.safetensors").is_file()]
     totals = {"shards": 0, "sequences": 0, "tokens": 0, "answer_tokens": 0, "gen_seconds": 0.0, "tf_seconds": 0.0}
