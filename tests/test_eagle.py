@@ -13,7 +13,9 @@ import torch
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.eagle import EagleDrafter, build_static_tree
 from specdec.errors import SpecdecError
-from specdec.heads.eagle import EagleHead, HeadRunner, head_config
+from specdec.heads.io import load_head, save_head
+from specdec.heads.model import EagleHead, head_config
+from specdec.heads.runner import HeadRunner
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.training.datagen import generate_answers, pack_shard, teacher_force, write_shard
@@ -140,7 +142,7 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     # the reduced head starts as the target's rows: same scores for those tokens
     torch.testing.assert_close(logits, (h @ tiny.lm_head.weight.detach().T)[:, sorted(ids)], atol=1e-4, rtol=1e-4)
     assert r.to_target(torch.tensor([0, 4])).tolist() == [3, 90]
-    head.save(tmp_path / "h")
+    save_head(head, tmp_path / "h")
     from safetensors.torch import load_file
 
     sd = load_file(str(tmp_path / "h" / "model.safetensors"))
@@ -149,17 +151,17 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     assert "layers.0.input_layernorm.weight" not in sd and sd["fc.weight"].shape == (64, 128)
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
-    back = EagleHead.load(tmp_path / "h", hidden_size=64, vocab_size=97)
+    back = load_head(tmp_path / "h", hidden_size=64, vocab_size=97)
     assert back.d2t.tolist() == sorted(ids)
     for k, t in head.state_dict().items():
         assert torch.equal(t, back.state_dict()[k]), k
     # shipped small: fp16, rows taken from the target through d2t (they are still the target's rows here)
-    head.save(tmp_path / "small", dtype=torch.float16, lm_head=False)
+    save_head(head, tmp_path / "small", dtype=torch.float16, lm_head=False)
     sd = load_file(str(tmp_path / "small" / "model.safetensors"))
     assert "lm_head.weight" not in sd and sd["fc.weight"].dtype == torch.float16
     with pytest.raises(SpecdecError, match="takes its LM head rows from the target"):
-        EagleHead.load(tmp_path / "small", 64, 97)
-    small = EagleHead.load(tmp_path / "small", 64, 97, target_lm_head=tiny.lm_head.weight)
+        load_head(tmp_path / "small", 64, 97)
+    small = load_head(tmp_path / "small", 64, 97, target_lm_head=tiny.lm_head.weight)
     torch.testing.assert_close(small.lm_head.weight, head.lm_head.weight)
     torch.testing.assert_close(small.fc.weight, head.fc.weight, atol=1e-3, rtol=1e-3)
     assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3).tolist() == [0, 2, 3]
@@ -169,11 +171,11 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
 def test_corrupt_or_mismatched_head_is_a_clear_error(tiny, tmp_path):
     from specdec.api import from_models
 
-    make_head(tiny).save(tmp_path / "ok")
+    save_head(make_head(tiny), tmp_path / "ok")
     with pytest.raises(SpecdecError, match="hidden size 64 but the target has 128"):
-        EagleHead.load(tmp_path / "ok", hidden_size=128, vocab_size=97)
+        load_head(tmp_path / "ok", hidden_size=128, vocab_size=97)
     with pytest.raises(SpecdecError, match="vocabulary of 97 tokens but the target has 200"):
-        EagleHead.load(tmp_path / "ok", hidden_size=64, vocab_size=200)
+        load_head(tmp_path / "ok", hidden_size=64, vocab_size=200)
     other = tiny_model("llama", hidden_size=32, intermediate_size=64)
     with pytest.raises(SpecdecError, match="hidden size 64 but the target has 32"):
         from_models(other, None, "eagle2", head=str(tmp_path / "ok"))
@@ -183,12 +185,12 @@ def test_corrupt_or_mismatched_head_is_a_clear_error(tiny, tmp_path):
     data = (tmp_path / "ok" / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
     with pytest.raises(SpecdecError, match="damaged"):
-        EagleHead.load(bad, 64, 97)
+        load_head(bad, 64, 97)
     (bad / "config.json").write_text("{not json")
     with pytest.raises(SpecdecError, match="not a valid LlamaConfig"):
-        EagleHead.load(bad, 64, 97)
+        load_head(bad, 64, 97)
     with pytest.raises(SpecdecError, match="config.json is missing"):
-        EagleHead.load(tmp_path / "nothing", 64, 97)
+        load_head(tmp_path / "nothing", 64, 97)
     with pytest.raises(SpecdecError, match="needs an EAGLE head"):
         from_models(tiny, None, "eagle")
 
@@ -226,7 +228,7 @@ def test_eagle_greedy_equals_vanilla(tiny, trained, dynamic, which):
     else:
         head = trained[0]["head"]
         if which == "trained-reduced":
-            head = EagleHead.load(trained[1] / "head")  # a reduced copy of the trained head
+            head = load_head(trained[1] / "head")  # a reduced copy of the trained head
             keep = torch.arange(0, 97, 2)
             head.set_draft_vocab(keep, tiny.lm_head.weight.detach())
     target = LeanRunner(tiny)
@@ -261,9 +263,9 @@ def test_eagle2_ablations_and_api_are_lossless(tiny, trained):
 def test_full_vocab_ablation_restores_the_whole_target_head(tiny, trained, tmp_path):
     from specdec.api import from_models
 
-    head = EagleHead.load(trained[1] / "head")
+    head = load_head(trained[1] / "head")
     head.set_draft_vocab(torch.arange(0, 97, 3), tiny.lm_head.weight.detach())  # target rows, as shipped
-    head.save(tmp_path / "reduced", lm_head=False)
+    save_head(head, tmp_path / "reduced", lm_head=False)
     target = LeanRunner(tiny)
     want, _ = run(target, NoDrafter(), PROMPTS[2], SamplingParams(), 30)
     reduced = from_models(tiny, None, "eagle2", head=str(tmp_path / "reduced"))
@@ -276,7 +278,7 @@ def test_full_vocab_ablation_restores_the_whole_target_head(tiny, trained, tmp_p
     for dec in (reduced, full):
         got, _ = run(dec.runner, dec.drafter, PROMPTS[2], SamplingParams(), 30)
         assert got == want
-    head.save(tmp_path / "own")  # trained-in rows: "full vocabulary" would be another model
+    save_head(head, tmp_path / "own")  # trained-in rows: "full vocabulary" would be another model
     with pytest.raises(SpecdecError, match="full_vocab needs"):
         from_models(tiny, None, "eagle2", head=str(tmp_path / "own"), full_vocab=True)
 
@@ -411,7 +413,7 @@ def test_ship_to_writes_a_small_copy_that_loads_as_the_same_head(tiny, tiny_data
     r = train_eagle(cfg, tiny, progress=False)
     full, small = tmp_path / "run" / "head" / "model.safetensors", tmp_path / "ship" / "model.safetensors"
     assert small.stat().st_size < 0.6 * full.stat().st_size  # fp16 and no LM head rows
-    back = EagleHead.load(tmp_path / "ship", 64, 97, target_lm_head=tiny.lm_head.weight)
+    back = load_head(tmp_path / "ship", 64, 97, target_lm_head=tiny.lm_head.weight)
     torch.testing.assert_close(back.lm_head.weight, r["head"].lm_head.weight)  # frozen: still the target's rows
     for k, v in r["head"].state_dict().items():
         torch.testing.assert_close(back.state_dict()[k].float(), v.float(), atol=2e-3, rtol=2e-3)
@@ -444,8 +446,8 @@ def test_grown_head_starts_as_the_old_one_then_trains_saves_and_loads(tiny, tiny
     """--layers 2 --init-from a 1-layer head: the new layer's residual branches start at zero, so the
     deeper head computes the old head's features exactly; training then moves it; the result round-trips."""
     base = make_head(tiny, seed=5)
-    base.save(tmp_path / "one")
-    grown = EagleHead.load(tmp_path / "one", 64, 97)
+    save_head(base, tmp_path / "one")
+    grown = load_head(tmp_path / "one", 64, 97)
     grown.grow(2)
     assert len(grown.layers) == 2 and grown.config.num_hidden_layers == 2
     emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
@@ -461,7 +463,7 @@ def test_grown_head_starts_as_the_old_one_then_trains_saves_and_loads(tiny, tiny
     r = train_eagle(cfg, tiny, progress=False)
     trained = r["head"]
     assert len(trained.layers) == 2 and trained.layers[1].mlp.down_proj.weight.abs().sum() > 0
-    back = EagleHead.load(tmp_path / "run" / "head", 64, 97)
+    back = load_head(tmp_path / "run" / "head", 64, 97)
     assert back.config.num_hidden_layers == 2
     with torch.no_grad():
         torch.testing.assert_close(back(emb[toks], f), trained.eval()(emb[toks], f), atol=1e-5, rtol=1e-5)
@@ -472,7 +474,7 @@ def test_grown_head_starts_as_the_old_one_then_trains_saves_and_loads(tiny, tiny
     save_file({k: v for k, v in sd.items() if not k.startswith("layers.1.mlp")},
               str(tmp_path / "run" / "head" / "model.safetensors"))
     with pytest.raises(SpecdecError, match=r"missing \['layers.1.mlp"):
-        EagleHead.load(tmp_path / "run" / "head", 64, 97)
+        load_head(tmp_path / "run" / "head", 64, 97)
     with pytest.raises(SpecdecError, match="--layers"):
         train_eagle(TrainConfig(**(vars(cfg) | {"out": str(tmp_path / "neg"), "layers": -1})), tiny, progress=False)
 

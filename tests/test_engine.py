@@ -13,6 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.target.hf import HFRunner
 from specdec.target.lean import LeanRunner
+from specdec.tree import TreeBudget
 from tests.conftest import tiny_model
 from tests.test_verify import chi2_pvalue
 
@@ -69,8 +70,7 @@ def test_vanilla_greedy_equals_hf_generate(family, backend):
 def test_speculative_greedy_equals_vanilla(family, shape):
     model = tiny_model(family)
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model))
-    drafter = DraftModelDrafter(draft, target.vocab_size, gamma=4, tree_topk=3 if shape == "tree" else 0,
-                                tree_tokens=10)
+    drafter = DraftModelDrafter(draft, target.vocab_size, 4, TreeBudget(4, 3, 10) if shape == "tree" else None)
     taus = []
     for prompt in PROMPTS:
         want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
@@ -84,7 +84,7 @@ def test_speculative_greedy_equals_vanilla(family, shape):
 def test_draft_with_fewer_vocab_rows_is_padded():
     model = tiny_model("llama")
     small = tiny_model("llama", vocab_size=90)
-    drafter = DraftModelDrafter(LeanRunner(small), 97, gamma=3)
+    drafter = DraftModelDrafter(LeanRunner(small), 97, chain_len=3)
     want, _ = run(LeanRunner(model), NoDrafter(), PROMPTS[1], SamplingParams(), 20)
     got, _ = run(LeanRunner(model), drafter, PROMPTS[1], SamplingParams(), 20)
     assert got == want
@@ -116,7 +116,7 @@ def test_speculative_sampling_matches_vanilla_distribution(shape, params):
     with torch.no_grad():  # keep the distributions spread out so every branch of the verifier runs
         model.lm_head.weight.mul_(0.25)
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))
-    drafter = DraftModelDrafter(draft, SMALL_V, gamma=3, tree_topk=2 if shape == "tree" else 0, tree_tokens=5)
+    drafter = DraftModelDrafter(draft, SMALL_V, 3, TreeBudget(3, 2, 5) if shape == "tree" else None)
     prompt = [1, 3, 0, 2]
     counts, sizes = sample_first3(target, drafter, prompt, params, n=3000)
     assert max(sizes) >= 3
@@ -126,7 +126,7 @@ def test_speculative_sampling_matches_vanilla_distribution(shape, params):
 def test_seeded_generation_is_reproducible():
     model = tiny_model("qwen2")
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model))
-    drafter = DraftModelDrafter(draft, target.vocab_size, gamma=3)
+    drafter = DraftModelDrafter(draft, target.vocab_size, chain_len=3)
     p = SamplingParams(1.0, seed=11)
     a, _ = run(target, drafter, PROMPTS[0], p, 30)
     b, _ = run(target, drafter, PROMPTS[0], p, 30)
@@ -142,14 +142,14 @@ def test_eos_stops_and_is_emitted():
     full, _ = run(runner, NoDrafter(), PROMPTS[1], SamplingParams(), 30)
     eos = full[7]
     first = full.index(eos)
-    for drafter in (NoDrafter(), DraftModelDrafter(LeanRunner(noisy_copy(model)), 97, gamma=4)):
+    for drafter in (NoDrafter(), DraftModelDrafter(LeanRunner(noisy_copy(model)), 97, chain_len=4)):
         out, stats = run(runner, drafter, PROMPTS[1], SamplingParams(), 30, eos=[eos])
         assert out == full[: first + 1] and stats.finish_reason == "stop"
 
 
 def test_max_new_tokens_is_exact_with_long_drafts():
     model = tiny_model("llama")
-    drafter = DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, gamma=6)  # a perfect draft
+    drafter = DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, chain_len=6)  # a perfect draft
     for n in (1, 2, 5, 13):
         out, stats = run(LeanRunner(model), drafter, PROMPTS[0], SamplingParams(), n)
         assert len(out) == n and stats.finish_reason == "length"
@@ -157,7 +157,7 @@ def test_max_new_tokens_is_exact_with_long_drafts():
 
 def test_context_limit_ends_generation_cleanly():
     model = tiny_model("llama", max_position_embeddings=24)
-    for drafter in (NoDrafter(), DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, gamma=5)):
+    for drafter in (NoDrafter(), DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, chain_len=5)):
         out, stats = run(LeanRunner(model), drafter, PROMPTS[1], SamplingParams(), 100)
         assert len(PROMPTS[1]) + len(out) == 24 + 1  # the last token is emitted but never needs a forward
         assert stats.finish_reason == "length"
@@ -171,7 +171,7 @@ def test_prompt_longer_than_context_is_a_clear_error():
 
 def test_perfect_draft_has_full_acceptance_and_stats_add_up():
     model = tiny_model("llama")
-    drafter = DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, gamma=4)
+    drafter = DraftModelDrafter(LeanRunner(copy.deepcopy(model)), 97, chain_len=4)
     out, s = run(LeanRunner(model), drafter, PROMPTS[1], SamplingParams(), 41)
     assert s.accept_lengths == [5] * 8 and s.tau == 5.0
     assert s.alpha_by_depth == [1.0] * 4 and s.accept_histogram() == {5: 8}
@@ -183,7 +183,7 @@ def test_prompt_lookup_is_lossless_and_finds_repeats():
     from specdec.drafters.base import DecodeContext
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
-    d = PromptLookupDrafter(max_ngram=2, num_tokens=3)
+    d = PromptLookupDrafter(max_ngram=2, chain_len=3)
     ctx = DecodeContext([5, 6, 7, 8, 9, 1, 6, 7], SamplingParams(), None, 8)
     assert d.propose(ctx).tokens.tolist() == [8, 9, 1]  # after "6 7" came "8 9 1"
     ctx.max_nodes = 1
@@ -204,6 +204,6 @@ def test_prompt_lookup_sampling_matches_vanilla_distribution():
         model.lm_head.weight.mul_(0.25)
     params = SamplingParams(1.1, top_k=4)
     prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1]
-    counts, sizes = sample_first3(LeanRunner(model), PromptLookupDrafter(num_tokens=3), prompt, params)
+    counts, sizes = sample_first3(LeanRunner(model), PromptLookupDrafter(chain_len=3), prompt, params)
     assert max(sizes) == 3
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3

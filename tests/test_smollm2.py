@@ -107,7 +107,7 @@ def test_stop_string_and_streaming(smol):
 def test_shipped_eagle_head_greedy_equals_vanilla(smol, method):
     """The head shipped in the package: found for SmolLM2 by fingerprint, lossless, and really accepting.
     auto = the shipped tuning's choice: the EAGLE-2 tree joined with a prompt-lookup chain."""
-    from specdec.heads.eagle import find_shipped_head
+    from specdec.heads.shipped import find_shipped_head
 
     model, tok, _ = smol
     assert find_shipped_head(model) is not None

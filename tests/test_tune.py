@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from dataclasses import asdict, astuple
 
 import pytest
 import torch
@@ -11,23 +12,12 @@ from specdec.cli import main
 from specdec.drafters.base import NoDrafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
+from specdec.tree import TreeBudget as Config
 from specdec.tree import build_dynamic_tree
-from specdec.tune import (
-    TUNED,
-    Config,
-    Row,
-    accepted_lengths,
-    candidates,
-    load_tuning,
-    matched_path,
-    rank,
-    replay,
-    save_tuning,
-    tune,
-    tuning_path,
-    visited,
-    walk,
-)
+from specdec.tune.replay import matched_path, replay, visited
+from specdec.tune.search import Row, accepted_lengths, candidates, rank, tune, walk
+from specdec.tuning import BUDGET_KEYS as TUNED
+from specdec.tuning import load_tuning, save_tuning, tuning_path
 from tests.test_eagle import tiny, tiny_data, trained  # noqa: F401  (module fixtures)
 from tests.test_engine import PROMPTS, run
 
@@ -55,12 +45,12 @@ def test_one_expansion_gives_every_depth_and_size():
         for budget in (1 << 30, 3):
             got = accepted_lengths(full, truth, configs, budget)
             for c in configs:
-                tree = build_dynamic_tree(table[0], step, min(c.depth, budget), k, min(c.total_tokens, budget))
+                tree = build_dynamic_tree(table[0], step, min(c.depth, budget), k, min(c.tree_size, budget))
                 assert got[c] == len(matched_path(tree, truth)), (c, budget)
         # m < depth: the same tree as depth m, so candidates() leaves it out
         a, b = build_dynamic_tree(table[0], step, 5, k, 3), build_dynamic_tree(table[0], step, 3, k, 3)
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-    assert all(c.depth <= c.total_tokens <= c.topk + (c.depth - 1) * c.topk ** 2 for c in candidates())
+    assert all(c.depth <= c.tree_size <= c.topk + (c.depth - 1) * c.topk ** 2 for c in candidates())
     assert Config(4, 1, 4) in candidates() and Config(4, 1, 6) not in candidates()
 
 
@@ -73,7 +63,7 @@ def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):  # noqa: 
         cont, _ = run(walker.runner, NoDrafter(), prompt, SamplingParams(), 40)
         w = walk(walker.drafter, walker.runner, prompt, cont, configs)
         for c in configs:
-            dec = from_models(tiny, None, "eagle2", head=head, **c._asdict())
+            dec = from_models(tiny, None, "eagle2", head=head, **asdict(c))
             got, stats = run(dec.runner, dec.drafter, prompt, SamplingParams(), len(cont))
             assert got == cont
             assert replay(w.accepted[c]) == stats.accept_lengths, c
@@ -93,14 +83,14 @@ def test_offline_lookup_union_replays_the_engine_exactly(tiny, trained):  # noqa
         w = walk(walker.drafter, walker.runner, prompt, cont, configs, lookups=lookups)
         for c in configs:
             for n in lookups:
-                dec = from_models(tiny, None, "eagle2", head=head, lookup=n, **c._asdict())
+                dec = from_models(tiny, None, "eagle2", head=head, lookup=n, **asdict(c))
                 got, stats = run(dec.runner, dec.drafter, prompt, SamplingParams(), len(cont))
                 assert got == cont
                 per_pos = w.union[(c, n)]
                 steps = visited([a for a, _ in per_pos])
                 assert [per_pos[i][0] + 1 for i in steps] == stats.accept_lengths, (c, n)
                 assert [per_pos[i][1] for i in steps] == stats.tree_sizes, (c, n)
-                grew += sum(size > c.total_tokens for size in stats.tree_sizes)
+                grew += sum(size > c.tree_size for size in stats.tree_sizes)
                 helped += replay([a for a, _ in per_pos]) != replay(w.accepted[c])
     assert grew and helped  # the chain entered the trees and changed what got accepted
 
@@ -110,43 +100,43 @@ def test_rank_picks_the_fastest_expected_config():
             Row(Config(4, 2, 6), 2.6, 0.006, 0.060, 0.001),  # 38.8: neither cheapest nor highest tau
             Row(Config(5, 3, 10), 2.8, 0.010, 0.065, 0.001),  # 36.8
             Row(Config(6, 4, 20), 3.0, 0.015, 0.090, 0.001)]  # highest tau: 28.3
-    assert [r.config for r in rank(rows)] == [(4, 2, 6), (5, 3, 10), (2, 1, 2), (6, 4, 20)]
+    assert [astuple(r.config) for r in rank(rows)] == [(4, 2, 6), (5, 3, 10), (2, 1, 2), (6, 4, 20)]
     tie = [Row(Config(3, 2, 8), 2.0, 0.01, 0.04, 0.0), Row(Config(3, 2, 4), 2.0, 0.01, 0.04, 0.0)]
-    assert rank(tie)[0].config.total_tokens == 4  # equal speed: the smaller tree
+    assert rank(tie)[0].config.tree_size == 4  # equal speed: the smaller tree
 
 
 def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path, monkeypatch):  # noqa: F811
-    import specdec.tune
+    import specdec.tuning
 
     head = tmp_path / "head"
     shutil.copytree(trained[1] / "head", head)
     dec = from_models(tiny, None, "eagle2", head=str(head))
     configs = [Config(2, 1, 2), Config(3, 2, 4), Config(4, 3, 8)]
     rec = tune(dec, PROMPTS[:2], tokens=30, configs=configs, reps=1, time_every=8)
-    best = (rec["depth"], rec["topk"], rec["total_tokens"])
-    assert best in configs and best == tuple(rec["top"][0][k] for k in ("depth", "topk", "total_tokens"))
+    best = (rec["depth"], rec["topk"], rec["tree_size"])
+    assert best in configs and best == tuple(rec["top"][0][k] for k in TUNED)
     assert rec["tau"] >= 1 and rec["machine"]["torch"] == torch.__version__
     assert {"1", "3", "5", "9"} <= set(rec["target_ms"])  # + the sizes trees with a lookup chain reached
-    assert (dec.drafter.depth, dec.drafter.topk, dec.drafter.total_tokens) == (5, 4, 10)  # left as it was
+    assert astuple(dec.drafter.budget) == (5, 4, 10)  # left as it was
     auto = rec["auto"]  # the fastest over plain trees and trees + a lookup chain of each length tried
     assert auto["lookup"] in (0, *rec["lookups_tried"]) and auto["tokens_per_second"] >= rec["tokens_per_second"]
     assert any(r.get("lookup") for r in rec["top_with_lookup"])
 
     assert save_tuning(rec, tuning_path(head)) == head / "tuning.json"
     assert json.loads((head / "tuning.json").read_text())["top"] == rec["top"]
-    assert load_tuning(head) == dict(zip(("depth", "topk", "total_tokens"), best))
+    assert load_tuning(head) == dict(zip(TUNED, best))
     d = from_models(tiny, None, "eagle2", head=str(head)).drafter
-    assert (d.depth, d.topk, d.total_tokens) == best
+    assert astuple(d.budget) == best
     d = from_models(tiny, None, "eagle2", head=str(head), depth=7, tree_tokens=12).drafter  # explicit wins
-    assert (d.depth, d.topk, d.total_tokens) == (7, best[1], 12)
+    assert astuple(d.budget) == (7, best[1], 12)
     # `auto` takes the "auto" choice: its tree and, when one won, the lookup chain
-    rec["auto"] = {"depth": 3, "topk": 2, "total_tokens": 6, "lookup": 5}
+    rec["auto"] = {"depth": 3, "topk": 2, "tree_size": 6, "lookup": 5}
     save_tuning(rec, tuning_path(head))
     assert load_tuning(head, auto=True) == rec["auto"] and load_tuning(head) == dict(zip(TUNED, best))
     u = from_models(tiny, None, "auto", head=str(head))
     e, p = u.drafter.members
-    assert u.drafter.name == "eagle2+pld" and (e.depth, e.topk, e.total_tokens, p.inner.num_tokens) == (3, 2, 6, 5)
-    assert from_models(tiny, None, "auto", head=str(head), lookup=0).drafter.depth == 3  # explicit wins
+    assert u.drafter.name == "eagle2+pld" and (*astuple(e.budget), p.inner.chain_len) == (3, 2, 6, 5)
+    assert from_models(tiny, None, "auto", head=str(head), lookup=0).drafter.budget.depth == 3  # explicit wins
     # the tuned chain is priced for greedy decoding: sampled requests get the EAGLE tree alone, unless
     # the caller asks for the chain
     explicit = from_models(tiny, None, "auto", head=str(head), lookup=5)
@@ -162,13 +152,13 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
         from_models(tiny, None, "auto", head=str(head))
 
     # a shipped (package) head: tune writes under the cache, which wins over the shipped tuning.json
-    monkeypatch.setattr(specdec.tune, "SHIPPED_HEADS", tmp_path.resolve())
+    monkeypatch.setattr(specdec.tuning, "PACKAGE_DIR", tmp_path.resolve())
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     assert tuning_path(head) == tmp_path / "cache" / "tuning" / "head.json"
-    assert load_tuning(head) == dict(zip(("depth", "topk", "total_tokens"), best))
-    save_tuning({"depth": 3, "topk": 2, "total_tokens": 6}, tuning_path(head))
+    assert load_tuning(head) == dict(zip(TUNED, best))
+    save_tuning({"depth": 3, "topk": 2, "tree_size": 6}, tuning_path(head))
     d = from_models(tiny, None, "eagle2", head=str(head)).drafter
-    assert (d.depth, d.topk, d.total_tokens) == (3, 2, 6)
+    assert astuple(d.budget) == (3, 2, 6)
     tuning_path(head).write_text('{"depth": 3}')
     with pytest.raises(SpecdecError, match="not a valid tuning file"):
         from_models(tiny, None, "eagle2", head=str(head))
@@ -182,12 +172,12 @@ def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):  # noq
     for bad in ("4,x", "0,8"):
         assert main(["tune", "--lookups", bad]) == 2
         assert "--lookups must be" in capsys.readouterr().err
-    monkeypatch.setattr("specdec.target.loading.load_model", lambda *a, **k: (tiny, None, None))
+    monkeypatch.setattr("specdec.tune.cli.load_model", lambda *a, **k: (tiny, None, None))
     assert main(["tune"]) == 2  # a model without a shipped head and no --head
     assert "no EAGLE head ships for this model: pass --head" in capsys.readouterr().err
     with pytest.raises(SpecdecError, match="needs an eagle2 decoder"):
         tune(from_models(tiny, None), PROMPTS[:1])
-    (tmp_path / "t.json").write_text(json.dumps({"depth": 0, "topk": 2, "total_tokens": 4}))
-    monkeypatch.setattr("specdec.tune.tuning_path", lambda h: tmp_path / "t.json")
+    (tmp_path / "t.json").write_text(json.dumps({"depth": 0, "topk": 2, "tree_size": 4}))
+    monkeypatch.setattr("specdec.tuning.tuning_path", lambda h: tmp_path / "t.json")
     with pytest.raises(SpecdecError, match="integers >= 1"):
         load_tuning(tmp_path)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters import registry
+from specdec.drafters.base import Drafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.target.loading import check_same_vocab, eos_ids, load_model, make_runner
+from specdec.target.loading import eos_ids, load_model, make_runner
 
 Messages = Sequence[dict]
 
@@ -127,9 +127,6 @@ def _safe_prefix_len(text: str, stops: list[str]) -> int:
     return end
 
 
-METHODS = ("vanilla", "sps", "sps-tree", "pld", "eagle", "eagle2")
-
-
 def load(
     target: str | None = None,
     method: str = "auto",
@@ -142,21 +139,17 @@ def load(
 ) -> Decoder:
     """Load a target (HF dir, .gguf, or the embedded default "smollm2") and a drafting method.
 
-    methods: auto (eagle2 with the shipped head where one fits the target, with the tree and prompt-lookup
-    chain `specdec tune` chose for it; else vanilla); vanilla; sps
-    (draft model chain, opts: gamma); sps-tree (draft model top-k tree, opts: gamma = depth, topk,
-    tree_tokens); pld; eagle / eagle2 (opts: head=<dir>, see drafters/eagle.py; lookup=N adds a
-    prompt-lookup chain of N tokens to every draft tree, drafters/union.py).
+    Methods and their options: `specdec.drafters.registry` (README's table; `specdec methods`). The
+    method and its options are checked before any model loads.
     """
-    if method not in METHODS + ("auto",):
-        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    spec, _ = registry.parse(method, opts)
+    if spec.needs_draft and draft is None:
+        raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
     if threads:
         torch.set_num_threads(threads)
     model, tok, _ = load_model(target, device, dtype)
     draft_model = draft_tok = None
-    if method in ("sps", "sps-tree"):
-        if draft is None:
-            raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
+    if spec.needs_draft:
         draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, dtype)
     return from_models(model, tok, method, draft_model, draft_tok, backend, **opts)
 
@@ -164,65 +157,7 @@ def load(
 def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, draft_tokenizer=None,
                 backend: str = "auto", **opts) -> Decoder:
     """A Decoder over models already in memory (what `load` does after loading)."""
+    spec, options = registry.parse(method, opts)
     runner = make_runner(model, backend)
-    drafter: Drafter
-    greedy_lookup = False
-    if method == "auto":  # fast by default, where we ship a head for this target
-        from specdec.heads.eagle import find_shipped_head
-
-        head = opts.get("head") or find_shipped_head(model)
-        method = "eagle2" if head is not None else "vanilla"
-        if isinstance(head, (str, os.PathLike)):  # the tree (and lookup chain) `specdec tune` chose for auto
-            from specdec.tune import load_tuning
-
-            tuned = load_tuning(head, auto=True) or {}
-            greedy_lookup = "lookup" not in opts  # the tuned chain is priced for greedy decoding only
-            opts = {"head": str(head), **tuned, **opts}
-    if method == "vanilla":
-        _no_opts(opts, method)
-        drafter = NoDrafter()
-    elif method in ("sps", "sps-tree"):
-        if draft_model is None:
-            raise SpecdecError(f"method {method!r} needs a draft model")
-        if draft_tokenizer is not None:
-            check_same_vocab(tokenizer, draft_tokenizer)
-        from specdec.drafters.draft_model import DraftModelDrafter
-
-        gamma = opts.pop("gamma", 4)
-        topk = opts.pop("topk", 4) if method == "sps-tree" else 0
-        tree_tokens = opts.pop("tree_tokens", 8)
-        _no_opts(opts, method)
-        drafter = DraftModelDrafter(make_runner(draft_model, backend), runner.vocab_size, gamma, topk, tree_tokens)
-    elif method == "pld":
-        from specdec.drafters.prompt_lookup import PromptLookupDrafter
-
-        try:
-            drafter = PromptLookupDrafter(**opts)
-        except TypeError as e:
-            raise SpecdecError(f"bad option for method 'pld' (max_ngram, min_ngram, num_tokens): {e}") from None
-    elif method in ("eagle", "eagle2"):  # opts: head=<dir>; eagle: choices; eagle2: depth, topk, total_tokens,
-        from specdec.drafters.eagle import from_target  # rank_by, rerank (gamma/tree_tokens alias depth/total)
-
-        if "gamma" in opts:
-            opts["depth"] = opts.pop("gamma")
-        if "tree_tokens" in opts:
-            opts["total_tokens"] = opts.pop("tree_tokens")
-        lookup = opts.pop("lookup", 0)  # also verify a prompt-lookup chain of this many tokens
-        drafter = from_target(model, runner, method, opts)
-        _no_opts(opts, method)
-        if lookup:
-            from specdec.drafters.prompt_lookup import PromptLookupDrafter
-            from specdec.drafters.union import GreedyOnly, UnionDrafter
-
-            if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 0:
-                raise SpecdecError(f"lookup must be a number of tokens >= 0, got {lookup!r}")
-            pld = PromptLookupDrafter(num_tokens=lookup)
-            drafter = UnionDrafter(drafter, GreedyOnly(pld) if greedy_lookup else pld)
-    else:
-        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, backend), options)
     return Decoder(runner, tokenizer, drafter, method, eos_ids(model, tokenizer))
-
-
-def _no_opts(opts: dict, method: str) -> None:
-    if opts:
-        raise SpecdecError(f"unknown option(s) for method {method!r}: {', '.join(sorted(opts))}")

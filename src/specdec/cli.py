@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdec.api import load
+from specdec.bench.cli import add_bench_parser
+from specdec.drafters import registry
 from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.training import datagen, train
+from specdec.tune import cli as tune_cli
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -20,48 +26,42 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="auto",
-                   help="auto (default: eagle2 with the shipped head where one fits the target, else vanilla) | "
-                        "vanilla | sps | sps-tree | pld | eagle | eagle2")
+    p.add_argument("--method", default="auto", help=f"one of: {', '.join(registry.names())} (default auto; "
+                   "`specdec methods` lists them with their options)")
     p.add_argument("--draft", default=None, help="draft model for sps / sps-tree (same tokenizer)")
-    p.add_argument("--gamma", type=int, default=None, help="draft length (chain) or depth (tree)")
-    p.add_argument("--topk", type=int, default=None, help="children per expanded node (trees)")
-    p.add_argument("--tree-tokens", type=int, default=None, help="nodes kept in the tree")
-    p.add_argument("--head", default=None, help="EAGLE head dir for eagle / eagle2 (default: the shipped one)")
-    p.add_argument("--rank-by", default=None, choices=["value", "confidence"], help="eagle2 expansion ranking")
-    p.add_argument("--no-rerank", dest="rerank", action="store_false", default=None, help="eagle2 ablation")
+    # one flag per method option, declared once in the registry; the method's options class checks the value
+    for key, (f, alias) in _option_flags().items():
+        p.add_argument("--" + key.replace("_", "-"), dest=f"opt_{key}", default=None, metavar="V",
+                       help=argparse.SUPPRESS if alias else f.metadata["help"])
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other method option, e.g. --opt num_tokens=6 (repeatable)")
+                   help="any method option, e.g. --opt chain_len=6 (repeatable)")
     p.add_argument("--device", default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
+def _option_flags() -> dict:
+    """Every option name and alias of every method -> (its field, whether it is an alias)."""
+    out: dict = {}
+    for m in registry.methods().values():
+        for f in m.options.fields():
+            out.setdefault(f.name, (f, False))
+            for a in f.metadata.get("aliases", ()):
+                out.setdefault(a, (f, True))
+    return out
+
+
 def _method_opts(args) -> dict:
-    names = {"gamma": args.gamma, "topk": args.topk, "tree_tokens": args.tree_tokens}
-    names.update(head=args.head, rank_by=args.rank_by, rerank=args.rerank)
-    opts = {k: v for k, v in names.items() if v is not None}
+    opts = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     for item in args.opt:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecdecError(f"--opt expects KEY=VALUE, got {item!r}")
-        opts[key.replace("-", "_")] = _literal(value)
+        opts[key.replace("-", "_")] = value  # a string: the method's options class converts and checks it
     return opts
 
 
-def _literal(value: str):
-    for conv in (int, float):
-        try:
-            return conv(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(value.lower(), value)
-
-
 def cmd_generate(args) -> int:
-    from specdec.api import load
-    from specdec.sampling import SamplingParams
-
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # fail before a slow model load
     dec = load(args.model, args.method, draft=args.draft, device=args.device, backend=args.backend,
                threads=args.threads, **_method_opts(args))
@@ -76,14 +76,18 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         final = chunk.final
     s = final.stats
-    label = dec.drafter.name if "+" in dec.drafter.name else dec.method  # a union names its members
     print(
-        f"\n[{label}] {s.new_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s | "
+        f"\n[{dec.drafter.name}] {s.new_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s | "
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards | "
         f"draft {s.draft_time:.2f} s, verify {s.verify_time:.2f} s, prefill {s.prefill_time:.2f} s | "
         f"finish: {final.finish_reason}",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_methods(args) -> int:
+    sys.stdout.write(registry.markdown_table())
     return 0
 
 
@@ -98,21 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
-    from specdec import tune
-    from specdec.training import datagen, train
-
+    m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
+    m.set_defaults(func=cmd_methods)
     datagen.add_parser(sub)
     train.add_parser(sub)
-    tune.add_parser(sub)
-    from specdec.bench.cli import add_bench_parser
-
+    tune_cli.add_parser(sub)
     add_bench_parser(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.errors import SpecdecError
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

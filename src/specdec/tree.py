@@ -12,6 +12,27 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class TreeBudget:
+    """The size of a dynamic draft tree: `depth` draft steps, `topk` children per expanded node, the
+    `tree_size` nodes of highest value kept. A drafter receives it when built (or per call, as `specdec
+    tune` does); nothing sets it from outside."""
+
+    depth: int
+    topk: int
+    tree_size: int
+
+    def __post_init__(self) -> None:
+        for k in ("depth", "topk", "tree_size"):
+            v = getattr(self, k)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
+
+    def capped(self, max_nodes: int) -> TreeBudget:
+        """Within the room left in the context (the engine's max_nodes >= 1)."""
+        return TreeBudget(min(self.depth, max_nodes), self.topk, min(self.tree_size, max_nodes))
+
+
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N] long
@@ -159,7 +180,7 @@ def build_dynamic_tree(
     step: StepFn,
     depth: int,
     topk: int,
-    total_tokens: int,
+    tree_size: int,
     rank_by: str = "value",
     rerank: bool = True,
 ) -> DraftTree:
@@ -167,7 +188,7 @@ def build_dynamic_tree(
 
     Expansion: at each depth keep the top-k nodes of the newest layer by value V (product of
     confidences along the path) or by their own confidence (ablation), run one `step` for all of
-    them, and give each its top-k children. Reranking: keep the total_tokens nodes of highest V
+    them, and give each its top-k children. Reranking: keep the tree_size nodes of highest V
     (ties -> shallower; V never grows along a path so the kept set is connected); without reranking
     the draft is the nodes chosen for expansion at each depth, shallow first.
     """
@@ -199,7 +220,7 @@ def build_dynamic_tree(
         frontier_v, frontier_c = v.reshape(-1), c_lp.reshape(-1)
         n += k * topk
     all_tok, all_par, all_v = torch.cat(tokens), torch.cat(parents), torch.cat(logv)
-    m = min(total_tokens, n)
+    m = min(tree_size, n)
     if rerank:
         # stable sort: ties keep index order, i.e. shallower first; since V never grows along a
         # path, every kept node's parent ranks before it and the kept set is connected

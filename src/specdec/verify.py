@@ -6,6 +6,7 @@ made the tree: it only reads tokens, parents and (for sampled drafts) the propos
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +30,25 @@ def verify(
     return _verify_stochastic(tree, probs_from_logits(logits, params), generator)
 
 
-def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    best = logits.argmax(-1).tolist()
-    toks = tree.tokens.tolist()
-    children = tree.children()
+def greedy_walk(tree: DraftTree, want: Callable[[int, int], int | None]) -> tuple[list[int], int]:
+    """From the root, follow the child whose token is want(row, accepted so far) until none matches or
+    want says None. Siblings carry distinct tokens, so the path is unique. Returns (path, last row)."""
+    toks, children = tree.tokens.tolist(), tree.children()
     path: list[int] = []
     row = 0
-    while True:
-        nxt = next((c for c in children[row] if toks[c] == best[row]), None)
+    while (x := want(row, len(path))) is not None:
+        nxt = next((c for c in children[row] if toks[c] == x), None)
         if nxt is None:
             break
         path.append(nxt)
         row = nxt + 1
+    return path, row
+
+
+def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    best = logits.argmax(-1).tolist()
+    path, row = greedy_walk(tree, lambda r, _: best[r])
+    toks = tree.tokens.tolist()
     return Verdict(path, [toks[i] for i in path] + [best[row]], best[row])
 
 

@@ -135,7 +135,7 @@ def _add_shipped_eagle(cfg, model) -> None:
     if "eagle2" not in our_methods():
         return
     try:
-        from specdec.heads.eagle import find_shipped_head
+        from specdec.heads.shipped import find_shipped_head
 
         found = find_shipped_head(model) is not None
     except Exception:  # a head that cannot be read is the eagle method's error to report, not ours

@@ -1,24 +1,23 @@
 """Method specs: `name[:key=value[:key=value...]]`, comma-separated.
 
-Our methods go to `specdec.api.from_models(model, tok, name, ..., **opts)` unchanged, so a new
-drafter (e.g. `eagle2:head=DIR:topk=8`) is benchmarkable as soon as the API knows it. The peers are
-HF `generate` variants run in the same process: hf (vanilla), hf-pld (prompt lookup), hf-assisted
-(assisted generation with --draft).
+Our methods are the registry's (specdec.drafters.registry): a spec's options are checked by the
+method's options class when parsed, before any model loads, and go to `api.from_models` unchanged, so a
+new drafter is benchmarkable as soon as it is registered. The peers are HF `generate` variants run in
+the same process: hf (vanilla), hf-pld (prompt lookup), hf-assisted (assisted generation with --draft).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.drafters import registry
 from specdec.errors import SpecdecError
 
 PEERS = ("hf", "hf-pld", "hf-assisted")
 
 
 def our_methods() -> tuple[str, ...]:
-    from specdec import api
-
-    return tuple(api.METHODS) + ("auto",)  # auto: what `specdec generate` runs by default
+    return registry.names()
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,8 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
         if k in opts:
             raise SpecdecError(f"option {k!r} given twice in method {text!r}")
         opts[k] = _value(v.strip())
+    if name in registry.names():
+        registry.parse(name, opts)  # a bad option fails here, not after the model loads
     return MethodSpec(name, opts, text)
 
 

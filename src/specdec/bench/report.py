@@ -192,6 +192,13 @@ def _grouped(ax, cats, methods, value) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: labels are long
 
 
+def _finish(plt, fig, ax, title: str, path: Path) -> None:
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_all(d: Path, run: dict, summary: dict) -> None:
     import matplotlib
 
@@ -207,19 +214,13 @@ def plot_all(d: Path, run: dict, summary: dict) -> None:
     _grouped(ax, cats, [m for m in methods if m != run["baseline"]], lambda m, c: get(m, c, "speedup"))
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_ylabel(f"speedup vs {run['baseline']}")
-    ax.set_title(f"Speedup by category: {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(d / "speedup_by_category.png", dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, f"Speedup by category: {title}", d / "speedup_by_category.png")
 
     ours = [m for m in methods if get(m, OVERALL, "tau") is not None]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) + 2) + 3, 4))
     _grouped(ax, cats, ours, lambda m, c: get(m, c, "tau"))
     ax.set_ylabel("τ (tokens / target forward)")
-    ax.set_title("τ by category (decode phase, prefill excluded)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(d / "tau_by_category.png", dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, "τ by category (decode phase, prefill excluded)", d / "tau_by_category.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     spec = [m for m in ours if get(m, OVERALL, "alpha_by_depth")]
@@ -233,10 +234,7 @@ def plot_all(d: Path, run: dict, summary: dict) -> None:
         ax.legend(fontsize=8)
     else:
         _empty(ax, "no speculative method in this run")
-    ax.set_title("Acceptance by depth", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(d / "acceptance_by_depth.png", dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, "Acceptance by depth", d / "acceptance_by_depth.png")
 
     fig, ax = plt.subplots(figsize=(5, 5))
     cal = [m for m in ours if get(m, OVERALL, "calibration")]
@@ -255,7 +253,4 @@ def plot_all(d: Path, run: dict, summary: dict) -> None:
         ax.legend(fontsize=8)
     else:
         _empty(ax, "no drafter in this run exposes tree scores\n(calibration needs e.g. sps-tree or eagle2)")
-    ax.set_title("Draft confidence vs acceptance", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(d / "calibration.png", dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, "Draft confidence vs acceptance", d / "calibration.png")

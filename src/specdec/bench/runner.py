@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +23,7 @@ from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
+from specdec.machine import ContentionMeter, machine_info
 from specdec.sampling import SamplingParams
 
 
@@ -52,10 +51,7 @@ class BenchConfig:
 class OurMethod:
     def __init__(self, spec: MethodSpec, dec) -> None:
         self.spec, self.dec = spec, dec
-        d = dec.drafter
-        # draft steps per tree, for the Leviathan analysis (None: the deepest depth tried)
-        self.gamma = next((getattr(d, a) for a in ("gamma", "depth", "num_tokens") if getattr(d, a, None)),
-                          spec.opts.get("gamma"))
+        self.gamma = dec.drafter.draft_depth  # draft steps per tree, for the Leviathan analysis
 
     def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
         dec, stats, trace = self.dec, Stats(), []
@@ -164,68 +160,6 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
         if spec.is_peer:
             built[spec.label] = HFMethod(spec, model, vanilla.eos_ids, draft_model)
     return {s.label: built[s.label] for s in cfg.methods}
-
-
-# ------------------------------------------------------------------------------------------- machine
-
-
-def machine_info() -> dict:
-    import transformers
-
-    import specdec
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = os.cpu_count()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except Exception:
-        commit = ""
-    from specdec.target.packed import onednn_available
-
-    return {
-        "cpu": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": affinity, "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "specdec": getattr(specdec, "__version__", ""), "git_commit": commit,
-        "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
-        "onednn_packed_linears": onednn_available(),
-    }
-
-
-def _cpu_busy_s() -> float | None:
-    """Seconds of CPU time every process on the machine has used (user+nice+system+irq), from /proc/stat."""
-    try:
-        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        return sum(int(x) for x in f[1:4] + f[6:9]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class ContentionMeter:
-    """Share of the usable CPUs that *other* processes used during the timed run: a benchmark that
-    shared the cores with another job measures that job as much as the method."""
-
-    def __init__(self) -> None:
-        self.busy0, self.own0, self.t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
-
-    def result(self) -> dict:
-        busy1, own1, wall = _cpu_busy_s(), time.process_time(), time.perf_counter() - self.t0
-        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if self.busy0 is None or busy1 is None or wall <= 0:
-            return {"other_cpu_frac": None}
-        others = max(0.0, (busy1 - self.busy0) - (own1 - self.own0))
-        return {"other_cpu_frac": others / (wall * ncpu), "own_cpu_frac": (own1 - self.own0) / (wall * ncpu),
-                "loadavg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
 def safe_name(label: str) -> str:

@@ -27,6 +27,7 @@ class DecodeContext:
 
 class Drafter(ABC):
     name: str = "drafter"
+    draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
 
     def begin(self, ctx: DecodeContext) -> None:
         """A new generation; ctx.features holds the prompt's target features (prefill)."""

@@ -1,26 +1,30 @@
 """Classic speculative sampling with a small LM that shares the target's tokenizer
-(Leviathan et al. 2023; Chen et al. 2023): a sampled chain of gamma tokens, or a top-k tree."""
+(Leviathan et al. 2023; Chen et al. 2023): a sampled chain of chain_len tokens, or a top-k tree."""
 
 from __future__ import annotations
+
+from dataclasses import astuple, dataclass
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.registry import Method, Options, Target, option, register
+from specdec.errors import SpecdecError
 from specdec.sampling import probs_from_logits, sample
 from specdec.target.base import Runner
-from specdec.tree import DraftTree, NodeSlots, build_dynamic_tree
+from specdec.target.loading import check_same_vocab, make_runner
+from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
 
 
 class DraftModelDrafter(Drafter):
-    name = "sps"
-
-    def __init__(self, runner: Runner, target_vocab: int, gamma: int = 4, tree_topk: int = 0,
-                 tree_tokens: int = 8) -> None:
-        """tree_topk 0: a chain of `gamma` tokens sampled from the draft (exact SpS). tree_topk k > 0:
-        an EAGLE-2-style tree of depth gamma, k children per expanded node, `tree_tokens` nodes kept."""
-        if gamma < 1 or tree_topk < 0 or tree_tokens < 1:
-            raise ValueError("gamma and tree_tokens must be >= 1, tree_topk >= 0")
-        self.runner, self.gamma, self.topk, self.tree_tokens = runner, gamma, tree_topk, tree_tokens
+    def __init__(self, runner: Runner, target_vocab: int, chain_len: int = 4, tree: TreeBudget | None = None) -> None:
+        """tree None: a chain of `chain_len` tokens sampled from the draft (exact SpS). Else an
+        EAGLE-2-style top-k tree of that budget."""
+        if chain_len < 1:
+            raise ValueError("chain_len must be >= 1")
+        self.runner, self.chain_len, self.tree = runner, chain_len, tree
+        self.name = "sps" if tree is None else "sps-tree"
+        self.draft_depth = chain_len if tree is None else tree.depth
         self.target_vocab = target_vocab
         self.cached: list[int] = []  # tokens whose KV the draft cache holds (committed)
 
@@ -53,12 +57,12 @@ class DraftModelDrafter(Drafter):
         return torch.nn.functional.pad(logits, (0, v - logits.shape[-1]), value=float("-inf"))
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
-        depth = min(self.gamma, ctx.max_nodes)
+        depth = min(self.draft_depth, ctx.max_nodes)
         if depth <= 0:
             return DraftTree.empty()
         logits = self._catch_up(ctx.tokens)
-        if self.topk:
-            return self._tree(ctx, logits, depth)
+        if self.tree is not None:
+            return self._tree(ctx, logits, self.tree.capped(ctx.max_nodes))
         toks, qs = [], []
         for i in range(depth):
             q = probs_from_logits(logits, ctx.params)
@@ -71,7 +75,7 @@ class DraftModelDrafter(Drafter):
         self.cached = ctx.tokens + toks[:-1]
         return DraftTree.chain(torch.tensor(toks), None if ctx.params.greedy else torch.stack(qs))
 
-    def _tree(self, ctx: DecodeContext, logits: torch.Tensor, depth: int) -> DraftTree:
+    def _tree(self, ctx: DecodeContext, logits: torch.Tensor, budget: TreeBudget) -> DraftTree:
         # top-k children are deterministic: the verifier treats them as point masses (lossless at T>0)
         temp = ctx.params.temperature or 1.0
         slots, root_pos = NodeSlots(), len(ctx.tokens) - 1
@@ -84,8 +88,7 @@ class DraftModelDrafter(Drafter):
             out = self.runner.forward(tokens[sel], pos, mask)
             return torch.log_softmax(self._pad(out.logits).float() / temp, dim=-1)
 
-        tree = build_dynamic_tree(torch.log_softmax(logits.float() / temp, -1), step, depth, self.topk,
-                                  min(self.tree_tokens, ctx.max_nodes))
+        tree = build_dynamic_tree(torch.log_softmax(logits.float() / temp, -1), step, *astuple(budget))
         self.runner.rollback()
         return tree
 
@@ -96,3 +99,34 @@ def _depth(node: int, parents: list[int]) -> int:
         node = parents[node]
         d += 1
     return d
+
+
+# ---- registration ----
+
+@dataclass(frozen=True)
+class ChainOptions(Options):
+    chain_len: int = option(4, "tokens drafted per step", min=1, aliases=("gamma",))
+
+
+@dataclass(frozen=True)
+class TreeOptions(Options):
+    depth: int = option(4, "draft steps from the root", min=1, aliases=("gamma",))
+    topk: int = option(4, "children per expanded node", min=1)
+    tree_size: int = option(8, "nodes kept in the tree", min=1, aliases=("tree_tokens", "total_tokens"))
+
+
+def _draft_runner(target: Target) -> Runner:
+    if target.draft_model is None:
+        raise SpecdecError("a draft-model method needs a draft model: pass draft=<HF dir or .gguf>")
+    if target.tokenizer is not None and target.draft_tokenizer is not None:
+        check_same_vocab(target.tokenizer, target.draft_tokenizer)
+    return make_runner(target.draft_model, target.backend)
+
+
+register(Method("sps", "a draft LM with the same tokenizer: a sampled chain (Leviathan et al.; Chen et al.)",
+                ChainOptions, lambda t, o: DraftModelDrafter(_draft_runner(t), t.runner.vocab_size, o.chain_len),
+                needs_draft=True))
+register(Method("sps-tree", "a draft LM with the same tokenizer: an EAGLE-2-style dynamic top-k tree", TreeOptions,
+                lambda t, o: DraftModelDrafter(_draft_runner(t), t.runner.vocab_size,
+                                               tree=TreeBudget(o.depth, o.topk, o.tree_size)),
+                needs_draft=True))

@@ -1,4 +1,4 @@
-"""EAGLE (static tree of choices) and EAGLE-2 (dynamic tree) drafting with an EagleHead.
+"""EAGLE (static tree of choices) and EAGLE-2 (dynamic tree) drafting with an EAGLE head.
 
 The head's KV cache holds one committed row per target position t < n (n = tokens in the target's
 cache), row t built from (x_{t+1}, f_t) with f_t the *target's* feature ("stable KV": after each
@@ -11,16 +11,20 @@ Children are deterministic top-k, so the tree carries no q: the verifier treats 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.registry import Method, Options, Target, option, register
+from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
-from specdec.heads.eagle import EagleHead, HeadRunner
-from specdec.tree import DraftTree, NodeSlots, StepFn, build_dynamic_tree
+from specdec.heads.runner import HeadRunner
+from specdec.heads.shipped import find_shipped_head
+from specdec.tree import DraftTree, NodeSlots, StepFn, TreeBudget, build_dynamic_tree
+from specdec.tuning import load_tuning
 from specdec.verify import Verdict
 
 # EAGLE-1 tree for this CPU (DESIGN.md §7: 4-10 nodes): top-3 at depth 1, the likely path deeper
@@ -76,18 +80,16 @@ def _check_choices(choices: Sequence[Sequence[int]]) -> list[tuple]:
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, runner: HeadRunner, dynamic: bool = True, choices: Sequence[Sequence[int]] | None = None,
-                 depth: int = 5, topk: int = 4, total_tokens: int = 10, rank_by: str = "value",
-                 rerank: bool = True) -> None:
-        if depth < 1 or topk < 1 or total_tokens < 1:
-            raise SpecdecError("EAGLE-2 depth, topk and total_tokens must be >= 1")
+    def __init__(self, runner: HeadRunner, budget: TreeBudget | None = None,
+                 choices: Sequence[Sequence[int]] | None = None, rank_by: str = "value", rerank: bool = True) -> None:
+        """budget: EAGLE-2's dynamic tree of that size; None: EAGLE-1's static tree of `choices`."""
         if rank_by not in ("value", "confidence"):
             raise SpecdecError("rank_by must be 'value' or 'confidence'")
-        self.runner, self.dynamic = runner, dynamic
+        self.runner, self.budget = runner, budget
         self.choices = _check_choices(choices if choices is not None else DEFAULT_CHOICES)
-        self.depth, self.topk, self.total_tokens = depth, topk, total_tokens
         self.rank_by, self.rerank = rank_by, rerank
-        self.name = "eagle2" if dynamic else "eagle"
+        self.name = "eagle" if budget is None else "eagle2"
+        self.draft_depth = max(map(len, self.choices)) if budget is None else budget.depth
         self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row
         self.root_logits: torch.Tensor | None = None
 
@@ -112,11 +114,12 @@ class EagleDrafter(Drafter):
             raise RuntimeError("EAGLE drafter out of step with the engine")
         self._extend(new, ctx.features)
 
-    def propose(self, ctx: DecodeContext) -> DraftTree:
+    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+        """budget: this call's tree size instead of the drafter's own (`specdec tune` prices many)."""
         n = self.runner.length
         if n != len(ctx.tokens) - 1:
             raise RuntimeError("EAGLE drafter out of step with the engine")
-        budget = ctx.max_nodes
+        budget = budget or self.budget
         temp = ctx.params.temperature or 1.0  # rank children by the distribution the target samples
         slots = NodeSlots()
         hid: dict[int, torch.Tensor] = {}
@@ -136,37 +139,63 @@ class EagleDrafter(Drafter):
             return torch.log_softmax(run.logits(h).float() / temp, dim=-1)
 
         root_lp = torch.log_softmax(self.root_logits.float() / temp, dim=-1)
-        if self.dynamic:
-            tree = build_dynamic_tree(root_lp, step, min(self.depth, budget), self.topk,
-                                      min(self.total_tokens, budget), self.rank_by, self.rerank)
+        if budget is not None:
+            tree = build_dynamic_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), self.rank_by,
+                                      self.rerank)
         else:
-            tree = build_static_tree(root_lp, step, self.choices[:budget])
+            tree = build_static_tree(root_lp, step, self.choices[:ctx.max_nodes])
         run.rollback()
         return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores)
 
 
-def from_target(model, runner, method: str, opts: dict) -> EagleDrafter:
-    """The drafter for api.from_models: pops the EAGLE options out of `opts`."""
-    head = opts.pop("head", None)
+# ---- registration ----
+
+@dataclass(frozen=True)
+class HeadOptions(Options):
+    head: str | None = option(None, "EAGLE head dir (default: the one shipped for this target)", shown="shipped")
+    full_vocab: bool = option(False, "ablation: a reduced-vocabulary head over the whole target vocabulary")
+    lookup: int | None = option(None, "also verify a prompt-lookup chain of this many tokens in every tree "
+                                "(default: none; auto: tuned)", min=0, shown="0; auto: tuned")
+
+
+@dataclass(frozen=True)
+class EagleOptions(HeadOptions):
+    choices: list | None = option(None, "the static tree: top-k rank paths, e.g. [[0],[1],[0,0]]",
+                                  shown="9 nodes, depth 4")
+
+
+@dataclass(frozen=True)
+class Eagle2Options(HeadOptions):
+    depth: int | None = option(None, "draft steps (default: `specdec tune`'s choice, else 5)", min=1,
+                               aliases=("gamma",), shown="tuned, else 5")
+    topk: int | None = option(None, "children per expanded node (default: tuned, else 4)", min=1,
+                              shown="tuned, else 4")
+    tree_size: int | None = option(None, "nodes kept after reranking (default: tuned, else 10)", min=1,
+                                   aliases=("tree_tokens", "total_tokens"), shown="tuned, else 10")
+    rank_by: str = option("value", "expand by path value or by own confidence (ablation)",
+                          choices=("value", "confidence"))
+    rerank: bool = option(True, "keep the top tree_size nodes by value (false: ablation)")
+
+
+DEFAULT_BUDGET = TreeBudget(5, 4, 10)
+
+
+def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRunner, str | None]:
+    """The head for this target (the given dir, or the shipped one) on a runner; and its dir."""
+    model, runner = target.model, target.runner
+    head_dir = opts.head or find_shipped_head(model)
+    if head_dir is None:
+        raise SpecdecError(f"method {method!r} needs an EAGLE head for this model: pass head=<dir> "
+                           "(train one with `specdec datagen` + `specdec train eagle`)")
+    if not os.path.isdir(head_dir):
+        raise SpecdecError(f"EAGLE head {str(head_dir)!r} is not a directory")
+    from specdec.heads.io import load_head  # transformers' Llama modules take seconds to import: only when used
+
     embed = model.get_input_embeddings().weight
     p = next(model.parameters())
-    if head is None:
-        from specdec.heads.eagle import find_shipped_head
-
-        head = find_shipped_head(model)
-        if head is None:
-            raise SpecdecError(f"method {method!r} needs an EAGLE head for this model: pass head=<dir> "
-                               "(train one with `specdec datagen` + `specdec train eagle`)")
-    head_dir = None if isinstance(head, EagleHead) else head
-    if not isinstance(head, EagleHead):
-        if not os.path.isdir(head):
-            raise SpecdecError(f"EAGLE head {head!r} is not a directory")
-        head = EagleHead.load(head, hidden_size=runner.hidden_size, vocab_size=embed.shape[0],
-                              device=p.device, dtype=p.dtype, target_lm_head=model.get_output_embeddings().weight)
-    elif head.hidden_size != runner.hidden_size or head.vocab_size != embed.shape[0]:
-        raise SpecdecError(f"EAGLE head (hidden {head.hidden_size}, vocab {head.vocab_size}) does not match "
-                           f"the target (hidden {runner.hidden_size}, vocab {embed.shape[0]})")
-    if opts.pop("full_vocab", False) and head.d2t is not None:
+    head = load_head(head_dir, hidden_size=runner.hidden_size, vocab_size=embed.shape[0], device=p.device,
+                     dtype=p.dtype, target_lm_head=model.get_output_embeddings().weight)
+    if opts.full_vocab and head.d2t is not None:
         # ablation: the same head over the whole target vocabulary. Only meaningful when its rows are
         # the target's own (trained frozen), so that the reduced head is a pure restriction of this one.
         if head.meta.get("lm_head", "target") != "target":
@@ -178,24 +207,28 @@ def from_target(model, runner, method: str, opts: dict) -> EagleDrafter:
         lm = getattr(runner, "lm_head", None)
         if not callable(lm) or isinstance(lm, torch.nn.Module):
             lm = model.get_output_embeddings().weight
-    runner_h = HeadRunner(head, embed, lm)
-    kw = {}
-    if method == "eagle":
-        if "choices" in opts:
-            kw["choices"] = opts.pop("choices")
-            if isinstance(kw["choices"], str):  # from the CLI: --opt 'choices=[[0],[1],[0,0]]'
-                try:
-                    kw["choices"] = json.loads(kw["choices"])
-                except ValueError:
-                    raise SpecdecError(f"choices must be a JSON list of rank paths, got {kw['choices']!r}") from None
-        dynamic = False
-    else:
-        dynamic = True
-        for name in ("depth", "topk", "total_tokens", "rank_by", "rerank"):
-            if name in opts:
-                kw[name] = opts.pop(name)
-        if head_dir is not None:  # the budget `specdec tune` chose for this head; explicit options win
-            from specdec.tune import load_tuning
+    return HeadRunner(head, embed, lm), str(head_dir)
 
-            kw = {**(load_tuning(head_dir) or {}), **kw}
-    return EagleDrafter(runner_h, dynamic, **kw)
+
+def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None = None) -> TreeBudget:
+    """Explicit options win, then the head's tuning.json (`specdec tune`), then DEFAULT_BUDGET."""
+    tuned = tuned if tuned is not None else (load_tuning(head_dir) or {})
+    pick = lambda k: next(v for v in (getattr(opts, k), tuned.get(k), getattr(DEFAULT_BUDGET, k)) if v is not None)
+    return TreeBudget(pick("depth"), pick("topk"), pick("tree_size"))
+
+
+def build_eagle(target: Target, opts: EagleOptions) -> Drafter:
+    runner, _ = head_runner(target, opts, "eagle")
+    return with_lookup(EagleDrafter(runner, choices=opts.choices), opts.lookup or 0)
+
+
+def build_eagle2(target: Target, opts: Eagle2Options) -> Drafter:
+    runner, head_dir = head_runner(target, opts, "eagle2")
+    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank)
+    return with_lookup(drafter, opts.lookup or 0)
+
+
+register(Method("eagle", "EAGLE-1 head (feature-level draft), static tree of top-k rank paths", EagleOptions,
+                build_eagle))
+register(Method("eagle2", "EAGLE-2: the same head, dynamic tree (expand by value, rerank to the top tree_size)",
+                Eagle2Options, build_eagle2))

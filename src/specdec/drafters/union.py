@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.tree import DraftTree
 from specdec.verify import Verdict
 
@@ -21,6 +22,7 @@ class UnionDrafter(Drafter):
             raise ValueError("a union needs at least two drafters")
         self.members = members
         self.name = name or "+".join(m.name for m in members)
+        self.draft_depth = max((m.draft_depth or 0 for m in members), default=0) or None
 
     def begin(self, ctx: DecodeContext) -> None:
         for m in self.members:
@@ -46,7 +48,7 @@ class GreedyOnly(Drafter):
     turn 1 at T=1: prompt lookup alone reached tau 1.15), so there the chain only widens the verify."""
 
     def __init__(self, inner: Drafter) -> None:
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.draft_depth = inner, inner.name, inner.draft_depth
 
     def begin(self, ctx: DecodeContext) -> None:
         self.inner.begin(ctx)
@@ -56,3 +58,11 @@ class GreedyOnly(Drafter):
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         self.inner.accept(ctx, verdict)
+
+
+def with_lookup(drafter: Drafter, lookup: int, greedy_only: bool = False) -> Drafter:
+    """`drafter`, plus a prompt-lookup chain of `lookup` tokens in every tree (0: unchanged)."""
+    if not lookup:
+        return drafter
+    pld = PromptLookupDrafter(chain_len=lookup)
+    return UnionDrafter(drafter, GreedyOnly(pld) if greedy_only else pld)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.target.kv import Rows
+
 
 @dataclass
 class ForwardOut:
@@ -15,34 +17,59 @@ class ForwardOut:
     features: torch.Tensor  # [n, H] last hidden state after the final norm (feeds the LM head)
 
 
-class Runner(ABC):
-    """Batch size 1. The cache holds `length` committed rows followed by `n_pending` rows written by
-    forwards since the last `commit`; the next forward appends after them."""
+class Cached:
+    """Batch size 1 over a cache whose accounting (kv.Rows) is the runner's: `length` committed rows
+    followed by `n_pending` rows written by forwards since the last `commit`."""
 
-    config: object
+    cache: Rows
     device: torch.device
-    vocab_size: int
-    hidden_size: int
     max_length: int  # context window of the model
+    overflow = "sequence would exceed the model's context of {} tokens"
 
-    def __init__(self) -> None:
-        self.length = 0
-        self.n_pending = 0
+    @property
+    def length(self) -> int:
+        return self.cache.length
 
-    @abstractmethod
+    @property
+    def n_pending(self) -> int:
+        return self.cache.n_pending
+
+    def commit(self, keep: torch.Tensor | list[int] | range) -> None:
+        """Keep the given pending rows (indices relative to the first pending row), drop the rest."""
+        self.cache.commit(keep)
+
+    def rollback(self) -> None:
+        self.cache.rollback()
+
+    def truncate(self, length: int) -> None:
+        """Drop committed rows past `length` (e.g. a drafter whose guess was rejected)."""
+        self.cache.truncate(length)
+
     def reset(self) -> None:
         """Forget the sequence (start a new generation)."""
+        self.cache.reset()
+
+    def _new_rows(self, n: int, positions: torch.Tensor | None, mask: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+        """(first row, positions) of n new rows; positions default to a chain after every cached row."""
+        start = self.cache.length + self.cache.n_pending
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        if start + n > self.max_length or int(positions.max()) >= self.max_length:
+            raise ValueError(self.overflow.format(self.max_length))
+        if mask is not None and mask.shape != (n, start + n):
+            raise ValueError(f"mask must be [{n}, {start + n}], got {tuple(mask.shape)}")
+        return start, positions
+
+
+class Runner(Cached, ABC):
+    config: object
+    vocab_size: int
+    hidden_size: int
 
     @abstractmethod
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, logits_rows: slice | None
     ) -> ForwardOut: ...
-
-    @abstractmethod
-    def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
-
-    @abstractmethod
-    def _truncate(self, length: int) -> None: ...
 
     def forward(
         self,
@@ -54,42 +81,12 @@ class Runner(ABC):
         """tokens [n]; positions [n] (default: a chain after every cached row); mask [n, cached + n]
         bool, True = visible (default: all cached rows + causal among the new ones)."""
         n = tokens.numel()
-        start = self.length + self.n_pending
-        if positions is None:
-            positions = torch.arange(start, start + n, device=self.device)
-        if start + n > self.max_length or int(positions.max()) >= self.max_length:
-            raise ValueError(f"sequence would exceed the model's context of {self.max_length} tokens")
-        if mask is not None and mask.shape != (n, start + n):
-            raise ValueError(f"mask must be [{n}, {start + n}], got {tuple(mask.shape)}")
+        _, positions = self._new_rows(n, positions, mask)
         if mask is not None:
             mask = mask.to(self.device)
         out = self._forward(tokens.to(self.device), positions.to(self.device), mask, logits_rows)
-        self.n_pending += n
+        self.cache.n_pending += n
         return out
-
-    @torch.inference_mode()
-    def commit(self, keep: torch.Tensor | list[int]) -> None:
-        """Keep the given pending rows (indices relative to the first pending row), drop the rest."""
-        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
-        k = keep.numel()
-        dst = torch.arange(self.length, self.length + k, device=self.device)
-        src = keep + self.length
-        if k and not torch.equal(src, dst):
-            self._compact(src, dst)
-        self.length += k
-        self.n_pending = 0
-        self._truncate(self.length)
-
-    def rollback(self) -> None:
-        self.commit([])
-
-    @torch.inference_mode()
-    def truncate(self, length: int) -> None:
-        """Drop committed rows past `length` (e.g. a drafter whose guess was rejected)."""
-        if length > self.length:
-            raise ValueError("cannot truncate to a longer length")
-        self.length, self.n_pending = length, 0
-        self._truncate(length)
 
 
 def chain_mask(n_cached: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:

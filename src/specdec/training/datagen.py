@@ -264,7 +264,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
     """Make shards 0..n_shards-1 that are not there yet. Returns totals of this call."""
     from tqdm import tqdm
 
-    from specdec.heads.eagle import target_fingerprint
+    from specdec.heads.shipped import target_fingerprint
 
     for s in plan.sources:
         if s not in SOURCES:

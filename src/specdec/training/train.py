@@ -29,7 +29,7 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.training.datagen import list_shards
 
-# heads.eagle (and with it transformers) is imported inside functions: the CLI parser imports this module
+# the heads (and with them transformers) are imported inside functions: the CLI parser imports this module
 
 
 @dataclass
@@ -247,7 +247,9 @@ def _save_checkpoint(out: Path, head, opt, sched, step: int, state: dict, keep: 
     tmp.mkdir()
     torch.save({"model": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "step": step, "torch_rng": torch.get_rng_state(), **state}, tmp / "state.pt")
-    head.save(tmp / "head", extra=state.get("head_meta"))
+    from specdec.heads.io import save_head
+
+    save_head(head, tmp / "head", extra=state.get("head_meta"))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)  # a checkpoint exists under its real name only when complete
@@ -262,7 +264,9 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     from accelerate import Accelerator
     from tqdm import tqdm
 
-    from specdec.heads.eagle import EagleHead, head_config, target_fingerprint
+    from specdec.heads.io import load_head, save_head
+    from specdec.heads.model import EagleHead, head_config
+    from specdec.heads.shipped import target_fingerprint
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     rank, world = acc.process_index, acc.num_processes
@@ -297,8 +301,8 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
 
     torch.manual_seed(cfg.seed)
     if cfg.init_from:  # the warm start fixes the draft vocabulary too (its rows may come from the target)
-        head = EagleHead.load(cfg.init_from, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
-                              target_lm_head=target_lm.cpu()).train()
+        head = load_head(cfg.init_from, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
+                         target_lm_head=target_lm.cpu()).train()
         vd = head.draft_vocab_size or head.vocab_size
         if cfg.draft_vocab and cfg.draft_vocab != vd:
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
@@ -393,10 +397,9 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     bar.close()
     final = acc.unwrap_model(objective).head
     if step == total and acc.is_main_process:
-        final.save(out / "head", extra=head_meta)
+        save_head(final, out / "head", extra=head_meta)
         if cfg.ship_to:
-            final.save(cfg.ship_to, extra=head_meta, dtype=torch.float16,
-                       lm_head=not cfg.freeze_lm_head)
+            save_head(final, cfg.ship_to, extra=head_meta, dtype=torch.float16, lm_head=not cfg.freeze_lm_head)
     acc.wait_for_everyone()
     return {"steps": step, "total_steps": total, "history": history, "head": final,
             "seconds": time.perf_counter() - t0, "data_tokens": n_data}

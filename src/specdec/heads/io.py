@@ -1,0 +1,153 @@
+"""EAGLE heads on disk: an HF-style dir, written atomically and checked against the target on load.
+
+config.json is a LlamaConfig with num_hidden_layers L (1 for EAGLE; + our "specdec" block and EAGLE-3's
+"draft_vocab_size"); model.safetensors (or an official checkpoint's pytorch_model.bin) holds fc.weight,
+layers.i.self_attn.*, layers.i.mlp.*, layers.i.post_attention_layernorm.weight
+(layers.i.input_layernorm.weight for i > 0) and, for a reduced vocabulary, lm_head.weight + d2t
+(EAGLE-3 convention: offsets, target_id = draft_id + d2t[draft_id]) + t2d (bool over the target vocab).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from specdec.errors import SpecdecError
+from specdec.files import atomic_dir
+from specdec.heads.model import EagleHead
+
+_LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "post_attention_layernorm.weight")
+# official EAGLE checkpoints sometimes carry a copy of the target's embeddings: we use the target's own
+_IGNORED = {"embed_tokens.weight", "model.embed_tokens.weight"}
+
+
+def _layer_keys(n_layers: int) -> set[str]:
+    keys = {f"layers.{i}.{p}" for i in range(n_layers) for p in _LAYER_PARAMS}
+    return keys | {f"layers.{i}.input_layernorm.weight" for i in range(1, n_layers)}
+
+
+def save_head(head: EagleHead, path: str | os.PathLike, extra: dict | None = None, dtype: torch.dtype | None = None,
+              lm_head: bool = True) -> None:
+    """Atomic: written to a temporary dir, then renamed over `path`. extra: more of the "specdec" block;
+    dtype: e.g. fp16 to ship small; lm_head=False leaves out a reduced head's rows (valid when they are
+    the target's own rows, e.g. trained with the LM head frozen): the loader takes them from the target
+    through d2t."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if k != "d2t"}
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    if not lm_head:
+        sd.pop("lm_head.weight", None)
+    if head.d2t is not None:
+        d2t = head.d2t.cpu()
+        sd["d2t"] = d2t - torch.arange(d2t.numel())
+        sd["t2d"] = head.t2d().cpu()
+    cfg = head.config.to_dict()
+    cfg.pop("_attn_implementation_autoset", None)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["draft_vocab_size"] = head.draft_vocab_size or head.vocab_size
+    cfg["specdec"] = {"kind": "eagle", "reduced_vocab": head.d2t is not None,
+                      "lm_head": "own" if "lm_head.weight" in sd else "target", **(extra or {})}
+    with atomic_dir(path) as tmp:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+
+
+def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
+              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+              target_lm_head: torch.Tensor | None = None) -> EagleHead:
+    """Load and check against the target (hidden size, vocabulary). Every failure is a SpecdecError.
+    target_lm_head: needed for a reduced head saved without its rows (lm_head=False)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise SpecdecError(f"no EAGLE head at {path}: config.json is missing")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("specdec", "transformers_version")})
+    except Exception as e:
+        raise SpecdecError(f"EAGLE head {path}: config.json is not a valid LlamaConfig ({e})") from None
+    sd = _read_tensors(path)
+    n_layers = config.num_hidden_layers
+    layer_keys = _layer_keys(n_layers) if isinstance(n_layers, int) and n_layers >= 1 else set()
+    extra = set(sd) - layer_keys - _IGNORED - {"fc.weight", "fc.bias", "lm_head.weight", "d2t", "t2d"}
+    missing = (layer_keys | {"fc.weight"}) - set(sd)
+    if missing or extra or not layer_keys:
+        why = [f"missing {sorted(missing)[:6]}" if missing else "",
+               f"unexpected {sorted(extra)[:6]}" if extra else "",
+               f"num_hidden_layers={n_layers}" if not layer_keys else ""]
+        raise SpecdecError(f"{path} is not an EAGLE-1/2 head: " + "; ".join(w for w in why if w))
+    h, v = config.hidden_size, config.vocab_size
+    if hidden_size is not None and h != hidden_size:
+        raise SpecdecError(f"EAGLE head {path} has hidden size {h} but the target has {hidden_size}: "
+                           "it was trained for a different model")
+    if vocab_size is not None and v != vocab_size:
+        raise SpecdecError(f"EAGLE head {path} has a vocabulary of {v} tokens but the target has {vocab_size}: "
+                           "it was trained for a different model")
+    if tuple(sd["fc.weight"].shape) != (h, 2 * h):
+        raise SpecdecError(f"EAGLE head {path}: fc.weight is {tuple(sd['fc.weight'].shape)}, "
+                           f"expected {(h, 2 * h)} for hidden size {h}")
+    state = {k: t for k, t in sd.items() if k in layer_keys or k.startswith("fc.")}
+    vd = None
+    if "d2t" in sd:
+        vd = sd["d2t"].shape[0]
+        state["d2t"], state["lm_head.weight"] = _reduced_vocab(path, sd, v, h, target_lm_head)
+    elif "lm_head.weight" in sd and tuple(sd["lm_head.weight"].shape) != (v, h):
+        raise SpecdecError(f"EAGLE head {path}: lm_head.weight without d2t must be [{v}, {h}]")
+    # a full-size lm_head.weight (some exports carry one) is dropped: the target's own head is used
+    head = EagleHead(config, vd, fc_bias="fc.bias" in sd)
+    try:
+        head.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        why = str(e).splitlines()[-1]
+        raise SpecdecError(f"EAGLE head {path}: weights do not fit its config ({why})") from None
+    for k, t in head.state_dict().items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise SpecdecError(f"EAGLE head {path}: tensor {k} holds NaN/inf: the file is damaged")
+    head.meta = raw.get("specdec", {})
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def _reduced_vocab(path: Path, sd: dict[str, torch.Tensor], v: int, h: int,
+                   target_lm_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(absolute target ids, LM head rows) of a reduced-vocabulary head; the rows come from the target
+    when the file has none."""
+    vd = sd["d2t"].shape[0]
+    ids = sd["d2t"].long().reshape(-1) + torch.arange(vd)
+    if vd == 0 or int(ids.min()) < 0 or int(ids.max()) >= v:
+        raise SpecdecError(f"EAGLE head {path}: d2t maps outside the target vocabulary of {v}")
+    rows = sd.get("lm_head.weight")
+    if rows is None:
+        if target_lm_head is None:
+            raise SpecdecError(f"EAGLE head {path} takes its LM head rows from the target: pass the target")
+        if tuple(target_lm_head.shape) != (v, h):
+            raise SpecdecError(f"EAGLE head {path}: the target's LM head is {tuple(target_lm_head.shape)}, "
+                               f"expected {(v, h)}")
+        rows = target_lm_head.detach().cpu()[ids]
+    if tuple(rows.shape) != (vd, h):
+        raise SpecdecError(f"EAGLE head {path}: lm_head.weight is {tuple(rows.shape)}, "
+                           f"expected {(vd, h)} for {vd} draft tokens")
+    return ids, rows
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    st, pt = path / "model.safetensors", path / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if pt.is_file():
+            return torch.load(str(pt), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise SpecdecError(f"EAGLE head {path}: cannot read its weights, the file looks damaged "
+                           f"({type(e).__name__}: {e})") from None
+    raise SpecdecError(f"no EAGLE head weights in {path} (model.safetensors or pytorch_model.bin)")
+

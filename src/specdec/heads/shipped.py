@@ -1,0 +1,37 @@
+"""Heads shipped inside the package (src/specdec/heads/<name>/), found for a target by its fingerprint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHIPPED_DIR = Path(__file__).parent  # where smollm2-135m-instruct-eagle/ lives
+
+
+def target_fingerprint(model) -> dict:
+    """Enough to tell which target a head was trained on, whatever path the target was loaded from."""
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    return {"model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": int(emb.shape[0]),
+            "embed_abs_mean": round(float(emb.detach().double().abs().mean()), 8)}
+
+
+def fingerprint_matches(a: dict, b: dict) -> bool:
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return False
+    x, y = a.get("embed_abs_mean"), b.get("embed_abs_mean")
+    return x is not None and y is not None and abs(x - y) <= 1e-2 * max(abs(x), abs(y))
+
+
+def find_shipped_head(model) -> Path | None:
+    fp = target_fingerprint(model)
+    for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
+        try:
+            meta = json.loads(cfg.read_text()).get("specdec", {})
+        except (OSError, ValueError):
+            continue
+        if meta.get("kind") == "eagle" and fingerprint_matches(meta.get("target", {}), fp):
+            return cfg.parent
+    return None

@@ -1,0 +1,113 @@
+"""What this machine is and what things cost on it: one place for the CPU description, the load other
+processes put on it during a measurement, and timing a target forward. Used by `tune`, `bench` and the
+scripts. Costs differ from one machine of the same kind to the next, so they are measured where the
+code runs, never shipped as constants."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specdec.target.base import chain_mask
+from specdec.target.packed import onednn_available
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """Everything a benchmark record needs to say where it ran."""
+    import transformers  # heavy, and only a benchmark record needs its version
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except Exception:
+        commit = ""
+    return {
+        "cpu": cpu_name(), "logical_cpus": os.cpu_count(), "usable_cpus": usable_cpus(),
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "specdec": _version(), "git_commit": commit,
+        "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+        "onednn_packed_linears": onednn_available(),
+    }
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specdec")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def machine_summary() -> dict:
+    """The short form a tuning record carries."""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def _cpu_busy_s() -> float | None:
+    """Seconds of CPU time every process on the machine has used (user+nice+system+irq), from /proc/stat."""
+    try:
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return sum(int(x) for x in f[1:4] + f[6:9]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ContentionMeter:
+    """Share of the usable CPUs that *other* processes used during a timed run: a benchmark that shared
+    the cores with another job measures that job as much as the method."""
+
+    def __init__(self) -> None:
+        self.busy0, self.own0, self.t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+
+    def result(self) -> dict:
+        busy1, own1, wall = _cpu_busy_s(), time.process_time(), time.perf_counter() - self.t0
+        ncpu = usable_cpus()
+        if self.busy0 is None or busy1 is None or wall <= 0:
+            return {"other_cpu_frac": None}
+        others = max(0.0, (busy1 - self.busy0) - (own1 - self.own0))
+        return {"other_cpu_frac": others / (wall * ncpu), "own_cpu_frac": (own1 - self.own0) / (wall * ncpu),
+                "loadavg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+@torch.inference_mode()
+def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200) -> dict[int, float]:
+    """Median seconds of a target forward over N new tokens (a chain mask, as a tree would use) after
+    `ctx` cached tokens. Sizes are interleaved per repetition so drift on a busy machine hits all alike."""
+    runner.reset()
+    v = min(runner.vocab_size, 1000)
+    runner.forward(torch.randint(0, v, (ctx,)), logits_rows=slice(-1, None))
+    runner.commit(range(ctx))
+    ts: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 2):
+        for n in sizes:
+            xs = torch.randint(0, v, (n,))
+            mask = chain_mask(ctx, n) if n > 1 else None
+            t = time.perf_counter()
+            runner.forward(xs, None, mask)
+            runner.rollback()
+            if rep >= 2:  # warm-up
+                ts[n].append(time.perf_counter() - t)
+    runner.reset()
+    return {n: statistics.median(x) for n, x in ts.items()}

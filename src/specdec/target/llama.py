@@ -1,0 +1,98 @@
+"""The Llama-family decoder block (Llama, Qwen2, Mistral; EAGLE's head layers), written once for the
+lean target runner, batched data generation and the EAGLE head runner.
+
+Why not call the HF module: on a 2-core CPU a small model's decode step is dominated by per-op Python
+overhead and MKL's small-batch GEMMs (DESIGN.md §7). Here q/k/v and gate/up are fused into one
+pre-packed GEMM each, RoPE tables are precomputed, and K/V go into a preallocated kv.KVCache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.target.kv import KVCache
+from specdec.target.packed import Linear
+
+
+class Rope:
+    """cos/sin tables [positions, head_dim] from an HF rotary module, computed once and grown on demand:
+    a forward indexes them instead of calling the module."""
+
+    def __init__(self, rotary: nn.Module, device: torch.device, dtype: torch.dtype, max_length: int) -> None:
+        self.rotary, self.max_length = rotary, max_length
+        self.like = torch.empty(0, device=device, dtype=dtype)  # the module reads only device and dtype
+        self.cos = self.sin = torch.empty(0, device=device, dtype=dtype)
+
+    def grow(self, n: int) -> None:
+        """Tables for positions < n (capped at max_length)."""
+        n = min(n, self.max_length)
+        if self.cos.shape[0] < n:
+            cos, sin = self.rotary(self.like, torch.arange(n, device=self.like.device)[None])
+            self.cos, self.sin = cos[0].to(self.like.dtype), sin[0].to(self.like.dtype)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def chain_attention(start: int, n: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """(mask, is_causal) for n new rows after `start` cached ones seeing every cached row and causal among
+    themselves. With nothing cached SDPA's is_causal does it without a mask tensor; one row needs neither."""
+    if n == 1:
+        return None, False
+    if start == 0:
+        return None, True
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=device)
+    mask[:, start:] = mask[:, start:].tril()
+    return mask, False
+
+
+class Block:
+    """One HF decoder layer's weights, fused (qkv, gate_up) and pre-packed. Optional q/k/v biases (Qwen2);
+    no input norm when the layer has nn.Identity there (EAGLE's first head layer)."""
+
+    def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True) -> None:
+        a, m = layer.self_attn, layer.mlp
+        self.index, self.eps = index, eps  # index: this layer's slot in the KVCache
+        hd = self.head_dim = a.head_dim
+        self.n_heads, self.n_kv = a.q_proj.weight.shape[0] // hd, a.k_proj.weight.shape[0] // hd
+        self.split = [self.n_heads * hd, self.n_kv * hd, self.n_kv * hd]
+        self.gqa = self.n_heads != self.n_kv
+        qkv_b = None
+        if a.q_proj.bias is not None:
+            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, pack)
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias, pack)
+        gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b, pack)
+        self.down = Linear(m.down_proj.weight, m.down_proj.bias, pack)
+        norm = layer.input_layernorm
+        self.in_norm = None if isinstance(norm, nn.Identity) else norm.weight.detach()
+        self.post_norm = layer.post_attention_layernorm.weight.detach()
+        self.norm_shape = (self.post_norm.shape[0],)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
+                 mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """h [B, n, H] -> [B, n, H]. Writes this layer's K/V at cache columns start..start+n, then attends
+        over columns < start+n. cos/sin broadcast to [B, heads, n, head_dim]; mask bool (True = visible)
+        broadcasts to [B, heads, n, start+n]."""
+        b, n, _ = h.shape
+        end = start + n
+        nh, nkv, hd, li = self.n_heads, self.n_kv, self.head_dim, self.index
+        x = h if self.in_norm is None else F.rms_norm(h, self.norm_shape, self.in_norm, self.eps)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(b, n, nh, hd).transpose(1, 2), cos, sin)
+        kv.k[li, :, :, start:end] = apply_rope(k.view(b, n, nkv, hd).transpose(1, 2), cos, sin)
+        kv.v[li, :, :, start:end] = v.view(b, n, nkv, hd).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, kv.k[li, :, :, :end], kv.v[li, :, :, :end],
+                                           attn_mask=mask, is_causal=causal, enable_gqa=self.gqa)
+        h = h + self.o(a.transpose(1, 2).reshape(b, n, nh * hd))
+        x = F.rms_norm(h, self.norm_shape, self.post_norm, self.eps)
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(g) * u)

@@ -1,0 +1,56 @@
+"""Where `specdec tune`'s choice for a head lives: `tuning.json` next to the head, or under the cache for
+a head that ships inside the package (or sits in a read-only dir). Drafters read it through here;
+only the `tune` tool writes it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+from specdec.files import atomic_write_text
+from specdec.target.loading import cache_dir
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+BUDGET_KEYS = ("depth", "topk", "tree_size")
+_LEGACY = {"total_tokens": "tree_size"}  # files written before the names were unified
+
+
+def tuning_path(head_dir: str | os.PathLike) -> Path:
+    """Where `specdec tune` writes by default: next to the head, unless the head ships inside the
+    package or its dir is read-only; then under the cache (SPECDEC_CACHE or ~/.cache/specdec)."""
+    head_dir = Path(head_dir).resolve()
+    if head_dir.is_relative_to(PACKAGE_DIR) or not os.access(head_dir, os.W_OK):
+        return cache_dir() / "tuning" / f"{head_dir.name}.json"
+    return head_dir / "tuning.json"
+
+
+def load_tuning(head_dir: str | os.PathLike, auto: bool = False) -> dict | None:
+    """{depth, topk, tree_size} for this head: this machine's own `specdec tune` result if there is
+    one, else the tuning.json shipped next to the head, else None. auto: the choice for `auto`, which
+    adds `lookup` (0 in files written before tune measured lookup chains)."""
+    for f in dict.fromkeys([tuning_path(head_dir), Path(head_dir).resolve() / "tuning.json"]):
+        if not f.is_file():
+            continue
+        try:
+            raw = json.loads(f.read_text())
+            src = raw["auto"] if auto and "auto" in raw else raw
+            src = {_LEGACY.get(k, k): v for k, v in src.items()}
+            vals = {k: src[k] for k in BUDGET_KEYS}
+            lookup = src.get("lookup", 0) if auto else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpecdecError(f"{f} is not a valid tuning file ({type(e).__name__}: {e}): "
+                               "re-run `specdec tune` or delete it") from None
+        if not all(type(v) is int and v >= 1 for v in vals.values()):
+            raise SpecdecError(f"{f}: depth, topk and tree_size must be integers >= 1, got {vals}")
+        if auto:
+            if type(lookup) is not int or lookup < 0:
+                raise SpecdecError(f"{f}: lookup must be an integer >= 0, got {lookup!r}")
+            vals["lookup"] = lookup
+        return vals
+    return None
+
+
+def save_tuning(record: dict, path: str | os.PathLike) -> Path:
+    return atomic_write_text(path, json.dumps(record, indent=1) + "\n")
