@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from specdec.api import from_models
+from specdec.machine import forward_costs
 from specdec.target.hf import HFRunner
 from specdec.target.loading import load_model
-from specdec.tune import forward_costs
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--chain-len", type=int, default=4)
     ap.add_argument("--qwen-dir", default=str(Path.home() / ".cache/specdec/models"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,7 +113,7 @@ def main() -> None:
         model, tok, _ = load_model(root / "qwen2.5-coder-1.5b-instruct", device="cpu")
         draft, dtok, _ = load_model(root / "qwen2.5-coder-0.5b-instruct", device="cpu")
         dec = {"vanilla": from_models(model, tok),
-               "sps": from_models(model, tok, "sps", draft, dtok, gamma=args.gamma)}
+               "sps": from_models(model, tok, "sps", draft, dtok, chain_len=args.chain_len)}
         for d in dec.values():
             d.generate("warm up", max_new_tokens=4)
         res = run_methods(dec, model, tok, humaneval_prompts(args.prompts), args.max_new_tokens)

@@ -12,7 +12,9 @@ import torch
 
 from specdec.api import from_models
 from specdec.target.loading import load_model
-from specdec.tune import CALIBRATION_PROMPTS, Config, tune
+from specdec.tree import TreeBudget
+from specdec.tune.cli import CALIBRATION_PROMPTS
+from specdec.tune.search import tune
 
 
 def main() -> None:
@@ -27,15 +29,15 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok, _ = load_model(a.model, "cpu", torch.float32)
-    cfgs = [Config(d, a.topk, m) for d in map(int, a.depths.split(",")) for m in map(int, a.sizes.split(","))
+    cfgs = [TreeBudget(d, a.topk, m) for d in map(int, a.depths.split(",")) for m in map(int, a.sizes.split(","))
             if d <= m]
     for h in a.heads:
         dec = from_models(model, tok, "eagle2", head=h)
         prompts = [dec.encode([{"role": "user", "content": q}]) for q in CALIBRATION_PROMPTS]
         rows = sorted(tune(dec, prompts, a.tokens, configs=cfgs, reps=2, lookups=())["top"],
-                      key=lambda r: (r["total_tokens"], r["depth"]))
+                      key=lambda r: (r["tree_size"], r["depth"]))
         print(h)
-        print("  " + "  ".join(f"d{r['depth']} m{r['total_tokens']}: tau {r['tau']:.2f}" for r in rows), flush=True)
+        print("  " + "  ".join(f"d{r['depth']} m{r['tree_size']}: tau {r['tau']:.2f}" for r in rows), flush=True)
 
 
 if __name__ == "__main__":

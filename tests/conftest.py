@@ -28,3 +28,30 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
 @pytest.fixture(params=["llama", "qwen2", "mistral"])
 def family(request):
     return request.param
+
+
+# ---- EAGLE fixtures, shared by the head, drafting, training, union and tune tests (one training run) ----
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny, tmp_path_factory):
+    from tests.eagle_common import make_data
+
+    d = tmp_path_factory.mktemp("data")
+    make_data(tiny, d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def trained(tiny, tiny_data, tmp_path_factory):
+    from specdec.training.train import TrainConfig, train_eagle
+
+    out = tmp_path_factory.mktemp("run")
+    cfg = TrainConfig(data=str(tiny_data), out=str(out), steps=100, batch_size=8, lr=3e-2, warmup=5,
+                      save_every=1000, log_every=10)
+    r = train_eagle(cfg, tiny, progress=False)
+    return r, out

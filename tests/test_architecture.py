@@ -21,8 +21,13 @@ LAYERS = (
     ("tools", ("tune", "bench", "training", "cli")),
 )
 # function-local imports of our own modules, each for a reason (module -> imported module)
+# (transformers' Llama modules take ~6 s to import, its cache classes ~3 s: only when really used, so that
+# `specdec --help`, `specdec methods` and bad-input errors stay fast)
 LOCAL_IMPORTS_ALLOWED = {
-    ("specdec.drafters.eagle", "specdec.heads.io"): "transformers' Llama modules take seconds to import",
+    ("specdec.drafters.eagle", "specdec.heads.io"): "loads a head: transformers' Llama modules",
+    ("specdec.training.train", "specdec.heads.io"): "the CLI parser imports train.py",
+    ("specdec.training.train", "specdec.heads.model"): "the CLI parser imports train.py",
+    ("specdec.target.loading", "specdec.target.hf"): "the HF runner, for non-Llama targets only",
 }
 
 
@@ -57,7 +62,8 @@ def our_imports(source: str, module: str) -> list[tuple[str, bool]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             names = [base] + [f"{base}.{a.name}" for a in node.names]
             names = [n for n in names if _is_module(n)] or [base]
         else:

@@ -176,8 +176,8 @@ def test_bad_method_option_fails_before_timing(models):
     cfg = BenchConfig(parse_methods("vanilla,hf-pld:bogus_field=3", False), max_new_tokens=4, progress=False)
     with pytest.raises(SpecdecError, match="bogus_field"):
         run_bench(cfg, QS[1:], target, tok)
-    cfg = BenchConfig(parse_methods("sps:gamma=2:warp=1", True), max_new_tokens=4, progress=False)
-    with pytest.raises(SpecdecError, match="unknown option"):
+    with pytest.raises(SpecdecError, match="unknown option"):  # our methods: already when the spec is parsed
+        cfg = BenchConfig(parse_methods("sps:gamma=2:warp=1", True), max_new_tokens=4, progress=False)
         run_bench(cfg, QS[1:], target, tok, target, tok)
 
 
@@ -193,9 +193,9 @@ def test_sampled_run_audits_by_greedy_replay(models):
 
 def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys):
     target, tok, _ = models
-    import specdec.target.loading as loading
+    import specdec.bench.cli as bench_cli
 
-    monkeypatch.setattr(loading, "load_model", lambda spec, device=None, dtype=None: (target, tok, None))
+    monkeypatch.setattr(bench_cli, "load_model", lambda spec, device=None, dtype=None: (target, tok, None))
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["Hi?", "And then?"]}) + "\n"
                          for i, c in enumerate(["qa", "qa", "rag"])))

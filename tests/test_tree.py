@@ -46,10 +46,10 @@ def test_value_ranking_expands_by_path_product():
     # by value (product) 2 -> 3 (0.4 * 0.99) beats 1 -> 4 (0.6 * 0.5)
     table = _table(8, {1: {4: 0.5, 5: 0.5}, 2: {3: 0.99}, 3: {6: 0.9}, 4: {7: 0.9}, 5: {7: 0.9}})
     root = torch.log(torch.tensor([0.0, 0.6, 0.4, 0, 0, 0, 0, 0]) + 1e-9)
-    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=1, total_tokens=3)
+    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=1, tree_size=3)
     # topk=1 per level: the beam follows the best node by value at each depth
     assert tree.tokens.tolist() == [1, 4, 7]  # greedy beam from the top root child
-    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=2, total_tokens=3)
+    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=2, tree_size=3)
     # reranked top-3 by value: 1 (0.6), 2 (0.4), 2->3 (0.396)
     assert sorted(tree.tokens.tolist()) == [1, 2, 3]
     assert tree.parents[tree.tokens.tolist().index(3)].item() == tree.tokens.tolist().index(2)
@@ -65,7 +65,7 @@ def test_confidence_ranking_differs_from_value():
         def step(sel, tokens, parents, expanded=expanded):
             expanded.append(tokens[sel].tolist())
             return _table_step(table)(sel, tokens, parents)
-        build_dynamic_tree(root, step, depth=3, topk=2, total_tokens=10, rank_by=rank_by)
+        build_dynamic_tree(root, step, depth=3, topk=2, tree_size=10, rank_by=rank_by)
         seen[rank_by] = expanded
     # depth 2 layer: children 1->4 (V .45), 1->5 (.45), 2->3 (V .099 but confidence .99)
     assert 3 not in seen["value"][1] and 3 in seen["confidence"][1]
@@ -77,7 +77,7 @@ def test_rerank_keeps_tree_connected_and_prefers_shallow_ties():
     table = torch.log_softmax(torch.randn(vocab, vocab) * 2, -1)
     root = torch.log_softmax(torch.randn(vocab) * 2, -1)
     for total in range(1, 20):
-        tree = build_dynamic_tree(root, _table_step(table), depth=4, topk=3, total_tokens=total)
+        tree = build_dynamic_tree(root, _table_step(table), depth=4, topk=3, tree_size=total)
         assert len(tree) == min(total, 3 + 9 + 9 + 9)
         par = tree.parents.tolist()
         assert all(p < i for i, p in enumerate(par))  # connected, topological (DraftTree checks too)
@@ -88,7 +88,7 @@ def test_rerank_keeps_tree_connected_and_prefers_shallow_ties():
     table = torch.full((4, 4), float("-inf"))
     table[:, 3] = 0.0
     root = torch.log(torch.tensor([0.5, 0.5, 0.0, 0.0]))
-    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=2, total_tokens=2)
+    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=2, tree_size=2)
     assert tree.depth.tolist() == [1, 1]
 
 
@@ -96,7 +96,7 @@ def test_no_rerank_keeps_expanded_beam():
     torch.manual_seed(1)
     table = torch.log_softmax(torch.randn(10, 10) * 3, -1)
     root = torch.log_softmax(torch.randn(10) * 3, -1)
-    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=2, total_tokens=100, rerank=False)
+    tree = build_dynamic_tree(root, _table_step(table), depth=3, topk=2, tree_size=100, rerank=False)
     assert tree.depth.tolist() == [1, 1, 2, 2, 3, 3]
 
 

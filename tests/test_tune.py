@@ -18,7 +18,6 @@ from specdec.tune.replay import matched_path, replay, visited
 from specdec.tune.search import Row, accepted_lengths, candidates, rank, tune, walk
 from specdec.tuning import BUDGET_KEYS as TUNED
 from specdec.tuning import load_tuning, save_tuning, tuning_path
-from tests.test_eagle import tiny, tiny_data, trained  # noqa: F401  (module fixtures)
 from tests.test_engine import PROMPTS, run
 
 
@@ -54,7 +53,7 @@ def test_one_expansion_gives_every_depth_and_size():
     assert Config(4, 1, 4) in candidates() and Config(4, 1, 6) not in candidates()
 
 
-def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):  # noqa: F811
+def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):
     head = str(trained[1] / "head")
     configs = [Config(4, 3, 8), Config(3, 1, 3), Config(2, 3, 4)]
     walker = from_models(tiny, None, "eagle2", head=head)
@@ -71,7 +70,7 @@ def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):  # noqa: 
     assert max(taus) > 2  # real acceptance, deep paths included
 
 
-def test_offline_lookup_union_replays_the_engine_exactly(tiny, trained):  # noqa: F811
+def test_offline_lookup_union_replays_the_engine_exactly(tiny, trained):
     """tune's model of eagle2 + a lookup chain (UnionDrafter): same accept lengths and tree sizes as
     the engine, step by step."""
     head = str(trained[1] / "head")
@@ -105,7 +104,7 @@ def test_rank_picks_the_fastest_expected_config():
     assert rank(tie)[0].config.tree_size == 4  # equal speed: the smaller tree
 
 
-def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path, monkeypatch):  # noqa: F811
+def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path, monkeypatch):
     import specdec.tuning
 
     head = tmp_path / "head"
@@ -164,7 +163,7 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
         from_models(tiny, None, "eagle2", head=str(head))
 
 
-def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):
     assert main(["tune", "--head", str(tmp_path / "nothing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["tune", "--prompts", "0"]) == 2

@@ -8,6 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.bench.compare import compare
+from specdec.bench.data import first_per_category, load_questions, quick_subset
+from specdec.bench.methods import MethodSpec, our_methods, parse_methods
+from specdec.bench.metrics import OVERALL
+from specdec.bench.runner import BenchConfig, run_bench
+from specdec.errors import SpecdecError
+from specdec.heads.shipped import find_shipped_head
+from specdec.target.loading import load_model
+
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
 
 
@@ -54,8 +63,6 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from specdec.bench.compare import compare
-
     md = compare(args.a, args.b)
     sys.stdout.write(md)
     if args.compare_out:
@@ -64,13 +71,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specdec.bench.data import first_per_category, load_questions, quick_subset
-    from specdec.bench.methods import parse_methods
-    from specdec.bench.metrics import OVERALL
-    from specdec.bench.runner import BenchConfig, run_bench
-    from specdec.errors import SpecdecError
-    from specdec.target.loading import load_model
-
     # everything a user can get wrong is checked before the (slow) model load
     specs = parse_methods(args.methods, has_draft=args.draft is not None)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
@@ -130,13 +130,9 @@ def cmd_bench(args) -> int:
 
 def _add_shipped_eagle(cfg, model) -> None:
     """By default, time EAGLE-2 too when the library ships a head for this target."""
-    from specdec.bench.methods import MethodSpec, our_methods
-
     if "eagle2" not in our_methods():
         return
     try:
-        from specdec.heads.shipped import find_shipped_head
-
         found = find_shipped_head(model) is not None
     except Exception:  # a head that cannot be read is the eagle method's error to report, not ours
         found = False

@@ -47,6 +47,7 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
     text = text.strip()
     parts = text.split(":")
     name = parts[0].strip()
+    check = known is None  # an explicit `known` list asks for the syntax only
     known = known if known is not None else our_methods() + PEERS
     if not name:
         raise SpecdecError(f"empty method name in {text!r}")
@@ -61,7 +62,7 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
         if k in opts:
             raise SpecdecError(f"option {k!r} given twice in method {text!r}")
         opts[k] = _value(v.strip())
-    if name in registry.names():
+    if check and name in registry.names():
         registry.parse(name, opts)  # a bad option fails here, not after the model loads
     return MethodSpec(name, opts, text)
 

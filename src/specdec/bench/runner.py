@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.api import from_models
+from specdec.bench import metrics, report
 from specdec.bench.audit import TIE_TOL, audit
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
@@ -143,8 +145,6 @@ class HFMethod:
 
 
 def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_tokenizer=None) -> dict:
-    from specdec.api import from_models
-
     built = {}
     vanilla = None
     for spec in cfg.methods:
@@ -195,8 +195,6 @@ def run_bench(cfg: BenchConfig, questions: list[Question], model, tokenizer, dra
 
 
 def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir) -> dict:
-    from specdec.bench import metrics, report
-
     methods = build_methods(cfg, model, tokenizer, draft_model, draft_tokenizer)
     vanilla = methods["vanilla"].dec
     max_len = vanilla.runner.max_length

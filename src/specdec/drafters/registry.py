@@ -107,15 +107,13 @@ def register(method: Method) -> Method:
     return method
 
 
-def _load_builtins() -> None:
-    for mod in BUILTIN:
-        importlib.import_module(mod)
-
-
 def methods() -> dict[str, Method]:
-    if not _METHODS:
-        _load_builtins()
-    return dict(_METHODS)
+    for mod in BUILTIN:  # a no-op once imported; a drafter module imported directly registers only itself
+        importlib.import_module(mod)
+    # BUILTIN's order, whatever order the modules were first imported in; then any others as registered
+    rank = {mod: i for i, mod in enumerate(BUILTIN)}
+    order = sorted(_METHODS.values(), key=lambda m: rank.get(m.build.__module__, len(rank)))
+    return {m.name: m for m in order}
 
 
 def names() -> tuple[str, ...]:

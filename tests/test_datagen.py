@@ -1,0 +1,65 @@
+"""Self-distillation data: shards, resume, and the benchmark-prompt exclusion."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.errors import SpecdecError
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- data generation ----
+
+def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
+    from specdec.files import shared_data_dir as default_shared_data
+    from specdec.target.loading import cache_dir
+    from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
+
+    conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))
+    gsm = default_shared_data() / "gsm8k" / "train.jsonl"
+    if not conv or not gsm.is_file():
+        pytest.skip("needs the converted SmolLM2 tokenizer and ../shared/data")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(conv[0])
+    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    bench = benchmark_prompts(default_shared_data())
+    assert len(bench) >= 480  # Spec-Bench turns (MT-bench included)
+    q = json.loads((default_shared_data() / "mt_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
+    assert is_benchmark(q, bench) and is_benchmark("  " + q.upper() + " ", bench)
+    assert not is_benchmark("What is 2 + 2?", bench)
+    plan = Plan(shard_size=4, sources=["gsm8k", "self", "gsm8k-gold"], temperatures=[0.0, 1.0], max_new_tokens=6,
+                self_prompt_tokens=8)
+    out = tmp_path / "d"
+    t = run_datagen(model, tok, out, 2, plan, batch_size=4, progress=False)
+    assert t["shards"] == 2 and [p.name for p in list_shards(out)] == ["shard-00000.safetensors",
+                                                                      "shard-00001.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(str(out / "shard-00000.safetensors"), "pt") as f:
+        meta = f.metadata()
+        ids, feats, mask, off = (f.get_tensor(k) for k in ("input_ids", "features", "loss_mask", "offsets"))
+    assert json.loads(meta["source"]) == "gsm8k" and json.loads(meta["sequences"]) == 4
+    assert feats.shape == (ids.numel(), 64) and feats.dtype == torch.float16 and off[-1] == ids.numel()
+    first = tok.decode(ids[off[0]:off[1]][mask[off[0]:off[1]] == 0])
+    assert "<|im_start|>user" in first and first.rstrip().endswith("<|im_start|>assistant")
+    assert 0 < int(mask.sum()) <= 4 * 6
+    before = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    t = run_datagen(model, tok, out, 3, plan, batch_size=4, progress=False)  # resume: only shard 2 is new
+    assert t["shards"] == 1 and (out / "shard-00000.safetensors").stat().st_mtime_ns == before
+    with safe_open(str(out / "shard-00002.safetensors"), "pt") as f:  # GSM8K's own solutions, teacher-forced
+        ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        assert json.loads(f.metadata()["source"]) == "gsm8k-gold"
+    assert "The answer is" in tok.decode(ids[mask == 1]) and "<<" not in tok.decode(ids[mask == 1])
+    from specdec.training.shards import ShardData
+
+    both = ShardData(f"{out},{out}")  # several datagen dirs at once
+    assert len(both) == 2 * len(ShardData(str(out))) and len(both.names) == 6
+    with pytest.raises(SpecdecError, match="data directory not found: .*nowhere"):
+        ShardData(f"{out},{out}/nowhere")  # a missing dir is an error, not silently less data
+    with pytest.raises(SpecdecError, match="different target or plan"):
+        run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)

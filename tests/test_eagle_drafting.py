@@ -1,0 +1,125 @@
+"""EAGLE-1/2 drafting: the static tree, and losslessness (exact at T = 0, chi-square at T > 0)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.drafters.base import NoDrafter
+from specdec.drafters.eagle import build_static_tree
+from specdec.errors import SpecdecError
+from specdec.heads.io import load_head, save_head
+from specdec.sampling import SamplingParams
+from specdec.target.lean import LeanRunner
+from tests.conftest import tiny_model
+from tests.eagle_common import drafter_for, make_head
+from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
+from tests.test_verify import chi2_pvalue
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- tree construction ----
+
+def test_static_tree_follows_choices_by_rank():
+    table = torch.log_softmax(torch.randn(10, 10, generator=torch.Generator().manual_seed(0)), -1)
+    calls = []
+
+    def step(sel, tokens, parents):
+        calls.append(sel.tolist())
+        return torch.stack([table[int(tokens[i])] for i in sel])
+
+    root = table[0]
+    tree = build_static_tree(root, step, [[1], [0], [0, 0], [0, 2], [1, 0], [0, 0, 0]])
+    top = lambda row, k: int(torch.topk(row, k + 1).indices[k])  # noqa: E731
+    t = tree.tokens.tolist()
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert t[0] == top(root, 0) and t[1] == top(root, 1)
+    assert t[2] == top(table[t[0]], 0) and t[3] == top(table[t[0]], 2) and t[4] == top(table[t[1]], 0)
+    assert t[5] == top(table[t[2]], 0)
+    assert calls == [[0, 1], [2]]  # one step per depth, only nodes with children
+    with pytest.raises(SpecdecError, match="needs its parent"):
+        build_static_tree(root, step, [[0], [1, 0]])
+
+
+# ---- losslessness ----
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["eagle", "eagle2"])
+@pytest.mark.parametrize("which", ["untrained", "trained", "trained-reduced"])
+def test_eagle_greedy_equals_vanilla(tiny, trained, dynamic, which):
+    if which == "untrained":
+        head = make_head(tiny)
+    else:
+        head = trained[0]["head"]
+        if which == "trained-reduced":
+            head = load_head(trained[1] / "head")  # a reduced copy of the trained head
+            keep = torch.arange(0, 97, 2)
+            head.set_draft_vocab(keep, tiny.lm_head.weight.detach())
+    target = LeanRunner(tiny)
+    drafter = drafter_for(tiny, head, dynamic, **({"depth": 4, "topk": 3, "tree_size": 8} if dynamic else {}))
+    taus = []
+    for prompt in PROMPTS:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
+        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
+        assert got == want
+        taus.append(stats.tau)
+    if which == "trained":  # a trained head gets drafts accepted, so the accept paths really run
+        assert np.mean(taus) > 1.5
+
+
+def test_eagle2_ablations_and_api_are_lossless(tiny, trained):
+    from specdec.api import from_models
+
+    head_dir = str(trained[1] / "head")
+    target = LeanRunner(tiny)
+    want, _ = run(target, NoDrafter(), PROMPTS[1], SamplingParams(), 30)
+    for opts in ({"rank_by": "confidence"}, {"rerank": False}, {"gamma": 3, "topk": 2, "tree_tokens": 5}):
+        dec = from_models(tiny, None, "eagle2", head=head_dir, **opts)
+        got, _ = run(dec.runner, dec.drafter, PROMPTS[1], SamplingParams(), 30)
+        assert got == want, opts
+    dec = from_models(tiny, None, "eagle", head=head_dir, choices=[[0], [0, 0], [0, 0, 0]])
+    got, s = run(dec.runner, dec.drafter, PROMPTS[1], SamplingParams(), 30)
+    assert got == want and max(s.tree_sizes) == 3
+    with pytest.raises(SpecdecError, match="unknown option"):
+        from_models(tiny, None, "eagle", head=head_dir, bogus=1)
+
+
+def test_full_vocab_ablation_restores_the_whole_target_head(tiny, trained, tmp_path):
+    from specdec.api import from_models
+
+    head = load_head(trained[1] / "head")
+    head.set_draft_vocab(torch.arange(0, 97, 3), tiny.lm_head.weight.detach())  # target rows, as shipped
+    save_head(head, tmp_path / "reduced", lm_head=False)
+    target = LeanRunner(tiny)
+    want, _ = run(target, NoDrafter(), PROMPTS[2], SamplingParams(), 30)
+    reduced = from_models(tiny, None, "eagle2", head=str(tmp_path / "reduced"))
+    full = from_models(tiny, None, "eagle2", head=str(tmp_path / "reduced"), full_vocab=True)
+    assert reduced.drafter.runner.d2t is not None and full.drafter.runner.d2t is None
+    h = torch.randn(2, 64)
+    assert full.drafter.runner.logits(h).shape == (2, 97)
+    # the reduced head's logits are exactly the full head's logits at the kept ids
+    torch.testing.assert_close(reduced.drafter.runner.logits(h), full.drafter.runner.logits(h)[:, ::3])
+    for dec in (reduced, full):
+        got, _ = run(dec.runner, dec.drafter, PROMPTS[2], SamplingParams(), 30)
+        assert got == want
+    save_head(head, tmp_path / "own")  # trained-in rows: "full vocabulary" would be another model
+    with pytest.raises(SpecdecError, match="full_vocab needs"):
+        from_models(tiny, None, "eagle2", head=str(tmp_path / "own"), full_vocab=True)
+
+
+@pytest.mark.parametrize(
+    "dynamic,params", [(True, SamplingParams(1.0)), (False, SamplingParams(0.8, top_k=3))],
+    ids=["eagle2-T1", "eagle-T0.8-topk3"])
+def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    head = make_head(model, seed=3)
+    kw = {"depth": 3, "topk": 2, "tree_size": 5} if dynamic else {"choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}
+    drafter = drafter_for(model, head, dynamic, **kw)
+    target = LeanRunner(model)
+    prompt = [1, 3, 0, 2]
+    counts, sizes = sample_first3(target, drafter, prompt, params)
+    assert max(sizes) >= 4
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
