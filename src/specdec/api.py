@@ -9,6 +9,7 @@ import torch
 
 from specdec.drafters import registry
 from specdec.drafters.base import Drafter
+from specdec.drafters.union import UnionDrafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
@@ -160,4 +161,6 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
     spec, options = registry.parse(method, opts)
     runner = make_runner(model, backend)
     drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, backend), options)
+    if method == "auto":  # report what auto resolved to: the tree drafter (its union's first member) or vanilla
+        method = (drafter.members[0] if isinstance(drafter, UnionDrafter) else drafter).name
     return Decoder(runner, tokenizer, drafter, method, eos_ids(model, tokenizer))
