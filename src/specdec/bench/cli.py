@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import shlex
 import sys
 import time
@@ -12,12 +14,37 @@ from specdec.bench.compare import compare
 from specdec.bench.data import first_per_category, load_questions, quick_subset
 from specdec.bench.methods import MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
-from specdec.bench.runner import BenchConfig, run_bench
+from specdec.bench.runner import BenchConfig, check_out_dir, ensure_writable_dir, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.target.loading import load_model
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
+MAX_SEED = 2**32 - 1
+
+
+def _int_in(lo: int, hi: int | None = None):
+    """argparse type: an int in [lo, hi]; a bad value is argparse's one-line error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                                             + f", got {v}")
+        return v
+    return parse
+
+
+def _temperature(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
 
 
 def add_bench_parser(sub) -> None:
@@ -31,11 +58,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dataset", default=None, choices=["spec_bench", "mt_bench", "humaneval", "gsm8k"],
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
-    b.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
-    b.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    b.add_argument("--limit", type=_int_in(1), default=None, help="first N questions (after --categories)")
+    b.add_argument("--per-category", type=_int_in(1), default=None, help="first N questions of each category")
     b.add_argument("--first-turn", action="store_true", help="only the first turn of multi-turn questions")
-    b.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (--quick: 64)")
-    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--max-new-tokens", type=_int_in(1), default=None, help="default 256 (--quick: 64)")
+    b.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     b.add_argument("--methods", default=None,
                    help="comma list of name[:key=value...], e.g. vanilla,sps:gamma=4,sps-tree:topk=3:gamma=4,hf-pld:"
                         "num_tokens=10; peers: hf, hf-pld, hf-assisted. hf and vanilla are always added (the "
@@ -44,11 +71,14 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
     b.add_argument("--device", default=None)
     b.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"])
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--repeats", type=int, default=None, help="timed runs per prompt and method (default 1)")
-    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per method")
-    b.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
-    b.add_argument("--out", default=None, help="results dir (default: bench-results/<time>)")
+    b.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0)
+    b.add_argument("--repeats", type=_int_in(1), default=None, help="timed runs per prompt and method (default 1)")
+    b.add_argument("--warmup", type=_int_in(0), default=1, help="untimed warm-up rounds per method")
+    b.add_argument("--threads", type=_int_in(1), default=None, help="torch threads (default: all usable cores)")
+    b.add_argument("--out", default=None, help="results dir (default: bench-results/<time>); must be empty "
+                   "unless --overwrite")
+    b.add_argument("--overwrite", action="store_true",
+                   help="--out holds an earlier run's results: delete them (only once every option is checked)")
     b.add_argument("--quick", action="store_true",
                    help="representative subset: 2 MT-bench questions (both turns) + 1 per other Spec-Bench "
                         "category, 64 new tokens; < 5 min on 2 CPU cores with the default target")
@@ -63,10 +93,18 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
+    dest = Path(args.compare_out) if args.compare_out else None
+    if dest is not None:  # before the work, like every other check
+        if dest.is_dir():
+            raise SpecdecError(f"--out {dest} is a directory: give a file name")
+        ensure_writable_dir(dest.parent, f"--out {dest}")
     md = compare(args.a, args.b)
     sys.stdout.write(md)
-    if args.compare_out:
-        Path(args.compare_out).write_text(md)
+    if dest is not None:
+        try:
+            dest.write_text(md)
+        except OSError as e:
+            raise SpecdecError(f"--out {dest}: cannot write ({e.strerror or e})") from None
     return 0
 
 
@@ -76,8 +114,6 @@ def cmd_bench(args) -> int:
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     qs = load_questions(args.dataset, args.questions, cats, None if args.quick or args.per_category else args.limit)
     if args.per_category is not None:
-        if args.per_category < 1:
-            raise SpecdecError("--per-category must be >= 1")
         qs = first_per_category(qs, args.per_category)[: args.limit]
     if args.quick:
         qs = quick_subset(qs, QUICK["per_category"], QUICK["mt_questions"])
@@ -87,9 +123,8 @@ def cmd_bench(args) -> int:
         qs = [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
     max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
     repeats = args.repeats or 1
-    if args.threads is not None and args.threads < 1:
-        raise SpecdecError("--threads must be >= 1")
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    check_out_dir(out, args.overwrite)  # last check before the model load; deletes nothing
     cfg = BenchConfig(
         methods=specs, max_new_tokens=max_new, temperature=args.temperature, seed=args.seed, repeats=repeats,
         warmup=args.warmup, threads=args.threads, backend=args.backend, progress=not args.no_progress,
@@ -109,7 +144,7 @@ def cmd_bench(args) -> int:
         draft, dtok, _ = load_model(args.draft, next(model.parameters()).device)
     if args.methods is None:
         _add_shipped_eagle(cfg, model)
-    res = run_bench(cfg, qs, model, tok, draft, dtok, out)
+    res = run_bench(cfg, qs, model, tok, draft, dtok, out, overwrite=args.overwrite)
     run, summary, aud = res["run"], res["summary"], res["audit"]
     print(f"\nbaseline: {run['baseline']} | {run['duration_s']:.0f} s | threads {run['machine']['torch_threads']}")
     print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s}")
@@ -125,7 +160,6 @@ def cmd_bench(args) -> int:
           f"{aud['ties']} numerical ties, {aud['bugs']} bugs)")
     print(f"report: {out / 'report.md'}")
     return 0 if aud["ok"] else 1
-
 
 
 def _add_shipped_eagle(cfg, model) -> None:

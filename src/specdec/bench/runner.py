@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,6 +168,47 @@ def safe_name(label: str) -> str:
     return re.sub(r"[^\w.=-]+", "_", label)
 
 
+# ---------------------------------------------------------------------------------------------- the results dir
+
+
+def ensure_writable_dir(d: Path, what: str) -> None:
+    """Creates d if needed and proves a file can be written in it; else one SpecdecError naming `what`."""
+    if d.exists() and not d.is_dir():
+        raise SpecdecError(f"{what}: {d} exists and is not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise SpecdecError(f"{what}: cannot write to {d} ({e.strerror or e})") from None
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Before anything slow: the results dir must be writable, and empty unless overwrite is given.
+    Nothing is deleted here (see clear_out_dir); --overwrite only replaces an earlier run's results, so
+    a mistyped `--out .` or `--out ~` cannot wipe a directory that holds anything else."""
+    ensure_writable_dir(out, "--out")
+    try:
+        if not any(out.iterdir()):
+            return
+    except OSError as e:
+        raise SpecdecError(f"--out: cannot list {out} ({e.strerror or e})") from None
+    if not overwrite:
+        raise SpecdecError(f"--out {out} is not empty (an earlier run's files would mix with this run's): "
+                           "pass --overwrite to replace them, or choose another directory")
+    if not ((out / "run.json").is_file() or (out / "raw").is_dir()):
+        raise SpecdecError(f"--out {out} is not empty and holds no `specdec bench` results (no run.json or raw/): "
+                           "--overwrite only replaces an earlier run's results; choose another directory")
+
+
+def clear_out_dir(out: Path) -> None:
+    for p in out.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -176,25 +219,30 @@ def _progress(total: int, enabled: bool):
 
 
 def run_bench(cfg: BenchConfig, questions: list[Question], model, tokenizer, draft_model=None,
-              draft_tokenizer=None, out_dir: str | os.PathLike | None = None) -> dict:
+              draft_tokenizer=None, out_dir: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
     """Runs everything and writes out_dir/{run.json, summary.json, audit.json, raw/*.jsonl, report.md,
-    plots/*.png}. Returns {"run", "summary", "audit", "records", "prompts"}."""
+    plots/*.png}. Returns {"run", "summary", "audit", "records", "prompts"}. A non-empty out_dir is
+    refused unless overwrite, which clears it once the methods are built (every option checked)."""
 
     if not questions:
         raise SpecdecError("no questions to run")
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise SpecdecError("--repeats and --max-new-tokens must be >= 1")
+    if cfg.warmup < 0:
+        raise SpecdecError("--warmup must be >= 0")
     if cfg.temperature < 0:
         raise SpecdecError("--temperature must be >= 0")
+    if out_dir is not None:
+        check_out_dir(Path(out_dir), overwrite)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or len(getattr(os, "sched_getaffinity", lambda _: [1] * os.cpu_count())(0)))
     try:
-        return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir)
+        return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir) -> dict:
+def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite) -> dict:
     methods = build_methods(cfg, model, tokenizer, draft_model, draft_tokenizer)
     vanilla = methods["vanilla"].dec
     max_len = vanilla.runner.max_length
@@ -221,6 +269,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         bar = stack.enter_context(_progress(n_runs, cfg.progress))
         raw_files = {}
         if out is not None:
+            if overwrite:
+                clear_out_dir(out)
             (out / "raw").mkdir(parents=True, exist_ok=True)
             raw_files = {lab: stack.enter_context(open(out / "raw" / f"{safe_name(lab)}.jsonl", "w"))
                          for lab in labels}
