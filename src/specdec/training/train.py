@@ -18,20 +18,22 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import target_fingerprint
 from specdec.target.loading import materialize
+from specdec.training.datagen import checked, number, one_line_errors
+from specdec.training.objective import Objective, unrolled, unrolled_mask
 from specdec.training.shards import ShardData, build_draft_vocab, global_batch
 
 # the heads (and with them transformers) are imported inside functions: the CLI parser imports this module
+__all__ = ["TrainConfig", "train_eagle", "finished_head", "unrolled", "unrolled_mask"]
 
 
 @dataclass
@@ -67,75 +69,29 @@ class TrainConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    def check(self) -> None:
+        """The CLI's rules for API callers too: a SpecdecError before any work."""
+        for name, rule in RULES.items():
+            checked(name, getattr(self, name), rule)
+        if self.schedule not in SCHEDULES:
+            raise SpecdecError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+
+# the argparse types of the numeric options (steps 0 = derived from epochs; layers 0 = the default)
+RULES = {"steps": number(int, 0), "epochs": number(float, above=0), "batch_size": number(int, 1),
+         "max_len": number(int, 2), "lr": number(float, 0), "warmup": number(int, 0),
+         "min_lr_ratio": number(float, 0, 1), "weight_decay": number(float, 0), "clip": number(float, 0),
+         "ce_weight": number(float, 0), "noise": number(float, 0), "draft_vocab": number(int, 0),
+         "save_every": number(int, 1), "keep_checkpoints": number(int, 1), "log_every": number(int, 1),
+         "seed": number(int, 0), "stop_after": number(int, 0), "unroll": number(int, 1), "layers": number(int, 0)}
+SCHEDULES = ("cosine", "linear", "constant")
+# what a resumed (or re-run) run must share with the one in --out
+RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
+               "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip", "init_from",
+               "unroll", "layers")
+
 
 # ---- the trainer ----
-
-def unrolled_mask(t: int, step: int, device=None) -> torch.Tensor:
-    """[t, (step + 1) t] bool: what row i of draft step `step` sees when the keys of steps 0..step are
-    concatenated. At inference, depth step+1 drafted from an accepted row a sits at row i = a + step and
-    sees the target-feature rows <= a plus one row of each earlier draft depth (its own path): so step-0
-    keys j <= i - step, and the step-m key at row i - step + m (m = 1..step; m = step is itself)."""
-    i = torch.arange(t, device=device)[:, None]
-    j = torch.arange(t, device=device)[None, :]
-    blocks = [j <= i - step] + [j == i - step + m for m in range(1, step + 1)]
-    return torch.cat(blocks, dim=1)
-
-
-class _Objective(nn.Module):
-    """Everything with gradients runs inside forward, so DDP sees every use of the parameters.
-
-    unroll > 1 also trains on the head's own outputs (EAGLE-3's training-time test, HASS): step k
-    feeds row t the step-(k-1) prediction of row t-1 in place of f_t, attending as at draft depth k+1
-    (`unrolled_mask`), so the head learns from the inputs it will see beyond the first draft depth."""
-
-    def __init__(self, head, embed: torch.Tensor, target_lm: torch.Tensor, unroll: int = 1) -> None:
-        super().__init__()
-        self.head = head
-        # frozen target tensors as plain attributes: not parameters, and not buffers DDP would broadcast
-        self.embed, self.target_lm = embed, target_lm
-        self.unroll = unroll
-
-    def forward(self, ids, feats, mask, noise: torch.Tensor | None, n_global: float, ce_weight: float):
-        """Returns the loss and stats [unroll, 4] (feature loss, CE, top-1 hits, rows) summed per step."""
-        tok_in, f_in, f_out = ids[:, 1:], feats[:, :-1], feats[:, 1:]
-        w = mask[:, 1:]  # the head's input token x_{t+1} is an answer token
-        if noise is not None:
-            f_in = f_in + noise
-        emb = F.embedding(tok_in, self.embed)
-        lm_t = self.target_lm if self.head.d2t is None else self.target_lm[self.head.d2t]
-        with torch.no_grad():
-            p_t = torch.softmax(F.linear(f_out, lm_t), dim=-1)
-            top_t = p_t.argmax(-1)
-        t = tok_in.shape[1]
-        loss, stats = 0.0, []
-        for k, pred in enumerate(unrolled(self.head, emb, f_in, self.unroll)):
-            logp = torch.log_softmax(self.head.logits(pred, self.target_lm), dim=-1)
-            ce = -(p_t * logp).sum(-1)
-            vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
-            wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
-            loss = loss + ((vl + ce_weight * ce) * wk).sum() / (n_global * self.unroll)
-            with torch.no_grad():
-                acc = ((logp.argmax(-1) == top_t).float() * wk).sum()
-                stats.append(torch.stack([(vl * wk).sum(), (ce * wk).sum(), acc, wk.sum()]))
-        return loss, torch.stack(stats)
-
-
-def unrolled(head, embeds: torch.Tensor, features: torch.Tensor, steps: int):
-    """Yields the head's predictions [B, T, H] for draft steps 0..steps-1 (see `unrolled_mask`)."""
-    from transformers import DynamicCache
-
-    if steps == 1:
-        yield head(embeds, features)
-        return
-    b, t, _ = embeds.shape
-    cache = DynamicCache()
-    for k in range(steps):
-        mask = unrolled_mask(t, k, embeds.device)[None, None].expand(b, 1, -1, -1)
-        pred = head(embeds, features, attention_mask=mask, past_key_values=cache)
-        yield pred
-        # the next step's row t reads this step's prediction of row t-1; no gradient through it
-        features = F.pad(pred.detach()[:, :-1], (0, 0, 1, 0))
-
 
 def lr_lambda(cfg: TrainConfig, total: int):
     def f(step: int) -> float:
@@ -173,6 +129,25 @@ def _save_checkpoint(out: Path, head, opt, sched, step: int, state: dict, keep: 
     return final
 
 
+def finished_head(cfg: TrainConfig) -> tuple[Path, int] | None:
+    """(cfg.out/head, its step count) when this run is complete: the head is written, the last checkpoint
+    is its final step, the settings are the same (and a --ship-to copy exists); else None."""
+    out = Path(cfg.out)
+    ckpts, head = _checkpoints(out), out / "head"
+    try:
+        training = json.loads((head / "config.json").read_text())["specdec"]["training"]
+        saved, total = TrainConfig.from_dict(training["config"]), int(training["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not ckpts or int(ckpts[-1].name.split("-")[1]) < total:
+        return None
+    if any(getattr(saved, k) != getattr(cfg, k) for k in RESUME_KEYS):
+        return None  # the resume check says what differs
+    if cfg.ship_to and not (Path(cfg.ship_to) / "config.json").is_file():
+        return None  # a re-run with a new --ship-to writes that copy
+    return head, total
+
+
 def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool = True) -> dict:
     """Train (or resume) an EAGLE head for `target_model`. Returns a summary; the head ends up in
     cfg.out/head (an HF-style dir usable with `--head`)."""
@@ -182,6 +157,13 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     from specdec.heads.io import load_head, save_head
     from specdec.heads.model import EagleHead, head_config
 
+    cfg.check()
+    done = finished_head(cfg)
+    if done is not None:  # nothing to do: a re-run of a finished run only reports it
+        lm = target_model.get_output_embeddings().weight.detach().float()
+        head = load_head(done[0], lm.shape[1], lm.shape[0], target_lm_head=lm)
+        return {"steps": done[1], "total_steps": done[1], "history": [], "head": head, "finished": True,
+                "seconds": 0.0, "data_tokens": head.meta.get("training", {}).get("data_tokens", 0)}
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     rank, world = acc.process_index, acc.num_processes
     out = Path(cfg.out)
@@ -194,9 +176,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False) if ckpts else None
     if resume is not None:
         saved = TrainConfig.from_dict(resume["config"])
-        for k in ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
-                  "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip",
-                  "init_from", "unroll", "layers"):
+        for k in RESUME_KEYS:
             if getattr(saved, k) != getattr(cfg, k):
                 raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
                                    "resume with the same settings or use another --out")
@@ -205,11 +185,17 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         raise SpecdecError(f"the data in {cfg.data} was made with a different target model")
     if data.hidden_size != target_model.config.hidden_size:
         raise SpecdecError(f"data features have size {data.hidden_size}, the target {target_model.config.hidden_size}")
+    if not len(data):  # refuse rather than "train" a head on zero-loss rows
+        if data.first_answer is None:
+            raise SpecdecError(f"the {data.n_sequences} sequences in {cfg.data} hold no answer token: "
+                               "nothing to train on")
+        raise SpecdecError(f"--max-len {cfg.max_len} leaves no answer token in any of the {data.n_sequences} "
+                           f"sequences (the earliest answer starts at token {data.first_answer}): "
+                           f"raise --max-len above {data.first_answer}")
+    if 2 * data.dropped > data.n_sequences and acc.is_main_process:
+        print(f"specdec: warning: {data.dropped} of the {data.n_sequences} sequences have no answer token "
+              f"within --max-len {cfg.max_len}: training on the other {len(data)}", file=sys.stderr, flush=True)
     total = cfg.steps or max(1, int(cfg.epochs * len(data) / cfg.batch_size))
-    if cfg.unroll < 1:
-        raise SpecdecError(f"--unroll must be >= 1, got {cfg.unroll}")
-    if cfg.layers < 0:
-        raise SpecdecError(f"--layers must be >= 1 (or 0 for the default), got {cfg.layers}")
     if cfg.batch_size < world:
         raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
 
@@ -242,7 +228,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         opt.load_state_dict(resume["optimizer"])
         sched.load_state_dict(resume["scheduler"])
     start = resume["step"] if resume else 0
-    objective = acc.prepare(_Objective(head, emb, target_lm, cfg.unroll))
+    objective = acc.prepare(Objective(head, emb, target_lm, cfg.unroll))
 
     n_data = data.n_tokens
     head_meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
@@ -323,8 +309,10 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
 
 def add_parser(sub) -> None:
     tp = sub.add_parser("train", help="train a draft head on `specdec datagen` data")
+    one_line_errors(tp)
     kinds = tp.add_subparsers(dest="kind", required=True)
-    p = kinds.add_parser("eagle", help="an EAGLE-1/2 head (resumes from --out if it holds checkpoints)")
+    p = one_line_errors(kinds.add_parser("eagle", help="an EAGLE-1/2 head (resumes from --out if it holds "
+                                         "checkpoints)"))
     p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
     p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
     p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
@@ -336,9 +324,11 @@ def add_parser(sub) -> None:
         default = getattr(d, f.name)
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=default)
+        elif f.name == "schedule":
+            p.add_argument(flag, choices=SCHEDULES, default=default)
         else:
-            p.add_argument(flag, type=type(default), default=default)
-    p.add_argument("--threads", type=int, default=None)
+            p.add_argument(flag, type=RULES.get(f.name, type(default)), default=default)
+    p.add_argument("--threads", type=number(int, 1), default=None)
     p.set_defaults(func=cmd_train_eagle)
 
 
@@ -348,14 +338,24 @@ def cmd_train_eagle(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig.from_dict(vars(args))
+    cfg.check()
+    done = finished_head(cfg)
+    if done is not None:  # before the target loads: nothing else happens
+        print(f"train eagle: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
+        return 0
     path = materialize(args.model)
     try:  # only the embeddings and the LM head are used: no tokenizer needed
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     except (OSError, ValueError) as e:
         raise SpecdecError(f"could not load the target model {args.model!r}: {e}") from None
     r = train_eagle(cfg, model)
-    last = r["history"][-1] if r["history"] else {}
-    print(f"train eagle: step {r['steps']}/{r['total_steps']} in {r['seconds']:.0f} s; "
-          f"loss {last.get('loss', float('nan')):.4f}, top-1 agreement {last.get('top1_acc', float('nan')):.3f}; "
-          f"head: {Path(cfg.out) / 'head'}")
+    head, steps = Path(cfg.out) / "head", f"step {r['steps']}/{r['total_steps']}"
+    last = r["history"][-1] if r["history"] else None
+    if r.get("finished"):
+        print(f"train eagle: {cfg.out} is already finished ({steps}); the head is in {head}")
+    elif r["steps"] < r["total_steps"]:
+        print(f"train eagle: stopped at {steps}; re-run the same command to resume")
+    else:
+        loss = f"; loss {last['loss']:.4f}, top-1 agreement {last['top1_acc']:.3f}" if last else ""
+        print(f"train eagle: {steps} in {r['seconds']:.0f} s{loss}; head: {head}")
     return 0

