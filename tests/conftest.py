@@ -25,6 +25,19 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def word_tokenizer(words):
+    """A whitespace word-level tokenizer: ids 0 <unk>, 1 </s>, then the words."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words])}
+    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>")
+
+
 @pytest.fixture(params=["llama", "qwen2", "mistral"])
 def family(request):
     return request.param

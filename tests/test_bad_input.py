@@ -1,23 +1,12 @@
 """Bad input gets one clear error (SpecdecError; a one-line message from the CLI), never a traceback."""
 
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import PreTrainedTokenizerFast
 
 from specdec.api import from_models
 from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.target.loading import check_same_vocab, load_model, materialize
-from tests.conftest import tiny_model
-
-
-def word_tokenizer(words):
-    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words])}
-    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    t.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>")
+from tests.conftest import tiny_model, word_tokenizer
 
 
 def test_mismatched_vocabularies():

@@ -88,7 +88,7 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, flag, capsys, monkeypatch):
 
 
 def test_api_callers_get_the_same_rules():
-    with pytest.raises(SpecdecError, match="--temperatures must be a number >= 0, got -1"):
+    with pytest.raises(SpecdecError, match="--temperatures must be a finite number >= 0, got .-1"):
         Plan(temperatures=[0.0, -1.0]).check()
     with pytest.raises(SpecdecError, match="--shard-size"):
         Plan(shard_size=0).check()

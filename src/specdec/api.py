@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
+from pydantic import Field
 
 from specdec.drafters import registry
 from specdec.drafters.base import Drafter
 from specdec.drafters.union import UnionDrafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
+from specdec.options import option
 from specdec.sampling import SamplingParams
-from specdec.target.loading import eos_ids, load_model, make_runner
+from specdec.slot import Slot
+from specdec.target.loading import Runtime, eos_ids, load_model, make_runner
 
 Messages = Sequence[dict]
 
@@ -34,23 +39,52 @@ class Chunk:
     final: Generation | None = None  # set on the last chunk
 
 
+class GenerationParams(SamplingParams):
+    """What one request asks for: the sampling fields plus its limits. The engine reads it as its
+    SamplingParams."""
+
+    max_new_tokens: int = option(256, "tokens to generate at most", ge=1)
+    stop: list[Annotated[str, Field(min_length=1)]] = option([], "stop strings: the answer ends before the first one",
+                                                             shown="none")
+
+
 @dataclass
 class Decoder:
+    """A target, a drafter and a tokenizer. Safe to share between threads: requests are serialized
+    (slot.py), and a stream another request interrupted rebuilds its state and continues exactly."""
+
     runner: object
     tokenizer: object
     drafter: Drafter
     method: str
     eos_ids: set[int] = field(default_factory=set)
+    slot: Slot = field(default_factory=Slot)
+    _tok_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # fast tokenizers are not
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""
         tok = self.tokenizer
         if isinstance(prompt, str):
-            return tok(prompt, add_special_tokens=True)["input_ids"]
+            check_text(prompt, "prompt")
+            if not prompt:
+                raise SpecdecError("prompt is empty")
+            with self._tok_lock:
+                ids = tok(prompt, add_special_tokens=True)["input_ids"]
+            if not ids:
+                raise SpecdecError("prompt is empty after tokenization")
+            return ids
+        if not isinstance(prompt, (list, tuple)) or not prompt or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            raise SpecdecError("prompt must be a non-empty string or a non-empty list of "
+                               f"{{'role': str, 'content': str}} messages, got {_short(prompt)}")
+        for i, m in enumerate(prompt):
+            check_text(m["content"], f"prompt message {i}")
         if not getattr(tok, "chat_template", None):
             raise SpecdecError("this tokenizer has no chat template: pass a plain string prompt")
         try:
-            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            with self._tok_lock:
+                ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
         except Exception as e:
             raise SpecdecError(f"could not apply the chat template to these messages: {e}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -64,17 +98,26 @@ class Decoder:
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        **unknown,
     ) -> Iterator[Chunk]:
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise SpecdecError("stop strings must be non-empty strings")
-        prompt_ids = self.encode(prompt)
+        """Chunks of text as they are decoded; the last one carries the whole Generation. Parameters
+        and prompt are checked here, before the first chunk is asked for."""
+        if unknown:
+            raise SpecdecError(f"unknown option {next(iter(unknown))!r} (valid: "
+                               f"{', '.join(GenerationParams.model_fields)})")
+        stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop
+        params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, seed=seed, stop=[] if stops is None else stops)
+        return self._stream(self.encode(prompt), params)
+
+    def _stream(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[Chunk]:
+        stops = params.stop
         stats = Stats()
         ids: list[int] = []
         sent = 0  # characters of text already yielded
         finish = None
-        steps = decode(self.runner, self.drafter, prompt_ids, params, max_new_tokens, self.eos_ids, stats)
+        steps = decode(self.runner, self.drafter, prompt_ids, params, params.max_new_tokens, self.eos_ids, stats,
+                       lease=self.slot.lease())
         try:
             for new in steps:
                 start = len(ids)
@@ -107,7 +150,20 @@ class Decoder:
         raise AssertionError("stream ended without a final chunk")
 
     def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_text(text: str, name: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates: what Python makes of non-UTF-8 bytes in argv
+        raise SpecdecError(f"{name} is not valid UTF-8 text (bad character at position {e.start})") from None
+
+
+def _short(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
@@ -143,21 +199,22 @@ def load(
     Methods and their options: `specdec.drafters.registry` (README's table; `specdec methods`). The
     method and its options are checked before any model loads.
     """
+    rt = Runtime(device=device, dtype=dtype, backend=backend, threads=threads)
     spec, _ = registry.parse(method, opts)
     if spec.needs_draft and draft is None:
         raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
-    if threads:
-        torch.set_num_threads(threads)
-    model, tok, _ = load_model(target, device, dtype)
+    rt.apply()
+    model, tok, _ = load_model(target, rt.device, rt.torch_dtype())
     draft_model = draft_tok = None
     if spec.needs_draft:
-        draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, dtype)
-    return from_models(model, tok, method, draft_model, draft_tok, backend, **opts)
+        draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, rt.torch_dtype())
+    return from_models(model, tok, method, draft_model, draft_tok, rt.backend, **opts)
 
 
 def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, draft_tokenizer=None,
                 backend: str = "auto", **opts) -> Decoder:
     """A Decoder over models already in memory (what `load` does after loading)."""
+    Runtime(backend=backend)
     spec, options = registry.parse(method, opts)
     runner = make_runner(model, backend)
     drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, backend), options)

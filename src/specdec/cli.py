@@ -5,23 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.api import load
+from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
-from specdec.sampling import SamplingParams
+from specdec.options import add_flags, flag_values
+from specdec.target.loading import Runtime
 from specdec.training import datagen, train
 from specdec.tune import cli as tune_cli
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
-
-
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -30,25 +23,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    "`specdec methods` lists them with their options)")
     p.add_argument("--draft", default=None, help="draft model for sps / sps-tree (same tokenizer)")
     # one flag per method option, declared once in the registry; the method's options class checks the value
-    for key, (f, alias) in _option_flags().items():
+    for key, (par, alias) in registry.option_params().items():
         p.add_argument("--" + key.replace("_", "-"), dest=f"opt_{key}", default=None, metavar="V",
-                       help=argparse.SUPPRESS if alias else f.metadata["help"])
+                       help=argparse.SUPPRESS if alias else par.help)
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="any method option, e.g. --opt chain_len=6 (repeatable)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-
-
-def _option_flags() -> dict:
-    """Every option name and alias of every method -> (its field, whether it is an alias)."""
-    out: dict = {}
-    for m in registry.methods().values():
-        for f in m.options.fields():
-            out.setdefault(f.name, (f, False))
-            for a in f.metadata.get("aliases", ()):
-                out.setdefault(a, (f, True))
-    return out
+    add_flags(p, Runtime)
 
 
 def _method_opts(args) -> dict:
@@ -62,16 +42,25 @@ def _method_opts(args) -> dict:
 
 
 def cmd_generate(args) -> int:
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # fail before a slow model load
-    dec = load(args.model, args.method, draft=args.draft, device=args.device, backend=args.backend,
-               threads=args.threads, **_method_opts(args))
-    prompt = args.prompt or DEFAULT_PROMPT
+    # everything is checked before the slow model load
+    params = GenerationParams.parse(flag_values(args, GenerationParams))
+    rt = Runtime.parse(flag_values(args, Runtime))
+    if args.prompt is not None:  # "" is a mistake to report, not a request for the default prompt
+        check_text(args.prompt, "prompt")
+        if not args.prompt.strip():
+            raise SpecdecError("prompt is empty (omit it for the default prompt)")
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if args.system is not None:
+        check_text(args.system, "--system")
+    opts = _method_opts(args)
+    registry.parse(args.method, opts)
+    dec = load(args.model, args.method, draft=args.draft, device=rt.device, dtype=rt.dtype, backend=rt.backend,
+               threads=rt.threads, **opts)
     if not args.raw:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = msgs + [{"role": "user", "content": prompt}]
     final = None
-    for chunk in dec.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, stop=args.stop or None, seed=args.seed):
+    for chunk in dec.stream(prompt, **params.model_dump()):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         final = chunk.final
@@ -98,9 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None)
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_model(g)
-    _add_sampling(g)
+    add_flags(g, GenerationParams)
     g.set_defaults(func=cmd_generate)
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)

@@ -11,7 +11,8 @@ import torch
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.target.base import Runner, tree_mask
+from specdec.slot import Lease, Slot
+from specdec.target.base import ForwardOut, Runner, tree_mask
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
@@ -33,6 +34,8 @@ class Stats:
     verify_time: float = 0.0
     total_time: float = 0.0
     finish_reason: str = ""
+    wait_time: float = 0.0  # waiting for another request's turn on a shared Decoder (not in tok/s)
+    resumes: int = 0  # times another request took the runner meanwhile and this one rebuilt its state
 
     @property
     def tau(self) -> float:
@@ -40,11 +43,12 @@ class Stats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / self.total_time if self.total_time else 0.0
+        busy = self.total_time - self.wait_time
+        return self.new_tokens / busy if busy > 0 else 0.0
 
     @property
     def overhead_time(self) -> float:
-        return max(0.0, self.total_time - self.prefill_time - self.draft_time - self.verify_time)
+        return max(0.0, self.total_time - self.wait_time - self.prefill_time - self.draft_time - self.verify_time)
 
     @property
     def alpha_by_depth(self) -> list[float]:
@@ -81,8 +85,8 @@ class Stats:
             "accept_histogram": self.accept_histogram(),
             "mean_tree_size": round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 3),
             "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
-                     "verify": self.verify_time, "overhead": self.overhead_time},
-            "finish_reason": self.finish_reason,
+                     "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time},
+            "finish_reason": self.finish_reason, "resumes": self.resumes,
         }
 
 
@@ -101,11 +105,14 @@ def decode(
     eos_ids: set[int],
     stats: Stats,
     on_verify: Callable[[DraftTree, Verdict], None] | None = None,
+    lease: Lease | None = None,
 ) -> Iterator[list[int]]:
     """Yields the new tokens of each step. Closing the generator early (a stop string) is fine.
 
     on_verify(tree, verdict), if given, sees every verified draft (e.g. the benchmark's calibration of
-    tree scores vs acceptance); it runs outside the draft/verify timers."""
+    tree scores vs acceptance); it runs outside the draft/verify timers. lease: this request's claim
+    on a runner and drafter that other requests share (slot.py); without one, the caller promises
+    that nothing else uses them until the generator is done."""
     if not prompt_ids:
         raise SpecdecError("the prompt is empty")
     if max_new_tokens < 1:
@@ -117,57 +124,83 @@ def decode(
         )
     dev = runner.device
     gen = params.generator(dev)
+    lease = lease or Slot().lease()
     t0 = _clock(dev)
     stats.prompt_tokens = len(prompt_ids)
-    runner.reset()
-    out = runner.forward(torch.tensor(prompt_ids), logits_rows=slice(-1, None))
-    runner.commit(range(len(prompt_ids)))
-    first = verify(DraftTree.empty(), out.logits, params, gen).bonus
-    ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features)
-    drafter.begin(ctx)
-    stats.prefill_time = _clock(dev) - t0
-    n = 1
-    stats.new_tokens = 1
-    stats.finish_reason = "stop" if first in eos_ids else "length"
     try:
+        with lease.hold():
+            stats.wait_time += _clock(dev) - t0
+            out = _prefill(runner, prompt_ids)
+            first = verify(DraftTree.empty(), out.logits, params, gen).bonus
+            ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features)
+            drafter.begin(ctx)
+        stats.prefill_time = _clock(dev) - t0 - stats.wait_time
+        n = 1
+        stats.new_tokens = 1
+        stats.finish_reason = "stop" if first in eos_ids else "length"
         yield [first]
         while stats.finish_reason != "stop" and n < max_new_tokens:
-            room = runner.max_length - runner.length - 1  # rows left after the root
-            if room < 0:
-                stats.finish_reason = "length"
-                return
-            # drafting past what we may still emit (the bonus is always free) is wasted work
-            ctx.max_nodes = min(room, max_new_tokens - n - 1)
             t = _clock(dev)
-            tree = drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
-            if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
-                tree = tree.select(torch.arange(ctx.max_nodes))
-            t1 = _clock(dev)
-            root = torch.tensor([ctx.tokens[-1]])
-            positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
-            mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
-            out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask)
-            verdict = verify(tree, out.logits, params, gen)
-            keep = [0] + [i + 1 for i in verdict.path]
-            runner.commit(keep)
-            t2 = _clock(dev)
-            stats.draft_time += t1 - t
-            stats.verify_time += t2 - t1
-            stats.record(tree, verdict.path)
-            if on_verify is not None:
-                on_verify(tree, verdict)
-            new = verdict.tokens[: max_new_tokens - n]
-            for i, tok in enumerate(new):
-                if tok in eos_ids:
-                    new = new[: i + 1]
-                    stats.finish_reason = "stop"
-                    break
-            n += len(new)
-            stats.new_tokens = n
-            ctx.tokens.extend(new)
-            ctx.features = out.features[torch.tensor(keep, device=out.features.device)]
-            if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
-                drafter.accept(ctx, verdict)
-            yield new
+            with lease.hold() as lost:
+                stats.wait_time += _clock(dev) - t
+                if lost:  # another request used the runner and drafter since our last step: rebuild ours
+                    t = _clock(dev)
+                    _resume(runner, drafter, ctx)
+                    stats.resumes += 1
+                    stats.prefill_time += _clock(dev) - t
+                room = runner.max_length - runner.length - 1  # rows left after the root
+                if room < 0:
+                    stats.finish_reason = "length"
+                    return
+                # drafting past what we may still emit (the bonus is always free) is wasted work
+                ctx.max_nodes = min(room, max_new_tokens - n - 1)
+                t = _clock(dev)
+                tree = drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
+                if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
+                    tree = tree.select(torch.arange(ctx.max_nodes))
+                t1 = _clock(dev)
+                root = torch.tensor([ctx.tokens[-1]])
+                positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+                mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
+                out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask)
+                verdict = verify(tree, out.logits, params, gen)
+                keep = [0] + [i + 1 for i in verdict.path]
+                runner.commit(keep)
+                t2 = _clock(dev)
+                stats.draft_time += t1 - t
+                stats.verify_time += t2 - t1
+                stats.record(tree, verdict.path)
+                if on_verify is not None:
+                    on_verify(tree, verdict)
+                new = verdict.tokens[: max_new_tokens - n]
+                for i, tok in enumerate(new):
+                    if tok in eos_ids:
+                        new = new[: i + 1]
+                        stats.finish_reason = "stop"
+                        break
+                n += len(new)
+                stats.new_tokens = n
+                ctx.tokens.extend(new)
+                ctx.features = out.features[torch.tensor(keep, device=out.features.device)]
+                if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
+                    drafter.accept(ctx, verdict)
+            yield new  # outside the hold: a suspended request holds no step in progress
     finally:
+        lease.release()
         stats.total_time = _clock(dev) - t0
+
+
+def _prefill(runner: Runner, ids: list[int]) -> ForwardOut:
+    runner.reset()
+    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None))
+    runner.commit(range(len(ids)))
+    return out
+
+
+def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext) -> None:
+    """Rebuild a request's target cache and drafter state from its tokens, as after a prefill of
+    everything it emitted but the root. The sampling generator lives in ctx, so it continues as is."""
+    done = ctx.tokens[:-1]
+    out = _prefill(runner, done)
+    ctx.prompt_len, ctx.features = len(done), out.features
+    drafter.begin(ctx)

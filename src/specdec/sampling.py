@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from specdec.errors import SpecdecError
+from specdec.options import Options, option
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(Options):
     """temperature 0 means greedy; top_k 0 and top_p 1 mean "off"."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    temperature: float = option(0.0, "0 = greedy; any tiny positive value behaves like its limit", ge=0)
+    top_k: int = option(0, "keep the k most likely tokens (0 = off)", ge=0)
+    top_p: float = option(1.0, "keep the smallest set of tokens with this much mass (1 = off)", gt=0, le=1)
+    seed: int | None = option(None, "for reproducible sampling (default: torch's global generator)", ge=0,
+                              le=2**64 - 1)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise SpecdecError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SpecdecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise SpecdecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 **kw) -> None:
+        super().__init__(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **kw)
 
     @property
     def greedy(self) -> bool:
@@ -48,7 +41,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.greedy:  # a point mass on the argmax: verification then reduces to exact matching
         out = torch.zeros_like(logits)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    logits = _tempered(logits, params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -61,6 +54,22 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def tempered_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log softmax(logits / T) in fp32 (T = 1 for greedy): how drafters rank children by the
+    distribution the target samples. Shifted first, so a tiny T tends to the argmax instead of NaN."""
+    logits = logits.float()
+    return torch.log_softmax(logits if params.greedy else _tempered(logits, params.temperature), dim=-1)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T, shifted by the max first so that a tiny T tends to its limit (the argmax; exact ties
+    share) instead of inf - inf = NaN. Below fp32's smallest normal T is taken as that limit."""
+    shifted = logits - logits.max(-1, keepdim=True).values
+    if temperature < torch.finfo(torch.float32).tiny:
+        return torch.zeros_like(shifted).masked_fill(shifted < 0, float("-inf"))
+    return shifted / temperature
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -194,6 +194,9 @@ def build_dynamic_tree(
     """
     if rank_by not in ("value", "confidence"):
         raise ValueError("rank_by must be 'value' or 'confidence'")
+    topk = min(topk, root_logprobs.shape[-1])
+    if rank_by == "value" and rerank:  # a kept node's ancestors and elder siblings are kept: no more is needed
+        topk, depth = min(topk, tree_size), min(depth, tree_size)
     lp, tok = torch.topk(root_logprobs.float(), topk)
     tokens, parents, logv = [tok], [torch.full((topk,), -1, device=tok.device)], [lp]
     frontier_ids = torch.arange(topk, device=tok.device)

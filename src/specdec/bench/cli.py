@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import math
 import shlex
 import sys
 import time
@@ -17,34 +15,12 @@ from specdec.bench.metrics import OVERALL
 from specdec.bench.runner import BenchConfig, check_out_dir, ensure_writable_dir, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
-from specdec.target.loading import load_model
+from specdec.options import add_flags, arg_type, flag_values
+from specdec.sampling import SamplingParams
+from specdec.target.loading import Runtime, load_model
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
 MAX_SEED = 2**32 - 1
-
-
-def _int_in(lo: int, hi: int | None = None):
-    """argparse type: an int in [lo, hi]; a bad value is argparse's one-line error naming the flag."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
-                                             + f", got {v}")
-        return v
-    return parse
-
-
-def _temperature(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
 
 
 def add_bench_parser(sub) -> None:
@@ -58,23 +34,23 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dataset", default=None, choices=["spec_bench", "mt_bench", "humaneval", "gsm8k"],
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
-    b.add_argument("--limit", type=_int_in(1), default=None, help="first N questions (after --categories)")
-    b.add_argument("--per-category", type=_int_in(1), default=None, help="first N questions of each category")
+    b.add_argument("--limit", type=arg_type(int, ge=1), default=None, help="first N questions (after --categories)")
+    b.add_argument("--per-category", type=arg_type(int, ge=1), default=None, help="first N questions of each category")
     b.add_argument("--first-turn", action="store_true", help="only the first turn of multi-turn questions")
-    b.add_argument("--max-new-tokens", type=_int_in(1), default=None, help="default 256 (--quick: 64)")
-    b.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--max-new-tokens", type=arg_type(int, ge=1), default=None, help="default 256 (--quick: 64)")
+    add_flags(b, SamplingParams, only=("temperature",))
     b.add_argument("--methods", default=None,
                    help="comma list of name[:key=value...], e.g. vanilla,sps:gamma=4,sps-tree:topk=3:gamma=4,hf-pld:"
                         "num_tokens=10; peers: hf, hf-pld, hf-assisted. hf and vanilla are always added (the "
                         "baseline is the faster). Default: vanilla,hf,hf-pld (+ sps,sps-tree,hf-assisted with --draft)")
     b.add_argument("--model", default=None, help="target: HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
-    b.add_argument("--device", default=None)
-    b.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"])
-    b.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0)
-    b.add_argument("--repeats", type=_int_in(1), default=None, help="timed runs per prompt and method (default 1)")
-    b.add_argument("--warmup", type=_int_in(0), default=1, help="untimed warm-up rounds per method")
-    b.add_argument("--threads", type=_int_in(1), default=None, help="torch threads (default: all usable cores)")
+    add_flags(b, Runtime, only=("device", "backend", "threads"))
+    # HF generate's set_seed also seeds numpy, which takes 32 bits
+    b.add_argument("--seed", type=arg_type(int, ge=0, le=MAX_SEED), default=0)
+    b.add_argument("--repeats", type=arg_type(int, ge=1), default=None,
+                   help="timed runs per prompt and method (default 1)")
+    b.add_argument("--warmup", type=arg_type(int, ge=0), default=1, help="untimed warm-up rounds per method")
     b.add_argument("--out", default=None, help="results dir (default: bench-results/<time>); must be empty "
                    "unless --overwrite")
     b.add_argument("--overwrite", action="store_true",
@@ -110,6 +86,8 @@ def cmd_compare(args) -> int:
 
 def cmd_bench(args) -> int:
     # everything a user can get wrong is checked before the (slow) model load
+    sp = SamplingParams.parse(flag_values(args, SamplingParams))
+    rt = Runtime.parse(flag_values(args, Runtime))
     specs = parse_methods(args.methods, has_draft=args.draft is not None)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     qs = load_questions(args.dataset, args.questions, cats, None if args.quick or args.per_category else args.limit)
@@ -126,19 +104,19 @@ def cmd_bench(args) -> int:
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
     check_out_dir(out, args.overwrite)  # last check before the model load; deletes nothing
     cfg = BenchConfig(
-        methods=specs, max_new_tokens=max_new, temperature=args.temperature, seed=args.seed, repeats=repeats,
-        warmup=args.warmup, threads=args.threads, backend=args.backend, progress=not args.no_progress,
+        methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
+        warmup=args.warmup, threads=rt.threads, backend=rt.backend, progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         extra={"dataset": args.dataset or "spec_bench", "draft": args.draft,
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",
                "questions_file": args.questions, "quick": args.quick},
     )
     print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in specs)}, "
-          f"max_new_tokens {max_new}, T={args.temperature}, {repeats} repeat(s) -> {out}", file=sys.stderr)
+          f"max_new_tokens {max_new}, T={sp.temperature}, {repeats} repeat(s) -> {out}", file=sys.stderr)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # HF's per-call generate warnings would tear the progress bar
-    model, tok, _ = load_model(args.model, args.device)
+    model, tok, _ = load_model(args.model, rt.device, rt.torch_dtype())
     draft = dtok = None
     if args.draft:
         draft, dtok, _ = load_model(args.draft, next(model.parameters()).device)

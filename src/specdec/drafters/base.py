@@ -20,7 +20,7 @@ class DecodeContext:
     tokens: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_len: int
+    prompt_len: int  # tokens prefilled at begin() (after a resume: the prompt and all emitted but the root)
     features: torch.Tensor | None = None  # target features of the rows committed by the last forward
     max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
 
@@ -30,7 +30,8 @@ class Drafter(ABC):
     draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
 
     def begin(self, ctx: DecodeContext) -> None:
-        """A new generation; ctx.features holds the prompt's target features (prefill)."""
+        """A new generation, or a resumed one (another request used the drafter meanwhile): drop all
+        state and start from ctx, whose features hold the target's features of the prefilled tokens."""
 
     @abstractmethod
     def propose(self, ctx: DecodeContext) -> DraftTree: ...

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
-from specdec.sampling import probs_from_logits, sample
+from specdec.sampling import probs_from_logits, sample, tempered_log_probs
 from specdec.target.base import Runner
 from specdec.target.loading import check_same_vocab, make_runner
 from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
@@ -57,12 +57,15 @@ class DraftModelDrafter(Drafter):
         return torch.nn.functional.pad(logits, (0, v - logits.shape[-1]), value=float("-inf"))
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
-        depth = min(self.draft_depth, ctx.max_nodes)
+        # a draft with a shorter context window than the target's stops drafting where its window ends:
+        # the engine then takes plain target steps (still exact) instead of the draft failing mid-answer
+        room = min(ctx.max_nodes, self.runner.max_length - len(ctx.tokens))
+        depth = min(self.draft_depth, room)
         if depth <= 0:
             return DraftTree.empty()
         logits = self._catch_up(ctx.tokens)
         if self.tree is not None:
-            return self._tree(ctx, logits, self.tree.capped(ctx.max_nodes))
+            return self._tree(ctx, logits, self.tree.capped(room))
         toks, qs = [], []
         for i in range(depth):
             q = probs_from_logits(logits, ctx.params)
@@ -77,7 +80,6 @@ class DraftModelDrafter(Drafter):
 
     def _tree(self, ctx: DecodeContext, logits: torch.Tensor, budget: TreeBudget) -> DraftTree:
         # top-k children are deterministic: the verifier treats them as point masses (lossless at T>0)
-        temp = ctx.params.temperature or 1.0
         slots, root_pos = NodeSlots(), len(ctx.tokens) - 1
         committed = self.runner.length
 
@@ -86,9 +88,9 @@ class DraftModelDrafter(Drafter):
             mask = slots.mask(sel_l, par, committed)
             pos = torch.tensor([root_pos + _depth(n, par) for n in sel_l])
             out = self.runner.forward(tokens[sel], pos, mask)
-            return torch.log_softmax(self._pad(out.logits).float() / temp, dim=-1)
+            return tempered_log_probs(self._pad(out.logits), ctx.params)
 
-        tree = build_dynamic_tree(torch.log_softmax(logits.float() / temp, -1), step, *astuple(budget))
+        tree = build_dynamic_tree(tempered_log_probs(logits, ctx.params), step, *astuple(budget))
         self.runner.rollback()
         return tree
 
@@ -103,16 +105,14 @@ def _depth(node: int, parents: list[int]) -> int:
 
 # ---- registration ----
 
-@dataclass(frozen=True)
 class ChainOptions(Options):
-    chain_len: int = option(4, "tokens drafted per step", min=1, aliases=("gamma",))
+    chain_len: int = option(4, "tokens drafted per step", ge=1, aliases=("gamma",))
 
 
-@dataclass(frozen=True)
 class TreeOptions(Options):
-    depth: int = option(4, "draft steps from the root", min=1, aliases=("gamma",))
-    topk: int = option(4, "children per expanded node", min=1)
-    tree_size: int = option(8, "nodes kept in the tree", min=1, aliases=("tree_tokens", "total_tokens"))
+    depth: int = option(4, "draft steps from the root", ge=1, aliases=("gamma",))
+    topk: int = option(4, "children per expanded node", ge=1)
+    tree_size: int = option(8, "nodes kept in the tree", ge=1, aliases=("tree_tokens", "total_tokens"))
 
 
 def _draft_runner(target: Target) -> Runner:

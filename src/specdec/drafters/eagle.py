@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field, field_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.registry import Method, Options, Target, option, register
@@ -23,6 +25,7 @@ from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
 from specdec.heads.runner import HeadRunner
 from specdec.heads.shipped import find_shipped_head
+from specdec.sampling import tempered_log_probs
 from specdec.tree import DraftTree, NodeSlots, StepFn, TreeBudget, build_dynamic_tree
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
@@ -34,7 +37,7 @@ DEFAULT_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1
 def build_static_tree(root_logprobs: torch.Tensor, step: StepFn, choices: Sequence[Sequence[int]]) -> DraftTree:
     """EAGLE-1 tree: each choice is a path of top-k ranks from the root ((0, 1) = 2nd best child of the
     best child). One `step` per depth for every node of the previous depth that has children."""
-    ordered = _check_choices(choices)
+    ordered = _choices_or_error(choices)
     index: dict[tuple, int] = {(): -1}
     toks: list[int] = []
     pars: list[int] = []
@@ -55,7 +58,7 @@ def build_static_tree(root_logprobs: torch.Tensor, step: StepFn, choices: Sequen
         for p in parents_here:
             k = 1 + max(c[-1] for c in layer if index[c[:-1]] == p)
             if k > logp[p].shape[-1]:
-                raise SpecdecError(f"tree choice rank {k - 1} exceeds the draft vocabulary")
+                raise SpecdecError(f"choices: rank {k - 1} exceeds the draft vocabulary ({logp[p].shape[-1]} tokens)")
             v, i = torch.topk(logp[p].float(), k)
             ranked[p] = (v.tolist(), i.tolist())
         for c in layer:
@@ -69,14 +72,22 @@ def build_static_tree(root_logprobs: torch.Tensor, step: StepFn, choices: Sequen
 
 
 def _check_choices(choices: Sequence[Sequence[int]]) -> list[tuple]:
+    """The paths in tree order; a ValueError saying "must ..." when they do not make a tree."""
     ordered = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
     if not ordered or any(len(c) == 0 or min(c) < 0 for c in ordered):
-        raise SpecdecError("tree choices must be non-empty lists of ranks >= 0, e.g. [[0], [1], [0, 0]]")
+        raise ValueError(f"must be non-empty lists of ranks >= 0, e.g. [[0], [1], [0, 0]], got {choices!r}")
     have = set(ordered)
     for c in ordered:
         if len(c) > 1 and c[:-1] not in have:
-            raise SpecdecError(f"tree choice {list(c)} needs its parent {list(c[:-1])} in the tree too")
+            raise ValueError(f"must hold every path's parent: {list(c)} needs its parent {list(c[:-1])}")
     return ordered
+
+
+def _choices_or_error(choices: Sequence[Sequence[int]]) -> list[tuple]:
+    try:
+        return _check_choices(choices)
+    except ValueError as e:
+        raise SpecdecError(f"choices {e}") from None
 
 
 class EagleDrafter(Drafter):
@@ -86,7 +97,10 @@ class EagleDrafter(Drafter):
         if rank_by not in ("value", "confidence"):
             raise SpecdecError("rank_by must be 'value' or 'confidence'")
         self.runner, self.budget = runner, budget
-        self.choices = _check_choices(choices if choices is not None else DEFAULT_CHOICES)
+        self.choices = _choices_or_error(choices if choices is not None else DEFAULT_CHOICES)
+        vocab = runner.d2t.numel() if runner.d2t is not None else runner.embed.shape[0]
+        if budget is None and (top := max(max(c) for c in self.choices)) >= vocab:
+            raise SpecdecError(f"choices: rank {top} exceeds the draft vocabulary ({vocab} tokens)")
         self.rank_by, self.rerank = rank_by, rerank
         self.name = "eagle" if budget is None else "eagle2"
         self.draft_depth = max(map(len, self.choices)) if budget is None else budget.depth
@@ -99,16 +113,25 @@ class EagleDrafter(Drafter):
         self.last_hidden = h[-1]
         self.root_logits = self.runner.logits(h[-1:])[0]
 
+    def _fits(self, ctx: DecodeContext) -> bool:
+        """A head trained with a shorter window than the target's stops drafting where it ends; the
+        engine then takes plain target steps (still exact) instead of failing mid-answer."""
+        rows = self.budget.tree_size if self.budget is not None else len(self.choices)
+        return len(ctx.tokens) + rows <= self.runner.max_length
+
     def begin(self, ctx: DecodeContext) -> None:
         self.runner.reset()
         p = ctx.prompt_len
         if ctx.features is None or ctx.features.shape[0] != p:
             raise SpecdecError("EAGLE needs the target's features of the whole prompt")
-        self._extend(ctx.tokens[1:p + 1], ctx.features)
+        if self._fits(ctx):
+            self._extend(ctx.tokens[1:p + 1], ctx.features)
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         n = self.runner.length
         self.runner.rollback()  # drop the draft rows
+        if not self._fits(ctx):
+            return
         new = ctx.tokens[n + 1:]
         if len(new) != len(verdict.path) + 1 or ctx.features is None or ctx.features.shape[0] != len(new):
             raise RuntimeError("EAGLE drafter out of step with the engine")
@@ -116,11 +139,12 @@ class EagleDrafter(Drafter):
 
     def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
         """budget: this call's tree size instead of the drafter's own (`specdec tune` prices many)."""
+        if not self._fits(ctx):
+            return DraftTree.empty()
         n = self.runner.length
         if n != len(ctx.tokens) - 1:
             raise RuntimeError("EAGLE drafter out of step with the engine")
         budget = budget or self.budget
-        temp = ctx.params.temperature or 1.0  # rank children by the distribution the target samples
         slots = NodeSlots()
         hid: dict[int, torch.Tensor] = {}
         depth_of: dict[int, int] = {}
@@ -136,9 +160,9 @@ class EagleDrafter(Drafter):
             h = run.forward(run.to_target(tokens[sel].to(run.device)), feats, pos, mask)
             for r, i in enumerate(sel_l):
                 hid[i] = h[r]
-            return torch.log_softmax(run.logits(h).float() / temp, dim=-1)
+            return tempered_log_probs(run.logits(h), ctx.params)
 
-        root_lp = torch.log_softmax(self.root_logits.float() / temp, dim=-1)
+        root_lp = tempered_log_probs(self.root_logits, ctx.params)
         if budget is not None:
             tree = build_dynamic_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), self.rank_by,
                                       self.rerank)
@@ -150,30 +174,31 @@ class EagleDrafter(Drafter):
 
 # ---- registration ----
 
-@dataclass(frozen=True)
 class HeadOptions(Options):
     head: str | None = option(None, "EAGLE head dir (default: the one shipped for this target)", shown="shipped")
     full_vocab: bool = option(False, "ablation: a reduced-vocabulary head over the whole target vocabulary")
     lookup: int | None = option(None, "also verify a prompt-lookup chain of this many tokens in every tree "
-                                "(default: none; auto: tuned)", min=0, shown="0; auto: tuned")
+                                "(default: none; auto: tuned)", ge=0, shown="0; auto: tuned")
 
 
-@dataclass(frozen=True)
 class EagleOptions(HeadOptions):
-    choices: list | None = option(None, "the static tree: top-k rank paths, e.g. [[0],[1],[0,0]]",
-                                  shown="9 nodes, depth 4")
+    choices: list[list[Annotated[int, Field(ge=0)]]] | None = option(
+        None, "the static tree: top-k rank paths, e.g. [[0],[1],[0,0]]", shown="9 nodes, depth 4")
+
+    @field_validator("choices")
+    @classmethod
+    def _a_tree(cls, v: list | None) -> list | None:
+        return v if v is None else [list(c) for c in _check_choices(v)]
 
 
-@dataclass(frozen=True)
 class Eagle2Options(HeadOptions):
-    depth: int | None = option(None, "draft steps (default: `specdec tune`'s choice, else 5)", min=1,
+    depth: int | None = option(None, "draft steps (default: `specdec tune`'s choice, else 5)", ge=1,
                                aliases=("gamma",), shown="tuned, else 5")
-    topk: int | None = option(None, "children per expanded node (default: tuned, else 4)", min=1,
+    topk: int | None = option(None, "children per expanded node (default: tuned, else 4)", ge=1,
                               shown="tuned, else 4")
-    tree_size: int | None = option(None, "nodes kept after reranking (default: tuned, else 10)", min=1,
+    tree_size: int | None = option(None, "nodes kept after reranking (default: tuned, else 10)", ge=1,
                                    aliases=("tree_tokens", "total_tokens"), shown="tuned, else 10")
-    rank_by: str = option("value", "expand by path value or by own confidence (ablation)",
-                          choices=("value", "confidence"))
+    rank_by: Literal["value", "confidence"] = option("value", "expand by path value or by own confidence (ablation)")
     rerank: bool = option(True, "keep the top tree_size nodes by value (false: ablation)")
 
 

@@ -4,8 +4,6 @@ summaries, RAG)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
@@ -41,11 +39,10 @@ class PromptLookupDrafter(Drafter):
         return DraftTree.empty()
 
 
-@dataclass(frozen=True)
 class LookupOptions(Options):
-    chain_len: int = option(8, "tokens copied per step", min=1, aliases=("num_tokens",))
-    max_ngram: int = option(3, "longest n-gram matched", min=1)
-    min_ngram: int = option(1, "shortest n-gram matched", min=1)
+    chain_len: int = option(8, "tokens copied per step", ge=1, aliases=("num_tokens",))
+    max_ngram: int = option(3, "longest n-gram matched", ge=1)
+    min_ngram: int = option(1, "shortest n-gram matched", ge=1)
 
 
 register(Method("pld", "prompt lookup: copy what followed the last n-gram earlier in the context", LookupOptions,

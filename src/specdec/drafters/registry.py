@@ -15,17 +15,15 @@ One name per quantity, everywhere (API keyword, CLI flag, bench spec, docs):
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import json
-import os
-import types
-import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from specdec.errors import SpecdecError
+from specdec.options import Options, Param, option
+
+__all__ = ["Method", "Options", "Target", "get", "markdown_table", "methods", "names", "option", "parse", "register"]
 
 # modules whose import registers the built-in methods, in the order the docs list them
 BUILTIN = ("specdec.drafters.vanilla", "specdec.drafters.draft_model", "specdec.drafters.prompt_lookup",
@@ -34,47 +32,6 @@ BUILTIN = ("specdec.drafters.vanilla", "specdec.drafters.draft_model", "specdec.
 _METHODS: dict[str, Method] = {}
 
 
-def option(default: Any, help: str, *, min: float | None = None, choices: tuple = (),
-           aliases: tuple[str, ...] = (), shown: str | None = None) -> Any:
-    """A field of an options class: its default (`shown` describes a None default), a one-line help,
-    and what values it accepts."""
-    return field(default=default, metadata={"help": help, "min": min, "choices": choices, "aliases": aliases,
-                                            "shown": shown})
-
-
-class Options:
-    """Base of every method's frozen options dataclass. Fields are declared with `option(...)`."""
-
-    @classmethod
-    def fields(cls) -> tuple[dataclasses.Field, ...]:
-        return dataclasses.fields(cls)
-
-    @classmethod
-    def aliases(cls) -> dict[str, str]:
-        return {a: f.name for f in cls.fields() for a in f.metadata.get("aliases", ())}
-
-    @classmethod
-    def parse(cls, method: str, raw: Mapping[str, Any]) -> Options:
-        """Typed, range-checked options from keywords or strings (CLI and bench give strings)."""
-        names = {f.name for f in cls.fields()}
-        alias = cls.aliases()
-        kw: dict[str, Any] = {}
-        for key, value in raw.items():
-            name = alias.get(key, key)
-            if name not in names:
-                valid = ", ".join(sorted(names)) or "none"
-                raise SpecdecError(f"unknown option {key!r} for method {method!r} (its options: {valid})")
-            if name in kw:
-                raise SpecdecError(f"option {name!r} given twice for method {method!r} (once as {key!r})")
-            kw[name] = value
-        hints = typing.get_type_hints(cls)
-        for f in cls.fields():
-            if f.name in kw:
-                kw[f.name] = _convert(method, f, hints[f.name], kw[f.name])
-        return cls(**kw)
-
-
-@dataclass(frozen=True)
 class NoOptions(Options):
     pass
 
@@ -130,15 +87,18 @@ def get(name: str) -> Method:
 def parse(name: str, raw: Mapping[str, Any] | None = None) -> tuple[Method, Options]:
     """Validate a method and its options without loading anything."""
     m = get(name)
-    return m, m.options.parse(name, dict(raw or {}))
+    return m, m.options.parse(raw, where=f"method {name!r}")
 
 
-def option_names() -> dict[str, dataclasses.Field]:
-    """Every option name any method takes (first declaration wins), for the CLI's flags."""
-    out: dict[str, dataclasses.Field] = {}
+def option_params() -> dict[str, tuple[Param, bool]]:
+    """Every option name and alias of every method -> (its declaration, whether it is an alias); the
+    first declaration wins. The CLI makes one flag of each."""
+    out: dict[str, tuple[Param, bool]] = {}
     for m in methods().values():
-        for f in m.options.fields():
-            out.setdefault(f.name, f)
+        for p in m.options.params():
+            out.setdefault(p.name, (p, False))
+            for a in p.aliases:
+                out.setdefault(a, (p, True))
     return out
 
 
@@ -146,67 +106,6 @@ def markdown_table() -> str:
     """The README's method table, generated so it cannot drift from the code."""
     rows = ["| method | what drafts | options (default) |", "|---|---|---|"]
     for m in methods().values():
-        opts = ", ".join(f"`{f.name}` ({f.metadata.get('shown') or _show(f.default)})" for f in m.options.fields())
+        opts = ", ".join(f"`{p.name}` ({p.shown})" for p in m.options.params())
         rows.append(f"| `{m.name}` | {m.summary} | {opts} |")
     return "\n".join(rows) + "\n"
-
-
-def _show(v: Any) -> str:
-    return json.dumps(v) if isinstance(v, (list, tuple, bool)) or v is None else str(v)
-
-
-def _describe(f: dataclasses.Field, typ: Any) -> str:
-    base = _base_type(typ)
-    what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, "a JSON list")
-    lo, choices = f.metadata.get("min"), f.metadata.get("choices")
-    if choices:
-        what = "one of " + ", ".join(map(str, choices))
-    elif lo is not None:
-        what += f" >= {lo:g}"
-    return what
-
-
-def _base_type(typ: Any) -> Any:
-    args = [a for a in typing.get_args(typ) if a is not type(None)]
-    if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
-        return _base_type(args[0])
-    return typing.get_origin(typ) or typ
-
-
-def _convert(method: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
-    base = _base_type(typ)
-    optional = type(None) in typing.get_args(typ)
-
-    def bad() -> SpecdecError:
-        return SpecdecError(f"method {method!r}: option {f.name} must be {_describe(f, typ)}, got {value!r}")
-
-    if value is None:
-        if optional:
-            return None
-        raise bad()
-    v = os.fspath(value) if base is str and isinstance(value, os.PathLike) else value
-    if isinstance(v, str) and base is not str:
-        text = v.strip()
-        try:
-            if base is bool:
-                v = {"true": True, "false": False, "1": True, "0": False}[text.lower()]
-            elif base in (int, float):
-                v = base(text)
-            else:
-                v = json.loads(text)
-        except (KeyError, ValueError):
-            raise bad() from None
-    if base is bool and not isinstance(v, bool):
-        raise bad()
-    if base is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise bad()
-    if base is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise bad()
-    if base is str and not isinstance(v, str):
-        raise bad()
-    if base in (list, tuple) and not isinstance(v, (list, tuple)):
-        raise bad()
-    lo, choices = f.metadata.get("min"), f.metadata.get("choices")
-    if (choices and v not in choices) or (lo is not None and v < lo):
-        raise bad()
-    return float(v) if base is float else v

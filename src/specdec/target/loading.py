@@ -8,11 +8,15 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from pydantic import field_validator
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir
+from specdec.machine import usable_cpus
+from specdec.options import Options, option
 from specdec.target.lean import LeanRunner, supports
 
 DEFAULT_MODEL = "smollm2"
@@ -87,6 +91,53 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+class Runtime(Options):
+    """Where and how the models run; checked before anything loads."""
+
+    device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = option(
+        None, "weight dtype (default: float32 on CPU, bfloat16 on CUDA)", shown="float32 on CPU")
+    backend: Literal["auto", "lean", "hf"] = option("auto", "target runner: lean (ours), hf (transformers), auto")
+    threads: int | None = option(None, "torch threads (default: torch's choice)", ge=1, shown="torch's choice")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, v: Any) -> Any:
+        return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            d = torch.device(v)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"must be cpu, cuda, cuda:N or mps, got {v!r}") from None
+        if d.type == "cuda" and not (torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"must be a device this machine has, got {v!r} ({torch.cuda.device_count()} CUDA devices)")
+        if d.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("must be a device this machine has, got 'mps'")
+        if d.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"must be cpu, cuda, cuda:N or mps, got {v!r}")
+        return str(d)
+
+    @field_validator("threads")
+    @classmethod
+    def _threads_exist(cls, v: int | None) -> int | None:
+        # more threads than CPUs only contend (36x slower measured at 999 on 2 cores): refuse, don't guess
+        if v is not None and v > usable_cpus():
+            raise ValueError(f"must be between 1 and {usable_cpus()} (the CPUs this process may use), got {v}")
+        return v
+
+    def apply(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+    def torch_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.dtype) if self.dtype else None
+
+
 def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
     """(model, tokenizer, hf_dir). fp32 on the CPU (no native bf16 on AVX2), bf16 on CUDA by default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,8 +158,7 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
 def make_runner(model, backend: str = "auto"):
     from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
-    if backend not in ("auto", "lean", "hf"):
-        raise SpecdecError(f"unknown backend {backend!r} (auto, lean, hf)")
+    Runtime(backend=backend)  # checks it
     if backend == "hf" or (backend == "auto" and not supports(model)):
         return HFRunner(model)
     return LeanRunner(model)

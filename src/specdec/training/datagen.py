@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -29,10 +28,11 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.files import atomic_write_text, data_roots, find_data
 from specdec.heads.shipped import target_fingerprint
+from specdec.options import add_flags, arg_type, flag_values
 from specdec.sampling import SamplingParams
 from specdec.target import lean as lean_mod
 from specdec.target.batched import batch_generate
-from specdec.target.loading import eos_ids, load_model
+from specdec.target.loading import Runtime, eos_ids, load_model
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import list_shards, pack_shard, read_manifest, resume_shards, write_manifest, write_shard
 
@@ -45,28 +45,11 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 # ---- argument checks: the CLI's argparse types, and the same rules for API callers ----
 
-def number(kind: type = int, lo: float | None = None, hi: float | None = None, above: float | None = None):
-    """An argparse type: a finite `kind` >= lo (or > above) and <= hi; its message states the rule."""
-    what = "an integer" if kind is int else "a number"
-    rule = " and ".join(f"{op} {b:g}" for op, b in ((">=", lo), (">", above), ("<=", hi)) if b is not None)
-
-    def parse(text: str) -> int | float:
-        try:
-            v = kind(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not (math.isfinite(v) and (lo is None or v >= lo) and (above is None or v > above)
-                and (hi is None or v <= hi)):
-            raise argparse.ArgumentTypeError(f"must be {what} {rule}, got {text}")
-        return v
-    return parse
-
-
 def temperature_list(text: str) -> list[float]:
     items = [t.strip() for t in str(text).split(",")]
     if not all(items):
         raise argparse.ArgumentTypeError(f"expected comma-separated temperatures, got {text!r}")
-    return [number(float, 0)(t) for t in items]
+    return [arg_type(float, ge=0)(t) for t in items]
 
 
 def source_list(text: str) -> list[str]:
@@ -120,9 +103,10 @@ class Plan:
         return sum(1 for j in range(i) if self.shard(j)[0] == src)
 
 
-PLAN_RULES = {"shard_size": number(int, 1), "sources": source_list, "temperatures": temperature_list,
-              "max_new_tokens": number(int, 1), "max_prompt_tokens": number(int, 1),
-              "self_prompt_tokens": number(int, 1), "top_p": number(float, above=0, hi=1), "seed": number(int, 0)}
+PLAN_RULES = {"shard_size": arg_type(int, ge=1), "sources": source_list, "temperatures": temperature_list,
+              "max_new_tokens": arg_type(int, ge=1), "max_prompt_tokens": arg_type(int, ge=1),
+              "self_prompt_tokens": arg_type(int, ge=1), "top_p": arg_type(float, gt=0, le=1),
+              "seed": arg_type(int, ge=0)}
 
 
 # ---- model work ----
@@ -207,8 +191,8 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
     """Every check that needs no model, so a bad argument fails before a model loads or a file is
     written. Returns the GSM8K file (None if no source needs one) and the dirs of benchmark prompts."""
     plan.check()
-    checked("shards", n_shards, number(int, 1))
-    checked("batch_size", batch_size, number(int, 1))
+    checked("shards", n_shards, arg_type(int, ge=1))
+    checked("batch_size", batch_size, arg_type(int, ge=1))
     if feature_dtype not in _DTYPES:
         raise SpecdecError(f"--feature-dtype must be one of {', '.join(_DTYPES)}, got {feature_dtype!r}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
@@ -327,10 +311,10 @@ def add_parser(sub) -> None:
                                        "safetensors shards)"))
     p.add_argument("--model", default=None, help="target: HF dir, .gguf, or the embedded default")
     p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
-    p.add_argument("--shards", type=number(int, 1), required=True,
+    p.add_argument("--shards", type=arg_type(int, ge=1), required=True,
                    help="total shards wanted (existing ones are skipped)")
     p.add_argument("--shard-size", type=PLAN_RULES["shard_size"], default=64, help="sequences per shard")
-    p.add_argument("--batch-size", type=number(int, 1), default=32, help="sequences per generate() call")
+    p.add_argument("--batch-size", type=arg_type(int, ge=1), default=32, help="sequences per generate() call")
     p.add_argument("--sources", type=source_list, default="gsm8k,self",
                    help=f"comma list, cycled per shard: {', '.join(SOURCES)}")
     p.add_argument("--temperatures", type=temperature_list, default="0,1",
@@ -344,19 +328,18 @@ def add_parser(sub) -> None:
                    "(default: every data dir found)")
     p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES))
     p.add_argument("--seed", type=PLAN_RULES["seed"], default=0)
-    p.add_argument("--threads", type=number(int, 1), default=None)
-    p.add_argument("--device", default=None)
+    add_flags(p, Runtime, only=("threads", "device"))
     p.set_defaults(func=cmd_datagen)
 
 
 def cmd_datagen(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    rt = Runtime.parse(flag_values(args, Runtime))
     plan = Plan(shard_size=args.shard_size, sources=args.sources, temperatures=args.temperatures,
                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, top_p=args.top_p,
                 seed=args.seed)
     check_run(args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir, args.feature_dtype)
-    model, tok, _ = load_model(args.model, args.device, torch.float32 if args.device in (None, "cpu") else None)
+    rt.apply()
+    model, tok, _ = load_model(args.model, rt.device, torch.float32 if rt.device in (None, "cpu") else None)
     t = run_datagen(model, tok, args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir,
                     args.feature_dtype)
     gen = t["gen_seconds"]

@@ -27,8 +27,9 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import target_fingerprint
-from specdec.target.loading import materialize
-from specdec.training.datagen import checked, number, one_line_errors
+from specdec.options import add_flags, arg_type, flag_values
+from specdec.target.loading import Runtime, materialize
+from specdec.training.datagen import checked, one_line_errors
 from specdec.training.objective import Objective, unrolled, unrolled_mask
 from specdec.training.shards import ShardData, build_draft_vocab, global_batch
 
@@ -78,12 +79,15 @@ class TrainConfig:
 
 
 # the argparse types of the numeric options (steps 0 = derived from epochs; layers 0 = the default)
-RULES = {"steps": number(int, 0), "epochs": number(float, above=0), "batch_size": number(int, 1),
-         "max_len": number(int, 2), "lr": number(float, 0), "warmup": number(int, 0),
-         "min_lr_ratio": number(float, 0, 1), "weight_decay": number(float, 0), "clip": number(float, 0),
-         "ce_weight": number(float, 0), "noise": number(float, 0), "draft_vocab": number(int, 0),
-         "save_every": number(int, 1), "keep_checkpoints": number(int, 1), "log_every": number(int, 1),
-         "seed": number(int, 0), "stop_after": number(int, 0), "unroll": number(int, 1), "layers": number(int, 0)}
+RULES = {
+    "steps": arg_type(int, ge=0), "epochs": arg_type(float, gt=0), "batch_size": arg_type(int, ge=1),
+    "max_len": arg_type(int, ge=2), "lr": arg_type(float, ge=0), "warmup": arg_type(int, ge=0),
+    "min_lr_ratio": arg_type(float, ge=0, le=1), "weight_decay": arg_type(float, ge=0),
+    "clip": arg_type(float, ge=0), "ce_weight": arg_type(float, ge=0), "noise": arg_type(float, ge=0),
+    "draft_vocab": arg_type(int, ge=0), "save_every": arg_type(int, ge=1), "keep_checkpoints": arg_type(int, ge=1),
+    "log_every": arg_type(int, ge=1), "seed": arg_type(int, ge=0), "stop_after": arg_type(int, ge=0),
+    "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0),
+}
 SCHEDULES = ("cosine", "linear", "constant")
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
@@ -328,15 +332,14 @@ def add_parser(sub) -> None:
             p.add_argument(flag, choices=SCHEDULES, default=default)
         else:
             p.add_argument(flag, type=RULES.get(f.name, type(default)), default=default)
-    p.add_argument("--threads", type=number(int, 1), default=None)
+    add_flags(p, Runtime, only=("threads",))
     p.set_defaults(func=cmd_train_eagle)
 
 
 def cmd_train_eagle(args) -> int:
     from transformers import AutoModelForCausalLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    Runtime.parse(flag_values(args, Runtime)).apply()
     cfg = TrainConfig.from_dict(vars(args))
     cfg.check()
     done = finished_head(cfg)

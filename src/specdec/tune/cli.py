@@ -12,7 +12,8 @@ from specdec.api import from_models
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.machine import cpu_name
-from specdec.target.loading import load_model
+from specdec.options import add_flags, flag_values
+from specdec.target.loading import Runtime, load_model
 from specdec.tune.search import LOOKUPS, SIZES, tune
 from specdec.tuning import save_tuning, tuning_path
 
@@ -37,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", type=int, default=256,
                    help="greedy tokens generated per prompt (as long as real answers: a small model repeats "
                         "itself late in an answer, which is where a lookup chain pays)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (tune with the count you will use)")
+    add_flags(p, Runtime, only=("threads",))  # tune with the count you will use
     p.add_argument("--out", default=None, help="result file (default: <head>/tuning.json; for a shipped or "
                    "read-only head ~/.cache/specdec/tuning/<name>.json, where loading also looks)")
     p.add_argument("--top", type=int, default=10, help="table rows to print")
@@ -47,6 +48,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_tune(args) -> int:
+    rt = Runtime.parse(flag_values(args, Runtime))
     if not 1 <= args.prompts <= len(CALIBRATION_PROMPTS):
         raise SpecdecError(f"--prompts must be 1-{len(CALIBRATION_PROMPTS)}, got {args.prompts}")
     if args.tokens < 2 + max(SIZES):
@@ -59,8 +61,7 @@ def cmd_tune(args) -> int:
         raise SpecdecError(f"--lookups must be comma-separated token counts, got {args.lookups!r}") from None
     if any(n < 1 for n in lookups):
         raise SpecdecError(f"--lookups must be >= 1 each, got {args.lookups!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    rt.apply()
     model, tok, _ = load_model(args.model, "cpu", torch.float32)
     head = args.head or find_shipped_head(model)
     if head is None:

@@ -1,0 +1,63 @@
+"""Each bad input of issue 19 §2 through the real CLI: exit code 2, one line naming the parameter, no
+traceback, and no model loaded (everything is checked first)."""
+
+import pytest
+
+import specdec.api
+from specdec.cli import main
+from tests.conftest import tiny_model, word_tokenizer
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+    monkeypatch.setattr(specdec.api, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--method", "eagle2", "--opt", "depth=abc"], "depth"),
+    (["--method", "eagle2", "--opt", "depth=1.5"], "depth"),
+    (["--method", "eagle2", "--opt", "topk=1.5"], "topk"),
+    (["--method", "eagle2", "--topk", "0"], "topk"),
+    (["--method", "sps", "--draft", "smollm2", "--gamma", "0"], "gamma"),
+    (["--method", "pld", "--opt", "num_tokens=-1"], "num_tokens"),
+    (["--method", "pld", "--opt", "nonsense=1"], "nonsense"),
+    (["--method", "eagle", "--opt", "choices=[[0],[2,0]]"], "choices"),
+    (["--threads", "-1"], "threads"),
+    (["--threads", "999"], "threads"),
+    (["--device", "foo"], "device"),
+    (["--backend", "fast"], "backend"),
+    (["--seed", "99999999999999999999999"], "seed"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-k", "1.5"], "top_k"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "5.5"], "max_new_tokens"),
+    (["--stop", ""], "stop"),
+    (["--method", "telepathy"], "auto"),  # the list of methods names auto too
+])
+def test_generate_rejects_in_one_line_before_loading(argv, names, no_load, capsys):
+    assert main(["generate", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error:") and err.count("\n") == 1, err
+    assert names in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("prompt, raw", [("", False), ("   ", True), ("caf\udce9", True), ("\udcff\udcfe", False)])
+def test_empty_or_undecodable_prompts_are_refused(prompt, raw, no_load, capsys):
+    assert main(["generate", prompt, *(["--raw"] if raw else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompt" in err and "Traceback" not in err
+
+
+def test_a_tiny_temperature_is_valid_and_greedy(tmp_path, capsys):
+    tok = word_tokenizer([f"w{i}" for i in range(5)])
+    tiny_model("llama", vocab_size=7).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    base = ["generate", "w1 w2", "--raw", "--model", str(tmp_path), "--max-new-tokens", "6", "--method", "pld"]
+    assert main(base) == 0
+    greedy = capsys.readouterr().out
+    assert main([*base, "--temperature", "1e-45", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy
