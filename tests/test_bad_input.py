@@ -92,3 +92,15 @@ def test_cli_generate_end_to_end(tmp_path, capsys):
     out = capsys.readouterr()
     assert "tok/s" in out.err and "tau" in out.err and "target forwards" in out.err
     assert out.out.strip()  # the streamed answer
+
+
+@pytest.mark.parametrize("method", ["sps", "sps-tree"])
+def test_a_draft_with_a_shorter_window_stops_drafting_instead_of_failing(method):
+    tok = word_tokenizer([f"w{i}" for i in range(95)])
+    target = tiny_model("llama", max_position_embeddings=128)
+    short = tiny_model("llama", seed=1, max_position_embeddings=24)
+    prompt = " ".join(f"w{i % 7}" for i in range(12))
+    want = from_models(target, tok).generate(prompt, max_new_tokens=40).token_ids
+    g = from_models(target, tok, method, short, tok).generate(prompt, max_new_tokens=40)
+    assert g.token_ids == want and len(want) > 24 - 12  # it went past the draft's window, exactly
+    assert g.stats.tree_sizes[-1] == 0  # plain target steps once the draft's window is full

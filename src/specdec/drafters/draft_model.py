@@ -59,9 +59,11 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: DecodeContext) -> DraftTree:
         # a draft with a shorter context window than the target's stops drafting where its window ends:
         # the engine then takes plain target steps (still exact) instead of the draft failing mid-answer
-        room = min(ctx.max_nodes, self.runner.max_length - len(ctx.tokens))
+        window = self.runner.max_length - len(ctx.tokens)
+        room = min(ctx.max_nodes, window)
         depth = min(self.draft_depth, room)
-        if depth <= 0:
+        # a tree's expansion feeds up to topk rows per depth through the draft before it is cut down
+        if depth <= 0 or (self.tree is not None and self.tree.topk * self.tree.depth > window):
             return DraftTree.empty()
         logits = self._catch_up(ctx.tokens)
         if self.tree is not None:
