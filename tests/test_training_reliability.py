@@ -6,16 +6,12 @@ import os
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import PreTrainedTokenizerFast
 
 from specdec.errors import SpecdecError
 from specdec.training import datagen, train
 from specdec.training.datagen import Plan, run_datagen
 from specdec.training.train import TrainConfig, train_eagle
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, word_tokenizer
 
 WORDS = ["user", "bot", "end", "what", "is", "two", "plus", "three", "four", "five", "six", "seven", "zebra", "the",
          "answer"]
@@ -26,10 +22,7 @@ BENCH_Q = "what is zebra plus zebra"  # a "benchmark" question hidden among the 
 
 
 def chat_tokenizer():
-    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
-    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    t.pre_tokenizer = Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>")
+    tok = word_tokenizer(WORDS)
     tok.chat_template = ("{% for m in messages %}user {{ m['content'] }} end {% endfor %}"
                          "{% if add_generation_prompt %}bot {% endif %}")
     return tok
