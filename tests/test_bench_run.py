@@ -13,6 +13,7 @@ from specdec.bench.methods import parse_methods
 from specdec.bench.report import PLOTS
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.cli import main
+from specdec.machine import weight_bytes_per_token
 from tests.conftest import tiny_model
 from tests.test_engine import noisy_copy
 
@@ -54,7 +55,7 @@ def result(models, tmp_path_factory):
     return run_bench(cfg, QS, target, tok, draft, tok, out), out
 
 
-def test_end_to_end_writes_every_file(result):
+def test_end_to_end_writes_every_file(result, models):
     res, out = result
     for f in ["report.md", "run.json", "summary.json", "audit.json"] + [f"plots/{p}" for p in PLOTS]:
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
@@ -78,11 +79,13 @@ def test_end_to_end_writes_every_file(result):
     assert tree["calibration"] and 1 <= tree["tau"] <= 4 and "expected_improvement" in tree
     assert res["run"]["baseline"] in ("hf", "vanilla")
     assert res["run"]["machine"]["torch_threads"] >= 1 and res["run"]["machine"]["cpu"]
+    assert res["run"]["floor"]["weight_mb"] == weight_bytes_per_token(models[0]) / 1e6
     other = res["run"]["contention"]["other_cpu_frac"]
     assert other is None or 0.0 <= other <= 1.0
     md = (out / "report.md").read_text()
     for section in ("## Speedup vs", "## τ", "## Acceptance by depth", "## Leviathan analysis",
-                    "## Losslessness audit", "## Time split", "prefill excluded", "plots/calibration.png"):
+                    "## Losslessness audit", "## Time split", "prefill excluded", "plots/calibration.png",
+                    "## Against the memory floor"):
         assert section in md, section
 
 

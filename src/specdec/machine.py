@@ -111,3 +111,34 @@ def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200) 
                 ts[n].append(time.perf_counter() - t)
     runner.reset()
     return {n: statistics.median(x) for n, x in ts.items()}
+
+
+def stream_bandwidth(mb: int = 512, reps: int = 3) -> float:
+    """Bytes per second this process reads from memory with the current torch threads: the best of a
+    few sums over a buffer far larger than any cache (what a decode step does to the weights)."""
+    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # touch the pages once
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step must stream: every parameter once (tied tensors once), except an
+    input embedding table that is not also the LM head (a step reads one row of it)."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if head is None or head.weight.data_ptr() != emb.data_ptr():
+        total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
+    return total
+
+
+def memory_floor(model, bandwidth: float | None = None) -> dict:
+    """The physical limit of plain decoding here: weight bytes per token / streaming bandwidth."""
+    bw = bandwidth or stream_bandwidth()
+    nbytes = weight_bytes_per_token(model)
+    return {"bandwidth_gb_s": bw / 1e9, "weight_mb": nbytes / 1e6, "ms_per_forward": 1e3 * nbytes / bw,
+            "forwards_per_s": bw / nbytes}

@@ -125,11 +125,15 @@ def cmd_bench(args) -> int:
     res = run_bench(cfg, qs, model, tok, draft, dtok, out, overwrite=args.overwrite)
     run, summary, aud = res["run"], res["summary"], res["audit"]
     print(f"\nbaseline: {run['baseline']} | {run['duration_s']:.0f} s | threads {run['machine']['torch_threads']}")
-    print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s}")
+    fl = run["floor"]
+    print(f"memory floor: {fl['weight_mb']:.0f} MB of weights per forward at {fl['bandwidth_gb_s']:.1f} GB/s = "
+          f"{fl['ms_per_forward']:.1f} ms, at most {fl['forwards_per_s']:.1f} forwards/s")
+    print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s} {'of floor':>8s}")
     for m, cells in summary.items():
         c = cells[OVERALL]
         tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
-        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s}")
+        share = c["tokens_per_s"] / (fl["forwards_per_s"] * max(c.get("tau") or 1, 1))
+        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share:8.2f}")
     other = run["contention"].get("other_cpu_frac")
     if other is not None and other > 0.05:
         print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "

@@ -95,6 +95,17 @@ def render(run: dict, summary: dict, audit: dict) -> str:
            _metric_table(summary, run, methods, lambda c: _pm(c["speedup"], c["speedup_std"], 2, "×")), ""]
     md += ["## Tokens per second", "", _metric_table(summary, run, methods,
                                                       lambda c: _pm(c["tokens_per_s"], c["tokens_per_s_std"], 1)), ""]
+    fl = run.get("floor")
+    if fl:
+        md += ["## Against the memory floor", "",
+               f"A target forward streams {fl['weight_mb']:.0f} MB of weights; this machine streams "
+               f"{fl['bandwidth_gb_s']:.1f} GB/s, so a forward takes at least {fl['ms_per_forward']:.1f} ms and "
+               f"plain decoding can reach at most {fl['forwards_per_s']:.1f} tok/s. A method emitting τ tokens per "
+               "forward can reach at most τ × that; the table gives each method's tok/s as a share of its own "
+               "limit (1.00 = every forward at the floor; drafting and overhead make up the rest).", "",
+               _metric_table(summary, run, ours, lambda c: _f(c["tokens_per_s"] / (fl["forwards_per_s"]
+                                                                                    * max(c.get("tau") or 1, 1))))
+               if ours else "", ""]
     if ours:
         md += ["## τ", "", TAU_NOTE + ".", "", _metric_table(summary, run, ours, lambda c: _f(c.get("tau"))), ""]
     if spec:

@@ -27,7 +27,7 @@ from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
-from specdec.machine import ContentionMeter, machine_info
+from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
 
 
@@ -260,6 +260,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
             for lab in labels:
                 methods[lab].run(warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens))
 
+    # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
+    floor = memory_floor(model)
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
     meter = ContentionMeter()
     records: list[dict] = []
@@ -331,7 +333,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer} for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
         "categories": list(dict.fromkeys(q.category for q in questions)),
-        "baseline": baseline, "baseline_candidates_total_s": totals, "contention": contention,
+        "baseline": baseline, "baseline_candidates_total_s": totals, "contention": contention, "floor": floor,
         "machine": machine_info(), "target": _model_info(model, vanilla.runner),
         "draft": _model_info(draft_model, None) if draft_model is not None else None,
     }
