@@ -222,3 +222,25 @@ def test_report_flags_a_contended_run(result):
     assert "Warning: other processes used 40% of the CPUs" in render(run, res["summary"], res["audit"])
     run = dict(res["run"], contention={"other_cpu_frac": 0.0})
     assert "Warning" not in render(run, res["summary"], res["audit"])
+
+
+def test_specbench_answer_files_recompute_our_speed(result):
+    """The fields Spec-Bench's evaluation/speed.py reads, and its formula, give our numbers back."""
+    res, out = result
+    files = {p.stem: [json.loads(x) for x in p.read_text().splitlines()] for p in (out / "specbench").iterdir()}
+    assert set(files) == {p.stem for p in (out / "raw").iterdir()}
+    recs = [r for r in res["records"] if r["repeat"] == 0]
+    for lines in files.values():
+        assert {x["question_id"] for x in lines} == {"81", "7"} and all(x["category"] for x in lines)
+    van = {x["question_id"]: x["choices"][0] for x in files["vanilla"]}
+    assert van["81"]["new_tokens"] == [len(r["tokens"]) for r in sorted(
+        (r for r in recs if r["method"] == "vanilla" and r["question_id"] == "81"), key=lambda r: r["turn"])]
+    assert len(van["81"]["turns"]) == 2 and all(isinstance(t, str) for t in van["81"]["turns"])
+    speed = sum(sum(c["new_tokens"]) / sum(c["wall_time"]) for c in van.values()) / len(van)  # speed.py's mean
+    ours = {q: [r for r in recs if r["method"] == "vanilla" and r["question_id"] == q] for q in van}
+    want = sum(sum(len(r["tokens"]) for r in rs) / sum(r["wall_time"] for r in rs) for rs in ours.values()) / 2
+    assert speed == pytest.approx(want)
+    assert set(sum((c["accept_lengths"] for c in van.values()), [])) == {1}
+    for c in (x["choices"][0] for x in files["sps_gamma=3"]):
+        assert sum(c["decoding_steps"]) == len(c["accept_lengths"]) + len(c["turns"])  # + one prefill per turn
+        assert sum(c["accept_lengths"]) + len(c["turns"]) >= sum(c["new_tokens"])  # the last step may be cut

@@ -161,7 +161,8 @@ def render(run: dict, summary: dict, audit: dict) -> str:
     md += ["## Plots", ""] + [f"![{p[:-4]}](plots/{p})" for p in PLOTS] + [""]
     md += ["## Files", "", "`run.json` (setup, machine), `summary.json` (every metric per method × category), "
            "`audit.json`, `raw/<method>.jsonl` (one line per generation: tokens, wall time, engine stats, calibration "
-           "pairs), `plots/`.", ""]
+           "pairs), `specbench/<method>.jsonl` (Spec-Bench's answer format: its `evaluation/speed.py --file-path "
+           "specbench/<method>.jsonl --base-path specbench/vanilla.jsonl` recomputes the speedups), `plots/`.", ""]
     return "\n".join(md)
 
 

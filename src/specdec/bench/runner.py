@@ -25,6 +25,7 @@ from specdec.bench import metrics, report
 from specdec.bench.audit import TIE_TOL, audit
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
+from specdec.bench.specbench import write_answers
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
@@ -74,7 +75,7 @@ class OurMethod:
             "target_forwards": stats.target_forwards, "accept_histogram": stats.accept_histogram(),
             "depth_tries": list(stats.depth_tries), "depth_accepts": list(stats.depth_accepts),
             "time": s["time"], "gamma": self.gamma, "tau": stats.tau, "mean_tree_size": s["mean_tree_size"],
-            "finish_reason": stats.finish_reason,
+            "finish_reason": stats.finish_reason, "accept_lengths": list(stats.accept_lengths),
         }
         return {"tokens": tokens, "wall_time": wall, "stats": rec_stats, "calibration": _calibration(trace)}
 
@@ -343,6 +344,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         (out / "audit.json").write_text(json.dumps(aud, indent=1))
         report.write_report(out, run, summary, aud)
+        write_answers(out, records, tokenizer, run["target"].get("name_or_path") or run["target"]["model_type"])
     return result
 
 
