@@ -28,7 +28,8 @@ def our_ids() -> None:
 def llama_cpp(path: str, max_new: int = 128) -> None:
     from llama_cpp import Llama
 
-    p = json.load(open(path))
+    with open(path) as f:
+        p = json.load(f)
     llm = Llama(model_path=p["gguf"], n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
     eos = llm.token_eos()
     for _ in range(3):
