@@ -104,27 +104,22 @@ def main() -> None:
             ms = median_ms(lambda: [fn(x, w) for x, w in zip(inputs, ws)], reps=6, warm=2)
             print(f"N={n} {name:24s} {ms:6.1f} ms")
 
+    def batch_variance(run: LeanRunner) -> float:
+        """Largest logit change of a row between one N = 8 forward and eight N = 1 steps."""
+        chunk = run.forward(ids[200:208]).logits
+        run.rollback()
+        single = []
+        for i in range(200, 208):
+            single.append(run.forward(ids[i:i + 1]).logits[-1])
+            run.commit([0])
+        return (chunk - torch.stack(single)).abs().max().item()
+
     for dtype in (torch.bfloat16, torch.float16):
         rr = prefilled(reduced_runner(model, dtype))
         ms = median_ms(lambda run=rr: (run.forward(ids[200:201]), run.rollback()))
-        chunk = rr.forward(ids[200:208]).logits
-        rr.rollback()
-        single = []
-        for i in range(200, 208):
-            single.append(rr.forward(ids[i:i + 1]).logits[-1])
-            rr.commit([0])
-        d = (chunk - torch.stack(single)).abs().max().item()
         print(f"{str(dtype):15s} linears: forward N=1 {ms:.1f} ms (fp32 {whole:.1f}); "
-              f"max |logit, N=8 row - N=1| = {d:.2e}")
-    r = prefilled(LeanRunner(model))
-    chunk = r.forward(ids[200:208]).logits
-    r.rollback()
-    single = []
-    for i in range(200, 208):
-        single.append(r.forward(ids[i:i + 1]).logits[-1])
-        r.commit([0])
-    print(f"fp32 linears: max |logit, N=8 row - N=1| = {(chunk - torch.stack(single)).abs().max().item():.2e}")
-
+              f"max |logit, N=8 row - N=1| = {batch_variance(rr):.2e}")
+    print(f"fp32 linears: max |logit, N=8 row - N=1| = {batch_variance(prefilled(LeanRunner(model))):.2e}")
 
 if __name__ == "__main__":
     main()
