@@ -61,6 +61,11 @@ class Decoder:
     slot: Slot = field(default_factory=Slot)
     _tok_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # fast tokenizers are not
 
+    @property
+    def weights(self) -> str:
+        """The target's linear-weight precision: decoding is lossless relative to that target."""
+        return self.runner.weights
+
     def encode(self, prompt: str | Messages) -> list[int]:
         """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""
         tok = self.tokenizer
@@ -192,14 +197,16 @@ def load(
     dtype: torch.dtype | None = None,
     backend: str = "auto",
     threads: int | None = None,
+    weights: str | None = None,
     **opts,
 ) -> Decoder:
     """Load a target (HF dir, .gguf, or the embedded default "smollm2") and a drafting method.
 
     Methods and their options: `specdec.drafters.registry` (README's table; `specdec methods`). The
-    method and its options are checked before any model loads.
+    method and its options are checked before any model loads. weights: the target's linear-weight
+    precision (fp32, bf16, fp16, int8; default the model's dtype): decoding is lossless relative to it.
     """
-    rt = Runtime(device=device, dtype=dtype, backend=backend, threads=threads)
+    rt = Runtime(device=device, dtype=dtype, backend=backend, threads=threads, weights=weights)
     spec, _ = registry.parse(method, opts)
     if spec.needs_draft and draft is None:
         raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
@@ -208,15 +215,15 @@ def load(
     draft_model = draft_tok = None
     if spec.needs_draft:
         draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, rt.torch_dtype())
-    return from_models(model, tok, method, draft_model, draft_tok, rt.backend, **opts)
+    return from_models(model, tok, method, draft_model, draft_tok, rt.backend, weights=rt.weights, **opts)
 
 
 def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, draft_tokenizer=None,
-                backend: str = "auto", **opts) -> Decoder:
+                backend: str = "auto", weights: str | None = None, **opts) -> Decoder:
     """A Decoder over models already in memory (what `load` does after loading)."""
-    Runtime(backend=backend)
+    Runtime(backend=backend, weights=weights)
     spec, options = registry.parse(method, opts)
-    runner = make_runner(model, backend)
+    runner = make_runner(model, backend, weights)
     drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, backend), options)
     if method == "auto":  # report what auto resolved to: the tree drafter (its union's first member) or vanilla
         method = (drafter.members[0] if isinstance(drafter, UnionDrafter) else drafter).name

@@ -55,7 +55,7 @@ def cmd_generate(args) -> int:
     opts = _method_opts(args)
     registry.parse(args.method, opts)
     dec = load(args.model, args.method, draft=args.draft, device=rt.device, dtype=rt.dtype, backend=rt.backend,
-               threads=rt.threads, **opts)
+               threads=rt.threads, weights=rt.weights, **opts)
     if not args.raw:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = msgs + [{"role": "user", "content": prompt}]
@@ -66,7 +66,8 @@ def cmd_generate(args) -> int:
         final = chunk.final
     s = final.stats
     print(
-        f"\n[{dec.drafter.name}] {s.new_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_second:.1f} tok/s | "
+        f"\n[{dec.drafter.name}, {dec.weights} weights] {s.new_tokens} tokens in {s.total_time:.2f} s = "
+        f"{s.tokens_per_second:.1f} tok/s | "
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards | "
         f"draft {s.draft_time:.2f} s, verify {s.verify_time:.2f} s, prefill {s.prefill_time:.2f} s | "
         f"finish: {final.finish_reason}",

@@ -145,7 +145,7 @@ def decode(
                 stats.wait_time += _clock(dev) - t
                 if lost:  # another request used the runner and drafter since our last step: rebuild ours
                     t = _clock(dev)
-                    _resume(runner, drafter, ctx)
+                    _resume(runner, drafter, ctx, len(prompt_ids))
                     stats.resumes += 1
                     stats.prefill_time += _clock(dev) - t
                 room = runner.max_length - runner.length - 1  # rows left after the root
@@ -197,10 +197,16 @@ def _prefill(runner: Runner, ids: list[int]) -> ForwardOut:
     return out
 
 
-def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext) -> None:
-    """Rebuild a request's target cache and drafter state from its tokens, as after a prefill of
-    everything it emitted but the root. The sampling generator lives in ctx, so it continues as is."""
+def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext, n_prompt: int) -> None:
+    """Rebuild a request's target cache and drafter state from its tokens: the prompt in one forward as
+    at the start, then what it emitted but the root in forwards of at most runner.exact_rows rows, whose
+    rows equal the original steps' bit for bit. The sampling generator lives in ctx: it continues as is."""
     done = ctx.tokens[:-1]
-    out = _prefill(runner, done)
-    ctx.prompt_len, ctx.features = len(done), out.features
+    feats = [_prefill(runner, done[:n_prompt]).features]
+    step = runner.exact_rows or len(done)
+    for i in range(n_prompt, len(done), step):
+        chunk = done[i:i + step]
+        feats.append(runner.forward(torch.tensor(chunk), logits_rows=slice(-1, None)).features)
+        runner.commit(range(len(chunk)))
+    ctx.prompt_len, ctx.features = len(done), torch.cat(feats)
     drafter.begin(ctx)

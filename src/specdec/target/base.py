@@ -65,6 +65,7 @@ class Runner(Cached, ABC):
     config: object
     vocab_size: int
     hidden_size: int
+    exact_rows = 0  # forwards of up to this many rows give each row the bits it would get alone (0: none)
 
     @abstractmethod
     def _forward(

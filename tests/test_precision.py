@@ -1,0 +1,160 @@
+"""Weight precisions (fp32, bf16, fp16, int8): every row of a forward is bit-identical to the same row
+computed alone, so speculative decoding equals vanilla decoding *exactly* at each precision (greedy:
+the same tokens, no tie allowance; sampling: that precision's own distribution)."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.drafters.base import NoDrafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.target.base import tree_mask
+from specdec.target.lean import LeanRunner
+from specdec.target.loading import Runtime, make_runner
+from specdec.target.packed import Linear, invariant_block
+from specdec.tree import DraftTree, TreeBudget
+from tests.conftest import tiny_model
+from tests.test_engine import PROMPTS, noisy_copy, run
+from tests.test_verify import chi2_pvalue
+
+PRECISIONS = ["fp32", "bf16", "fp16", "int8"]
+
+
+def long_model(family="llama", seed=0, **kw):
+    """The down projection reduces over 1536 > 1024 inputs: long enough that oneDNN's GEMM is not
+    batch-invariant in one piece on some machines, so the blocked path is exercised there."""
+    return tiny_model(family, seed=seed, intermediate_size=1536, **kw)
+
+
+def prefilled(model, weights, prompt):
+    r = LeanRunner(model, weights=weights)
+    r.forward(torch.tensor(prompt))
+    r.commit(range(len(prompt)))
+    return r
+
+
+@pytest.mark.parametrize("weights", PRECISIONS)
+def test_a_chain_forward_equals_one_token_steps_bitwise(family, weights):
+    model = long_model(family)
+    prompt, cont = list(range(3, 30)), [5, 9, 11, 3, 7, 2, 8, 4, 60, 61]
+    r = prefilled(model, weights, prompt)
+    steps = []
+    for t in cont:
+        out = r.forward(torch.tensor([t]))
+        steps.append((out.logits[0], out.features[0]))
+        r.commit([0])
+    r = prefilled(model, weights, prompt)
+    out = r.forward(torch.tensor(cont))
+    for i, (logits, feats) in enumerate(steps):
+        assert torch.equal(out.logits[i], logits), f"row {i} logits differ by {(out.logits[i] - logits).abs().max()}"
+        assert torch.equal(out.features[i], feats)
+
+
+@pytest.mark.parametrize("weights", PRECISIONS)
+def test_a_tree_row_equals_decoding_its_path_bitwise(weights):
+    model = long_model("qwen2", seed=2)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 97, (13,), generator=g).tolist()
+    tree = DraftTree(torch.randint(0, 97, (7,), generator=g), torch.tensor([-1, 0, 0, -1, 1, 3, 4]))
+    root = 5
+    r = prefilled(model, weights, prompt)
+    toks = torch.cat([torch.tensor([root]), tree.tokens])
+    pos = r.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+    out = r.forward(toks, pos, tree_mask(r.length, tree.ancestor_mask()))
+    for node in range(-1, len(tree)):
+        path = [root] + ([] if node < 0 else tree.tokens[tree.path_to(node)].tolist())
+        ref = prefilled(model, weights, prompt)
+        for t in path:
+            last = ref.forward(torch.tensor([t])).logits[0]
+            ref.commit([0])
+        assert torch.equal(out.logits[node + 1], last), f"node {node}"
+
+
+@pytest.mark.parametrize("weights", PRECISIONS)
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_speculative_greedy_equals_vanilla_exactly(weights, shape):
+    model = long_model("llama", seed=4)
+    target = LeanRunner(model, weights=weights)
+    draft = LeanRunner(noisy_copy(model, 0.1), weights=weights)
+    drafter = DraftModelDrafter(draft, target.vocab_size, 4, TreeBudget(4, 3, 10) if shape == "tree" else None)
+    taus = []
+    for prompt in PROMPTS:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
+        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
+        assert got == want  # no tie allowance: the rows are bit-identical
+        taus.append(stats.tau)
+    assert np.mean(taus) > 1.3
+
+
+def test_reduced_precisions_stay_close_to_fp32_and_differ_from_it():
+    model = long_model("llama", seed=6)
+    prompt = list(range(5, 45))
+    ref = LeanRunner(model).forward(torch.tensor(prompt)).logits
+    for weights, tol in [("bf16", 0.05), ("fp16", 0.01), ("int8", 0.1)]:
+        got = LeanRunner(model, weights=weights).forward(torch.tensor(prompt)).logits
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert 0 < rel < tol, (weights, rel)  # a different model (rel > 0), and a close one
+
+
+def test_int8_linear_is_row_local_and_accurate():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 40, generator=g), torch.randn(9, 40, generator=g)
+    x[3] *= 100  # an outlier row must not coarsen the other rows' quantization
+    lin = Linear(w, torch.randn(48, generator=g), precision="int8")
+    y = lin(x)
+    ref = x @ w.T + lin.bias
+    assert ((y - ref).norm(dim=1) / ref.norm(dim=1)).max() < 0.05
+    assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(9)]), y)
+
+
+def test_a_long_reduction_is_split_until_rows_are_invariant():
+    k = invariant_block(96, 2100, "fp32", torch.get_num_threads())
+    assert 0 < k <= 2100
+    lin = Linear(torch.randn(96, 2100), precision="fp32")
+    x = torch.randn(16, 2100)
+    assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(16)]), lin(x))
+
+
+def runner_first3(runner, prompt, params, v):
+    """Exact joint of the first 3 tokens of vanilla sampling from this runner (its own precision)."""
+    def probs(ids):
+        runner.reset()
+        return probs_from_logits(runner.forward(torch.tensor(ids)).logits[-1], params)
+
+    p1 = probs(prompt)
+    out = np.zeros(v ** 3)
+    for a in range(v):
+        p2 = probs(prompt + [a])
+        for b in range(v):
+            p3 = probs(prompt + [a, b])
+            out[a * v * v + b * v: a * v * v + b * v + v] = (p1[a] * p2[b] * p3).numpy()
+    runner.reset()
+    return out
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_int8_sampling_matches_the_int8_targets_distribution(shape):
+    from tests.test_engine import sample_first3
+
+    v = 5
+    model = tiny_model("llama", vocab_size=v, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    target = LeanRunner(model, weights="int8")
+    drafter = DraftModelDrafter(LeanRunner(noisy_copy(model, 0.5)), v, 3,
+                                TreeBudget(3, 2, 5) if shape == "tree" else None)
+    params = SamplingParams(0.9, top_k=4)
+    prompt = [1, 3, 0, 2]
+    counts, sizes = sample_first3(target, drafter, prompt, params, n=3000)
+    assert max(sizes) >= 3
+    assert chi2_pvalue(counts, runner_first3(target, prompt, params, v)) > 1e-3
+
+
+def test_weights_are_checked_and_need_the_lean_runner():
+    with pytest.raises(SpecdecError, match="weights"):
+        Runtime(weights="int4")
+    with pytest.raises(SpecdecError, match="weights=int8 needs the lean runner"):
+        make_runner(tiny_model("llama"), "hf", "int8")
+    assert make_runner(tiny_model("llama"), "auto", "int8").weights == "int8"
