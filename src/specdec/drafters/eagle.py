@@ -232,7 +232,7 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
         lm = getattr(runner, "lm_head", None)
         if not callable(lm) or isinstance(lm, torch.nn.Module):
             lm = model.get_output_embeddings().weight
-    return HeadRunner(head, embed, lm), str(head_dir)
+    return HeadRunner(head, embed, lm, weights=getattr(runner, "weights", None)), str(head_dir)
 
 
 def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None = None) -> TreeBudget:

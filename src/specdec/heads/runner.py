@@ -25,20 +25,21 @@ class HeadRunner(Cached):
 
     def __init__(self, head: EagleHead, embed: torch.Tensor,
                  lm_head: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 pack: bool = True, initial_capacity: int = 512) -> None:
+                 pack: bool = True, initial_capacity: int = 512, weights: str | None = None) -> None:
         cfg = head.config
         if embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise SpecdecError(f"target embeddings are {tuple(embed.shape)}, the EAGLE head expects "
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
-        self.fc = Linear(head.fc.weight, head.fc.bias, pack)
-        self.layers = [Block(layer, i, cfg.rms_norm_eps, pack) for i, layer in enumerate(head.layers)]
+        # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
+        self.fc = Linear(head.fc.weight, head.fc.bias, pack, weights)
+        self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
         self.embed = embed.detach()
         if head.lm_head is not None:
-            self.lm = Linear(head.lm_head.weight, None, pack)
+            self.lm = Linear(head.lm_head.weight, None, pack, weights)
         elif callable(lm_head) and not isinstance(lm_head, torch.Tensor):
             self.lm = lm_head
         elif lm_head is not None:
-            self.lm = Linear(lm_head, None, pack)
+            self.lm = Linear(lm_head, None, pack, weights)
         else:
             raise SpecdecError("a full-vocabulary EAGLE head needs the target's LM head")
         self.d2t = None if head.d2t is None else head.d2t.detach().clone()
