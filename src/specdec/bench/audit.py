@@ -1,5 +1,9 @@
 """Losslessness audit: at T=0 every method must emit exactly our vanilla's tokens.
 
+Methods in `exclude` (peers on another engine, e.g. llama.cpp, maybe on other weights) are not held to
+that; their agreement with the reference is reported instead (share of identical outputs, where the
+others first diverge).
+
 On a mismatch, one reference forward of the target (the stock HF module) over prompt + common prefix
 tells a numerical tie (the two tokens' logits within `tol`: fp reassociation may flip the argmax)
 from a bug (the method chose a token the target clearly ranks lower).
@@ -37,19 +41,45 @@ def logit_gap(model, ids: list[int], a: int | None, b: int | None, tol: float = 
     return out
 
 
-def audit(records: list[dict], prompts: dict, model, reference: str = "vanilla", tol: float = TIE_TOL) -> dict:
-    """records: greedy runs (dicts with method, question_id, turn, repeat, tokens); prompts:
-    (question_id, turn) -> prompt ids. Compares every run with the reference's first repeat."""
+def _reference(records: list[dict], reference: str) -> tuple[dict, set]:
     ref, src = {}, set()
     for r in records:
         key = (r["question_id"], r["turn"])
         if r["method"] == reference and key not in ref:
             ref[key] = r["tokens"]
             src.add(id(r))
+    return ref, src
+
+
+def agreement(records: list[dict], reference: str = "vanilla", methods=None) -> dict:
+    """{method: {"compared", "identical", "identical_frac", "first_divergence_mean" (over the outputs that
+    differ; None if none do), "first_divergence_min"}} against the reference's first repeat."""
+    ref, _ = _reference(records, reference)
+    pos: dict[str, list] = {m: [] for m in methods or ()}
+    for r in records:
+        key = (r["question_id"], r["turn"])
+        if r["method"] != reference and key in ref and (methods is None or r["method"] in methods):
+            pos.setdefault(r["method"], []).append(first_divergence(ref[key], r["tokens"]))
+    out = {}
+    for m, ps in pos.items():
+        div = [p for p in ps if p is not None]
+        out[m] = {"compared": len(ps), "identical": len(ps) - len(div),
+                  "identical_frac": (len(ps) - len(div)) / len(ps) if ps else None,
+                  "first_divergence_mean": sum(div) / len(div) if div else None,
+                  "first_divergence_min": min(div) if div else None}
+    return out
+
+
+def audit(records: list[dict], prompts: dict, model, reference: str = "vanilla", tol: float = TIE_TOL,
+          exclude=()) -> dict:
+    """records: greedy runs (dicts with method, question_id, turn, repeat, tokens); prompts:
+    (question_id, turn) -> prompt ids. Compares every run with the reference's first repeat; methods in
+    `exclude` only get their agreement measured (result["agreement"])."""
+    ref, src = _reference(records, reference)
     checked, mismatches = 0, []
     for r in records:
         key = (r["question_id"], r["turn"])
-        if key not in ref or id(r) in src:
+        if key not in ref or id(r) in src or r["method"] in exclude:
             continue
         checked += 1
         pos = first_divergence(ref[key], r["tokens"])
@@ -63,4 +93,5 @@ def audit(records: list[dict], prompts: dict, model, reference: str = "vanilla",
                            "reference_len": len(ref[key]), "method_len": len(r["tokens"]), **info})
     bugs = [m for m in mismatches if m["verdict"] == "bug"]
     return {"reference": reference, "checked": checked, "mismatches": mismatches, "ties": len(mismatches) - len(bugs),
-            "bugs": len(bugs), "ok": not bugs, "tol": tol}
+            "bugs": len(bugs), "ok": not bugs, "tol": tol, "not_audited": sorted(exclude),
+            "agreement": agreement(records, reference, sorted(exclude))}

@@ -41,8 +41,10 @@ def add_bench_parser(sub) -> None:
     add_flags(b, SamplingParams, only=("temperature",))
     b.add_argument("--methods", default=None,
                    help="comma list of name[:key=value...], e.g. vanilla,sps:gamma=4,sps-tree:topk=3:gamma=4,hf-pld:"
-                        "num_tokens=10; peers: hf, hf-pld, hf-assisted. hf and vanilla are always added (the "
-                        "baseline is the faster). Default: vanilla,hf,hf-pld (+ sps,sps-tree,hf-assisted with --draft)")
+                        "num_tokens=10; peers: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-server "
+                        "(option gguf=f32|q4_1|PATH; pip install -e \".[peers]\"). hf and vanilla are always added "
+                        "(the baseline is the faster). Default: vanilla,hf,hf-pld (+ sps,sps-tree,hf-assisted with "
+                        "--draft)")
     b.add_argument("--model", default=None, help="target: HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
     add_flags(b, Runtime, only=("device", "backend", "threads"))
@@ -129,17 +131,24 @@ def cmd_bench(args) -> int:
     print(f"memory floor: {fl['weight_mb']:.0f} MB of weights per forward at {fl['bandwidth_gb_s']:.1f} GB/s = "
           f"{fl['ms_per_forward']:.1f} ms, at most {fl['forwards_per_s']:.1f} forwards/s")
     print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s} {'of floor':>8s}")
+    weights = {m["label"]: m.get("weights") or {} for m in run["methods"]}
     for m, cells in summary.items():
         c = cells[OVERALL]
         tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
         share = c["tokens_per_s"] / (fl["forwards_per_s"] * max(c.get("tau") or 1, 1))
-        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share:8.2f}")
+        share_s = "-" if weights.get(m, {}).get("type", "F32") != "F32" else f"{share:.2f}"  # the floor: fp32 bytes
+        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share_s:>8s}")
     other = run["contention"].get("other_cpu_frac")
     if other is not None and other > 0.05:
         print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "
               "these timings are not trustworthy; rerun on an idle machine")
     print(f"losslessness audit: {'PASS' if aud['ok'] else 'FAIL'} ({aud['checked']} checked, "
           f"{aud['ties']} numerical ties, {aud['bugs']} bugs)")
+    for m, a in aud.get("agreement", {}).items():  # other engines: not audited, agreement reported
+        fd = a["first_divergence_mean"]
+        div = "" if fd is None else f", the others first diverge at token {fd:.1f} on average"
+        print(f"  {m} ({weights[m].get('type', '?')} weights, not audited): {a['identical']}/{a['compared']} "
+              f"outputs identical to vanilla{div}")
     print(f"report: {out / 'report.md'}")
     return 0 if aud["ok"] else 1
 

@@ -3,17 +3,21 @@
 Our methods are the registry's (specdec.drafters.registry): a spec's options are checked by the
 method's options class when parsed, before any model loads, and go to `api.from_models` unchanged, so a
 new drafter is benchmarkable as soon as it is registered. The peers are HF `generate` variants run in
-the same process: hf (vanilla), hf-pld (prompt lookup), hf-assisted (assisted generation with --draft).
+the same process: hf (vanilla), hf-pld (prompt lookup), hf-assisted (assisted generation with --draft),
+and llama.cpp (bench/llamacpp.py: llamacpp, llamacpp-pld, llamacpp-server), whose options and install
+are checked here too, before any model loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.bench import llamacpp
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 
-PEERS = ("hf", "hf-pld", "hf-assisted")
+HF_PEERS = ("hf", "hf-pld", "hf-assisted")
+PEERS = HF_PEERS + llamacpp.NAMES
 
 
 def our_methods() -> tuple[str, ...]:
@@ -29,6 +33,12 @@ class MethodSpec:
     @property
     def is_peer(self) -> bool:
         return self.name in PEERS
+
+    @property
+    def audited(self) -> bool:
+        """False for peers on another engine (llama.cpp: other kernels, maybe other weights): not held to
+        token identity with our vanilla; their agreement with it is reported instead."""
+        return self.name not in llamacpp.NAMES
 
 
 def _value(v: str):
@@ -64,6 +74,8 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
         opts[k] = _value(v.strip())
     if check and name in registry.names():
         registry.parse(name, opts)  # a bad option fails here, not after the model loads
+    if check and name in llamacpp.NAMES:
+        llamacpp.check(name, opts, text)  # the package, the options, the weights file
     return MethodSpec(name, opts, text)
 
 

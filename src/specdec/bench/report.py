@@ -158,12 +158,35 @@ def render(run: dict, summary: dict, audit: dict) -> str:
              str(x["reference_token"]), str(x["method_token"]), f"{x['top2_gap']:.2e}",
              f"{x['pair_gap']:.2e}" if "pair_gap" in x else "—", x["verdict"]]
             for x in audit["mismatches"][:50]]), ""]
+    md += _agreement(run, audit)
     md += ["## Plots", ""] + [f"![{p[:-4]}](plots/{p})" for p in PLOTS] + [""]
     md += ["## Files", "", "`run.json` (setup, machine), `summary.json` (every metric per method × category), "
            "`audit.json`, `raw/<method>.jsonl` (one line per generation: tokens, wall time, engine stats, calibration "
            "pairs), `specbench/<method>.jsonl` (Spec-Bench's answer format: its `evaluation/speed.py --file-path "
            "specbench/<method>.jsonl --base-path specbench/vanilla.jsonl` recomputes the speedups), `plots/`.", ""]
     return "\n".join(md)
+
+
+def _agreement(run: dict, audit: dict) -> list[str]:
+    """Peers on another engine (llama.cpp) are not audited: how often they emit our vanilla's tokens."""
+    agr = audit.get("agreement") or {}
+    if not agr:
+        return []
+    rows = []
+    for m in run["methods"]:
+        a, w = agr.get(m["label"]), m.get("weights") or {}
+        if a is None:
+            continue
+        ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
+        div = "—" if a["first_divergence_mean"] is None else \
+            f"{a['first_divergence_mean']:.1f} (earliest {a['first_divergence_min']})"
+        rows.append([f"`{m['label']}`", w.get("type", "?") + (" (same weights)" if w.get("choice") == "f32" else ""),
+                     f"`{w.get('gguf', '?')}`", ident, div])
+    return ["## Other engines: agreement with our vanilla", "",
+            f"Not part of the audit (another engine's kernels; Q4_1 is other weights). Mode: {audit.get('mode', '')}. "
+            "Identical = the whole output equals our vanilla's; first divergence = mean token index where the "
+            "differing outputs first differ.", "",
+            _table(["method", "weights", "gguf", "identical outputs", "first divergence"], rows), ""]
 
 
 def write_report(out: Path, run: dict, summary: dict, audit: dict) -> Path:

@@ -25,6 +25,7 @@ from specdec.bench import metrics, report
 from specdec.bench.audit import TIE_TOL, audit
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
+from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
@@ -98,56 +99,8 @@ def _calibration(trace) -> list[list]:
     return out
 
 
-class HFMethod:
-    """HF `generate` peers: plain, prompt lookup, assisted (a draft model)."""
-
-    def __init__(self, spec: MethodSpec, model, eos_ids: set[int], draft_model=None) -> None:
-        from transformers import GenerationConfig
-
-        self.spec, self.model, self.draft = spec, model, draft_model
-        opts = dict(spec.opts)
-        gc = {}
-        if spec.name == "hf-pld":
-            gc["prompt_lookup_num_tokens"] = opts.pop("num_tokens", opts.pop("prompt_lookup_num_tokens", 10))
-            gc["max_matching_ngram_size"] = opts.pop("ngram", opts.pop("max_matching_ngram_size", 2))
-        elif spec.name == "hf-assisted":
-            if draft_model is None:
-                raise SpecdecError("method 'hf-assisted' needs a draft model: pass --draft")
-            if "num_tokens" in opts:
-                gc["num_assistant_tokens"] = opts.pop("num_tokens")
-            if "schedule" in opts:
-                gc["num_assistant_tokens_schedule"] = opts.pop("schedule")
-        known = set(GenerationConfig().to_dict())
-        bad = sorted(k for k in opts if k not in known)
-        if bad:
-            raise SpecdecError(f"unknown option(s) for method {spec.label!r}: {', '.join(bad)} (options of the hf "
-                               "peers are GenerationConfig fields, plus num_tokens / ngram / schedule)")
-        gc.update(opts)  # anything else is a GenerationConfig field, passed through
-        eos = sorted(eos_ids)
-        self.base = dict(eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **gc)
-        try:
-            GenerationConfig(**self.base).validate(strict=True)
-        except Exception as e:
-            raise SpecdecError(f"bad options for method {spec.label!r}: {e}") from None
-        self._gc = GenerationConfig
-
-    @torch.inference_mode()
-    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
-        dev = next(self.model.parameters()).device
-        ids = torch.tensor([prompt_ids], device=dev)
-        kw = dict(self.base, max_new_tokens=max_new, do_sample=temperature > 0)
-        if temperature > 0:  # HF's defaults would add top-k 50: match our plain sampling
-            kw.update(temperature=temperature, top_k=0, top_p=1.0)
-        gc = self._gc(**kw)
-        extra = {"assistant_model": self.draft} if self.spec.name == "hf-assisted" else {}
-        torch.manual_seed(seed)
-        t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **extra)
-        wall = time.perf_counter() - t0
-        return {"tokens": out[0, len(prompt_ids):].tolist(), "wall_time": wall, "stats": None, "calibration": None}
-
-
-def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_tokenizer=None) -> dict:
+def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_tokenizer=None,
+                  closers: contextlib.ExitStack | None = None) -> dict:
     built = {}
     vanilla = None
     for spec in cfg.methods:
@@ -159,9 +112,10 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
             vanilla = dec
     if vanilla is None:
         raise SpecdecError("the benchmark needs our 'vanilla' method (the reference of the audit)")
-    for spec in cfg.methods:
+    for spec in cfg.methods:  # the bench skips prompts longer than the target's context less max_new_tokens
         if spec.is_peer:
-            built[spec.label] = HFMethod(spec, model, vanilla.eos_ids, draft_model)
+            built[spec.label] = build_peer(spec, model, vanilla.eos_ids, draft_model, threads=torch.get_num_threads(),
+                                           n_ctx=vanilla.runner.max_length, closers=closers)
     return {s.label: built[s.label] for s in cfg.methods}
 
 
@@ -238,13 +192,14 @@ def run_bench(cfg: BenchConfig, questions: list[Question], model, tokenizer, dra
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or len(getattr(os, "sched_getaffinity", lambda _: [1] * os.cpu_count())(0)))
     try:
-        return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite)
+        with contextlib.ExitStack() as closers:  # stops what peers started (llama-server), whatever happens
+            return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite, closers)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite) -> dict:
-    methods = build_methods(cfg, model, tokenizer, draft_model, draft_tokenizer)
+def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite, closers) -> dict:
+    methods = build_methods(cfg, model, tokenizer, draft_model, draft_tokenizer, closers)
     vanilla = methods["vanilla"].dec
     max_len = vanilla.runner.max_length
     out = Path(out_dir) if out_dir is not None else None
@@ -320,18 +275,24 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 r = methods[lab].run(prompts[key], 0.0, 0, cfg.max_new_tokens)
                 audit_recs.append({"method": lab, "question_id": key[0], "turn": key[1], "repeat": 0,
                                    "tokens": r["tokens"]})
-    aud = audit(audit_recs, prompts, model, "vanilla", cfg.tie_tol)
+    aud = audit(audit_recs, prompts, model, "vanilla", cfg.tie_tol, exclude={s.label for s in cfg.methods
+                                                                             if not s.audited})
     n_replay = min(cfg.audit_questions, len(prompts))
     aud["mode"] = "timed outputs (T=0)" if cfg.temperature == 0 else f"greedy replay of {n_replay} prompts (T>0 run)"
 
     baseline = metrics.choose_baseline(records)
     summary = metrics.summarize(records, baseline, "vanilla")
+    for lab, agr in aud["agreement"].items():  # peers outside the audit: their agreement with vanilla
+        if lab in summary:
+            summary[lab][metrics.OVERALL]["agreement"] = agr
     totals = {c: sum(r["wall_time"] for r in records if r["method"] == c) for c in ("hf", "vanilla")}
     run = {
         "command": cfg.command, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "duration_s": time.time() - started, "timed_s": timed_s,
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("methods", "progress")},
-        "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer} for s in cfg.methods],
+        "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer, "audited": s.audited,
+                     **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {})}
+                    for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
         "categories": list(dict.fromkeys(q.category for q in questions)),
         "baseline": baseline, "baseline_candidates_total_s": totals, "contention": contention, "floor": floor,
