@@ -2,6 +2,8 @@
 computed alone, so speculative decoding equals vanilla decoding *exactly* at each precision (greedy:
 the same tokens, no tie allowance; sampling: that precision's own distribution)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +160,23 @@ def test_weights_are_checked_and_need_the_lean_runner():
     with pytest.raises(SpecdecError, match="weights=int8 needs the lean runner"):
         make_runner(tiny_model("llama"), "hf", "int8")
     assert make_runner(tiny_model("llama"), "auto", "int8").weights == "int8"
+
+
+def test_bench_weights_runs_our_methods_at_that_precision_and_audits_them(tmp_path):
+    """`bench --weights int8`: our methods run the int8 target and are audited against int8 vanilla
+    (exactly equal); the hf peer runs the fp32 model, so it is reported as agreement, not audited."""
+    from specdec.bench.data import Question
+    from specdec.bench.methods import parse_methods
+    from specdec.bench.runner import BenchConfig, run_bench
+    from tests.test_bench_run import char_tokenizer
+
+    tok = char_tokenizer()
+    target = tiny_model("llama", vocab_size=len(tok))
+    specs = parse_methods("vanilla,sps:gamma=3,hf", has_draft=True)
+    cfg = BenchConfig(specs, max_new_tokens=12, warmup_tokens=4, progress=False, threads=1, weights="int8")
+    res = run_bench(cfg, [Question("1", "qa", ["Write a poem."])], target, tok, noisy_copy(target, 0.1), tok,
+                    tmp_path / "out")
+    assert res["audit"]["ok"] and res["audit"]["not_audited"] == ["hf"]
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["config"]["weights"] == "int8"
+    by = {r["name"]: r["tokens"] for r in res["records"]}
+    assert by["sps"] == by["vanilla"]

@@ -47,7 +47,7 @@ def add_bench_parser(sub) -> None:
                         "--draft)")
     b.add_argument("--model", default=None, help="target: HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
-    add_flags(b, Runtime, only=("device", "backend", "threads"))
+    add_flags(b, Runtime, only=("device", "backend", "threads", "weights"))
     # HF generate's set_seed also seeds numpy, which takes 32 bits
     b.add_argument("--seed", type=arg_type(int, ge=0, le=MAX_SEED), default=0)
     b.add_argument("--repeats", type=arg_type(int, ge=1), default=None,
@@ -107,7 +107,7 @@ def cmd_bench(args) -> int:
     check_out_dir(out, args.overwrite)  # last check before the model load; deletes nothing
     cfg = BenchConfig(
         methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
-        warmup=args.warmup, threads=rt.threads, backend=rt.backend, progress=not args.no_progress,
+        warmup=args.warmup, threads=rt.threads, backend=rt.backend, weights=rt.weights, progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         extra={"dataset": args.dataset or "spec_bench", "draft": args.draft,
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",

@@ -68,7 +68,8 @@ def render(run: dict, summary: dict, audit: dict) -> str:
             ["versions", f"python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}, "
                          f"specdec {mach['specdec']} {mach.get('git_commit', '')}"],
             ["target", f"{cfg['extra'].get('model') or tgt.get('name_or_path')} ({tgt['model_type']}, "
-                       f"{tgt['parameters'] / 1e6:.1f}M params, {tgt['dtype']}, {tgt['device']}, "
+                       f"{tgt['parameters'] / 1e6:.1f}M params, {tgt['dtype']}, our methods' linear weights "
+                       f"{cfg.get('weights') or tgt['dtype']}, {tgt['device']}, "
                        f"runner {tgt['runner']})"],
             ["draft", "—" if not run.get("draft") else
              f"{run['draft'].get('name_or_path')} ({run['draft']['parameters'] / 1e6:.1f}M params)"],

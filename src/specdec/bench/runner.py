@@ -31,6 +31,7 @@ from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
+from specdec.target.packed import precision_name
 
 
 @dataclass
@@ -44,6 +45,7 @@ class BenchConfig:
     warmup_tokens: int = 32
     threads: int | None = None  # None: all cores the process may use
     backend: str = "auto"
+    weights: str | None = None  # our methods' target linear precision (None: the model's dtype)
     audit_questions: int = 3  # at T>0: greedy prompts replayed for the audit
     tie_tol: float = TIE_TOL
     progress: bool = True
@@ -106,7 +108,8 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
     for spec in cfg.methods:
         if spec.is_peer:
             continue
-        dec = from_models(model, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, **spec.opts)
+        dec = from_models(model, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=cfg.weights,
+                          **spec.opts)
         built[spec.label] = OurMethod(spec, dec)
         if spec.label == "vanilla":
             vanilla = dec
@@ -275,8 +278,11 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 r = methods[lab].run(prompts[key], 0.0, 0, cfg.max_new_tokens)
                 audit_recs.append({"method": lab, "question_id": key[0], "turn": key[1], "repeat": 0,
                                    "tokens": r["tokens"]})
-    aud = audit(audit_recs, prompts, model, "vanilla", cfg.tie_tol, exclude={s.label for s in cfg.methods
-                                                                             if not s.audited})
+    # peers on other weights than our methods' (llama.cpp; hf when --weights differs) are not audited
+    own = precision_name(next(model.parameters()).dtype)
+    other = (cfg.weights or own) != own
+    exclude = {s.label for s in cfg.methods if not s.audited or (s.is_peer and other)}
+    aud = audit(audit_recs, prompts, model, "vanilla", cfg.tie_tol, exclude=exclude)
     n_replay = min(cfg.audit_questions, len(prompts))
     aud["mode"] = "timed outputs (T=0)" if cfg.temperature == 0 else f"greedy replay of {n_replay} prompts (T>0 run)"
 
