@@ -31,7 +31,7 @@ def long_model(family="llama", seed=0, **kw):
 
 
 def prefilled(model, weights, prompt):
-    r = LeanRunner(model, weights=weights)
+    r = LeanRunner(model, weights=weights, exact=True)
     r.forward(torch.tensor(prompt))
     r.commit(range(len(prompt)))
     return r
@@ -78,8 +78,8 @@ def test_a_tree_row_equals_decoding_its_path_bitwise(weights):
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_speculative_greedy_equals_vanilla_exactly(weights, shape):
     model = long_model("llama", seed=4)
-    target = LeanRunner(model, weights=weights)
-    draft = LeanRunner(noisy_copy(model, 0.1), weights=weights)
+    target = LeanRunner(model, weights=weights, exact=True)
+    draft = LeanRunner(noisy_copy(model, 0.1), weights=weights, exact=True)
     drafter = DraftModelDrafter(draft, target.vocab_size, 4, TreeBudget(4, 3, 10) if shape == "tree" else None)
     taus = []
     for prompt in PROMPTS:
@@ -95,7 +95,7 @@ def test_reduced_precisions_stay_close_to_fp32_and_differ_from_it():
     prompt = list(range(5, 45))
     ref = LeanRunner(model).forward(torch.tensor(prompt)).logits
     for weights, tol in [("bf16", 0.05), ("fp16", 0.01), ("int8", 0.1)]:
-        got = LeanRunner(model, weights=weights).forward(torch.tensor(prompt)).logits
+        got = LeanRunner(model, weights=weights, exact=True).forward(torch.tensor(prompt)).logits
         rel = ((got - ref).norm() / ref.norm()).item()
         assert 0 < rel < tol, (weights, rel)  # a different model (rel > 0), and a close one
 
@@ -160,6 +160,9 @@ def test_weights_are_checked_and_need_the_lean_runner():
     with pytest.raises(SpecdecError, match="weights=int8 needs the lean runner"):
         make_runner(tiny_model("llama"), "hf", "int8")
     assert make_runner(tiny_model("llama"), "auto", "int8").weights == "int8"
+    # exact rows by default only for a reduced precision (the fp32 fast path keeps greedy up to ties)
+    assert make_runner(tiny_model("llama"), "auto", "int8").exact_rows > 0
+    assert make_runner(tiny_model("llama"), "auto").exact_rows == 0
 
 
 def test_bench_weights_runs_our_methods_at_that_precision_and_audits_them(tmp_path):
