@@ -13,9 +13,15 @@ from specdec.tree import TreeBudget
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_head(model, seed=0, draft_vocab=None, layers=1):
+# the four heads of FSPAD's ablation (Table 3): name -> (connector, pad)
+VARIANTS = {"eagle": ("fc", False), "fs": ("sampler", False), "pad": ("fc", True), "fspad": ("sampler", True)}
+
+
+def make_head(model, seed=0, draft_vocab=None, layers=1, variant="eagle", sampler_size=None):
     torch.manual_seed(seed)
-    head = EagleHead(head_config(model.config, num_hidden_layers=layers)).eval()
+    connector, pad = VARIANTS[variant]
+    head = EagleHead(head_config(model.config, num_hidden_layers=layers), connector=connector, pad=pad,
+                     sampler_size=sampler_size).eval()
     if draft_vocab is not None:
         head.set_draft_vocab(torch.tensor(draft_vocab), model.lm_head.weight.detach())
     return head

@@ -11,42 +11,47 @@ from specdec.heads.io import load_head, save_head
 from specdec.heads.runner import HeadRunner
 from specdec.training.shards import build_draft_vocab
 from tests.conftest import tiny_model
-from tests.eagle_common import make_head
+from tests.eagle_common import VARIANTS, make_head
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("layers", [1, 2])
-def test_head_forward_shapes_and_lean_runner_matches(tiny, layers):
-    head = make_head(tiny, layers=layers)
+def test_head_forward_shapes_and_lean_runner_matches(tiny, layers, variant):
+    head = make_head(tiny, layers=layers, variant=variant)
     emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
     toks, f = torch.randint(0, 97, (2, 10)), torch.randn(2, 10, 64)
     with torch.no_grad():
-        out = head(emb[toks], f)
-        assert out.shape == (2, 10, 64)
-        assert head.logits(out, lm).shape == (2, 10, 97)
+        out, out_lm = head(emb[toks], f)
+        assert out.shape == out_lm.shape == (2, 10, 64)
+        assert (out_lm is out) == (not head.pad)  # PAD: two outputs on one residual, else one
+        assert head.logits(out_lm, lm).shape == (2, 10, 97)
     r = HeadRunner(head, emb, lm)
-    h1 = r.forward(toks[0, :4], f[0, :4])
+    h1, g1 = r.forward(toks[0, :4], f[0, :4])
     r.commit(range(4))
-    h2 = r.forward(toks[0, 4:], f[0, 4:])
+    h2, g2 = r.forward(toks[0, 4:], f[0, 4:])
     torch.testing.assert_close(torch.cat([h1, h2]), out[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([g1, g2]), out_lm[0], atol=1e-5, rtol=1e-5)
     # tree rows see only their ancestors: two siblings at the same position equal two separate chains
     r.rollback()
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[0, 5] = mask[1, 4] = False
-    sib = r.forward(toks[1, :2], f[1, :2], torch.tensor([4, 4]), mask)
+    sib, sib_lm = r.forward(toks[1, :2], f[1, :2], torch.tensor([4, 4]), mask)
     for j in range(2):
         with torch.no_grad():
-            ref = head(emb[torch.cat([toks[0, :4], toks[1, j:j + 1]])][None],
-                       torch.cat([f[0, :4], f[1, j:j + 1]])[None])[0, -1]
-        torch.testing.assert_close(sib[j], ref, atol=1e-5, rtol=1e-5)
+            ref, ref_lm = head(emb[torch.cat([toks[0, :4], toks[1, j:j + 1]])][None],
+                               torch.cat([f[0, :4], f[1, j:j + 1]])[None])
+        torch.testing.assert_close(sib[j], ref[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sib_lm[j], ref_lm[0, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("layers", [1, 2])
-def test_runner_keeps_only_the_accepted_tree_path_in_every_layer(tiny, layers):
+def test_runner_keeps_only_the_accepted_tree_path_in_every_layer(tiny, layers, variant):
     """After verification the drafter commits a path of tree rows (not contiguous): every layer's cache
     must then hold exactly what a plain forward over the accepted sequence would."""
-    head = make_head(tiny, seed=2, layers=layers)
+    head = make_head(tiny, seed=2, layers=layers, variant=variant)
     emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
     toks, f = torch.randint(0, 97, (12,)), torch.randn(12, 64)
     r = HeadRunner(head, emb, lm)
@@ -60,12 +65,12 @@ def test_runner_keeps_only_the_accepted_tree_path_in_every_layer(tiny, layers):
         while j >= 0:
             mask[i, 4 + j] = True
             j = parents[j]
-    tree_out = r.forward(toks[4:10], f[4:10], torch.tensor(depth) + 4, mask)
+    tree_out, _ = r.forward(toks[4:10], f[4:10], torch.tensor(depth) + 4, mask)
     r.commit([0, 2, 5])
-    after = r.forward(toks[10:12], f[10:12])
+    after, _ = r.forward(toks[10:12], f[10:12])
     kept = torch.tensor([0, 1, 2, 3, 4, 6, 9, 10, 11])
     with torch.no_grad():
-        ref = head(emb[toks[kept]][None], f[kept][None])[0]
+        ref = head(emb[toks[kept]][None], f[kept][None])[0][0]
     torch.testing.assert_close(tree_out[[0, 2, 5]], ref[4:7], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(after, ref[7:], atol=1e-5, rtol=1e-5)
 
@@ -75,7 +80,7 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     head = make_head(tiny, draft_vocab=ids)
     assert head.d2t.tolist() == sorted(ids)
     r = HeadRunner(head, tiny.get_input_embeddings().weight)
-    h = r.forward(torch.tensor([1, 2]), torch.randn(2, 64))
+    h, _ = r.forward(torch.tensor([1, 2]), torch.randn(2, 64))
     logits = r.logits(h)
     assert logits.shape == (2, 5)
     # the reduced head starts as the target's rows: same scores for those tokens

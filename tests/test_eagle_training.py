@@ -120,7 +120,7 @@ def test_grown_head_starts_as_the_old_one_then_trains_saves_and_loads(tiny, tiny
     toks, f = torch.randint(0, 97, (1, 9)), torch.randn(1, 9, 64)
     with torch.no_grad():
         torch.testing.assert_close(grown(emb[toks], f), base(emb[toks], f), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(HeadRunner(grown, emb, lm).forward(toks[0], f[0]), base(emb[toks], f)[0],
+    torch.testing.assert_close(HeadRunner(grown, emb, lm).forward(toks[0], f[0])[0], base(emb[toks], f)[0][0],
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(SpecdecError, match="cannot shrink"):
         grown.grow(1)
@@ -147,13 +147,14 @@ def test_grown_head_starts_as_the_old_one_then_trains_saves_and_loads(tiny, tiny
 
 # ---- unrolled (multi-step) training ----
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_unrolled_steps_match_what_the_head_sees_when_drafting(tiny, layers):
+@pytest.mark.parametrize("layers,variant", [(1, "eagle"), (2, "eagle"), (1, "fspad"), (2, "pad")])
+def test_unrolled_steps_match_what_the_head_sees_when_drafting(tiny, layers, variant):
     """Step k of `unrolled` must compute exactly draft depth k+1 of the inference runner: same inputs
-    (its own previous prediction), same keys (target rows up to the accepted one plus its own path)."""
+    (its own previous prediction; with PAD its f, not f̃), same keys (target rows up to the accepted one
+    plus its own path)."""
     from specdec.training.train import unrolled, unrolled_mask
 
-    head = make_head(tiny, seed=3, layers=layers)
+    head = make_head(tiny, seed=3, layers=layers, variant=variant)
     emb, lm = tiny.get_input_embeddings().weight, tiny.lm_head.weight
     t, steps = 12, 3
     toks, f = torch.randint(0, 97, (1, t)), torch.randn(1, t, 64)
@@ -162,12 +163,12 @@ def test_unrolled_steps_match_what_the_head_sees_when_drafting(tiny, layers):
     assert len(preds) == steps and unrolled_mask(4, 2).sum(1).tolist() == [1, 2, 3, 4]
     for a in range(t - steps + 1):  # a = the last accepted row
         r = HeadRunner(head, emb, lm)
-        out = r.forward(toks[0, : a + 1], f[0, : a + 1])
-        torch.testing.assert_close(out[a], preds[0][0, a], atol=1e-4, rtol=1e-4)
+        out, _ = r.forward(toks[0, : a + 1], f[0, : a + 1])
+        torch.testing.assert_close(out[a], preds[0][0][0, a], atol=1e-4, rtol=1e-4)
         prev = out[a : a + 1]
         for k in range(1, steps):
-            prev = r.forward(toks[0, a + k : a + k + 1], prev)
-            torch.testing.assert_close(prev[0], preds[k][0, a + k], atol=1e-4, rtol=1e-4)
+            prev, _ = r.forward(toks[0, a + k : a + k + 1], prev)
+            torch.testing.assert_close(prev[0], preds[k][0][0, a + k], atol=1e-4, rtol=1e-4)
 
 
 def test_unrolled_training_learns_every_step_and_checks_its_option(tiny, tiny_data, tmp_path):

@@ -104,14 +104,14 @@ class EagleDrafter(Drafter):
         self.rank_by, self.rerank = rank_by, rerank
         self.name = "eagle" if budget is None else "eagle2"
         self.draft_depth = max(map(len, self.choices)) if budget is None else budget.depth
-        self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row
+        self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row (PAD: its f)
         self.root_logits: torch.Tensor | None = None
 
     def _extend(self, tokens: list[int], features: torch.Tensor) -> None:
-        h = self.runner.forward(torch.tensor(tokens, device=self.runner.device), features)
+        h, g = self.runner.forward(torch.tensor(tokens, device=self.runner.device), features)
         self.runner.commit(range(len(tokens)))
         self.last_hidden = h[-1]
-        self.root_logits = self.runner.logits(h[-1:])[0]
+        self.root_logits = self.runner.logits(g[-1:])[0]
 
     def _fits(self, ctx: DecodeContext) -> bool:
         """A head trained with a shorter window than the target's stops drafting where it ends; the
@@ -157,10 +157,10 @@ class EagleDrafter(Drafter):
             mask = slots.mask(sel_l, par, n)
             feats = torch.stack([hid[par[i]] if par[i] >= 0 else self.last_hidden for i in sel_l])
             pos = torch.tensor([n - 1 + depth_of[i] for i in sel_l], device=run.device)
-            h = run.forward(run.to_target(tokens[sel].to(run.device)), feats, pos, mask)
+            h, g = run.forward(run.to_target(tokens[sel].to(run.device)), feats, pos, mask)
             for r, i in enumerate(sel_l):
-                hid[i] = h[r]
-            return tempered_log_probs(run.logits(h), ctx.params)
+                hid[i] = h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
+            return tempered_log_probs(run.logits(g), ctx.params)
 
         root_lp = tempered_log_probs(self.root_logits, ctx.params)
         if budget is not None:
@@ -200,6 +200,21 @@ class Eagle2Options(HeadOptions):
                                    aliases=("tree_tokens", "total_tokens"), shown="tuned, else 10")
     rank_by: Literal["value", "confidence"] = option("value", "expand by path value or by own confidence (ablation)")
     rerank: bool = option(True, "keep the top tree_size nodes by value (false: ablation)")
+
+
+class FspadOptions(Eagle2Options):
+    # no FSPAD head ships yet: say so when the options are parsed, before any model loads
+    model_config = Eagle2Options.model_config | {"validate_default": True}
+    head: str | None = option(None, "FSPAD head dir (`specdec train fspad`); required: none ships yet",
+                              shown="required")
+
+    @field_validator("head")
+    @classmethod
+    def _given(cls, v: str | None) -> str | None:
+        if v is None:
+            raise ValueError("must be given: no FSPAD head ships for any target yet; pass head=<dir> "
+                             "(train one with `specdec train fspad`)")
+        return v
 
 
 DEFAULT_BUDGET = TreeBudget(5, 4, 10)
@@ -253,7 +268,19 @@ def build_eagle2(target: Target, opts: Eagle2Options) -> Drafter:
     return with_lookup(drafter, opts.lookup or 0)
 
 
+def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
+    runner, head_dir = head_runner(target, opts, "fspad")
+    if (runner.connector, runner.pad) != ("sampler", True):
+        raise SpecdecError(f"method 'fspad' needs an FSPAD head (connector=sampler, pad=true); {head_dir} has "
+                           f"connector={runner.connector}, pad={str(runner.pad).lower()}: run it with eagle2")
+    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank)
+    drafter.name = "fspad"
+    return with_lookup(drafter, opts.lookup or 0)
+
+
 register(Method("eagle", "EAGLE-1 head (feature-level draft), static tree of top-k rank paths", EagleOptions,
                 build_eagle))
 register(Method("eagle2", "EAGLE-2: the same head, dynamic tree (expand by value, rerank to the top tree_size)",
                 Eagle2Options, build_eagle2))
+register(Method("fspad", "FSPAD: EAGLE-2 drafting with a head that has the Feature Sampler and PAD (`specdec train "
+                "fspad`; EAGLE+FS or EAGLE+PAD heads run as eagle2)", FspadOptions, build_fspad))

@@ -5,6 +5,11 @@ config.json is a LlamaConfig with num_hidden_layers L (1 for EAGLE; + our "specd
 layers.i.self_attn.*, layers.i.mlp.*, layers.i.post_attention_layernorm.weight
 (layers.i.input_layernorm.weight for i > 0) and, for a reduced vocabulary, lm_head.weight + d2t
 (EAGLE-3 convention: offsets, target_id = draft_id + d2t[draft_id]) + t2d (bool over the target vocab).
+
+FSPAD's variants (heads.fspad) add top-level fields: "connector" ("fc" | "sampler": then
+sampler.{gate,up,down}_proj.weight and "sampler_intermediate_size" I instead of fc.weight) and "pad"
+(true: the last layer's mlp.down_proj.weight is [2H, intermediate]). A file without them is EAGLE's
+(fc, no PAD), which every head written before FSPAD is.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ _LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "post_attention_layernorm.weight")
 # official EAGLE checkpoints sometimes carry a copy of the target's embeddings: we use the target's own
 _IGNORED = {"embed_tokens.weight", "model.embed_tokens.weight"}
+_SAMPLER = ("sampler.gate_proj.weight", "sampler.up_proj.weight", "sampler.down_proj.weight")
+_FSPAD_FIELDS = ("connector", "pad", "sampler_intermediate_size")
 
 
 def _layer_keys(n_layers: int) -> set[str]:
@@ -53,6 +60,9 @@ def save_head(head: EagleHead, path: str | os.PathLike, extra: dict | None = Non
     cfg.pop("_attn_implementation_autoset", None)
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["draft_vocab_size"] = head.draft_vocab_size or head.vocab_size
+    cfg["connector"], cfg["pad"] = head.connector, head.pad
+    if head.sampler_size is not None:
+        cfg["sampler_intermediate_size"] = head.sampler_size
     cfg["specdec"] = {"kind": "eagle", "reduced_vocab": head.d2t is not None,
                       "lm_head": "own" if "lm_head.weight" in sd else "target", **(extra or {})}
     with atomic_dir(path) as tmp:
@@ -71,14 +81,17 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_siz
         raise SpecdecError(f"no EAGLE head at {path}: config.json is missing")
     try:
         raw = json.loads(cfg_file.read_text())
-        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("specdec", "transformers_version")})
+        skip = ("specdec", "transformers_version", *_FSPAD_FIELDS)
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in skip})
     except Exception as e:
         raise SpecdecError(f"EAGLE head {path}: config.json is not a valid LlamaConfig ({e})") from None
     sd = _read_tensors(path)
     n_layers = config.num_hidden_layers
     layer_keys = _layer_keys(n_layers) if isinstance(n_layers, int) and n_layers >= 1 else set()
-    extra = set(sd) - layer_keys - _IGNORED - {"fc.weight", "fc.bias", "lm_head.weight", "d2t", "t2d"}
-    missing = (layer_keys | {"fc.weight"}) - set(sd)
+    connector, pad, sampler_size = _fspad_fields(path, raw, sd)
+    conn_keys = set(_SAMPLER) if connector == "sampler" else {"fc.weight"}
+    extra = set(sd) - layer_keys - _IGNORED - conn_keys - {"fc.bias", "lm_head.weight", "d2t", "t2d"}
+    missing = (layer_keys | conn_keys) - set(sd)
     if missing or extra or not layer_keys:
         why = [f"missing {sorted(missing)[:6]}" if missing else "",
                f"unexpected {sorted(extra)[:6]}" if extra else "",
@@ -91,10 +104,18 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_siz
     if vocab_size is not None and v != vocab_size:
         raise SpecdecError(f"EAGLE head {path} has a vocabulary of {v} tokens but the target has {vocab_size}: "
                            "it was trained for a different model")
-    if tuple(sd["fc.weight"].shape) != (h, 2 * h):
-        raise SpecdecError(f"EAGLE head {path}: fc.weight is {tuple(sd['fc.weight'].shape)}, "
-                           f"expected {(h, 2 * h)} for hidden size {h}")
-    state = {k: t for k, t in sd.items() if k in layer_keys or k.startswith("fc.")}
+    i = config.intermediate_size
+    if connector == "fc":
+        want = {"fc.weight": (h, 2 * h)}
+    else:
+        want = dict(zip(_SAMPLER, ((sampler_size, h), (sampler_size, h), (h, sampler_size))))
+    want[f"layers.{n_layers - 1}.mlp.down_proj.weight"] = (2 * h if pad else h, i)
+    for k, shape in want.items():
+        if tuple(sd[k].shape) != shape:
+            why = f"pad={str(pad).lower()}, " if k.startswith("layers.") else ""
+            raise SpecdecError(f"EAGLE head {path}: {k} is {list(sd[k].shape)}, expected {list(shape)} for "
+                               f"{why}hidden size {h}, intermediate size {i}")
+    state = {k: t for k, t in sd.items() if k in layer_keys or k in conn_keys or k == "fc.bias" and connector == "fc"}
     vd = None
     if "d2t" in sd:
         vd = sd["d2t"].shape[0]
@@ -102,7 +123,7 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_siz
     elif "lm_head.weight" in sd and tuple(sd["lm_head.weight"].shape) != (v, h):
         raise SpecdecError(f"EAGLE head {path}: lm_head.weight without d2t must be [{v}, {h}]")
     # a full-size lm_head.weight (some exports carry one) is dropped: the target's own head is used
-    head = EagleHead(config, vd, fc_bias="fc.bias" in sd)
+    head = EagleHead(config, vd, fc_bias="fc.bias" in sd, connector=connector, pad=pad, sampler_size=sampler_size)
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -113,6 +134,26 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_siz
             raise SpecdecError(f"EAGLE head {path}: tensor {k} holds NaN/inf: the file is damaged")
     head.meta = raw.get("specdec", {})
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _fspad_fields(path: Path, raw: dict, sd: dict[str, torch.Tensor]) -> tuple[str, bool, int | None]:
+    """(connector, pad, sampler intermediate size) from config.json, checked against the tensors."""
+    connector, pad = raw.get("connector", "fc"), raw.get("pad", False)
+    if connector not in ("fc", "sampler"):
+        raise SpecdecError(f"EAGLE head {path}: config.json has connector={connector!r}, expected fc or sampler")
+    if not isinstance(pad, bool):
+        raise SpecdecError(f"EAGLE head {path}: config.json has pad={pad!r}, expected true or false")
+    has_sampler = any(k.startswith("sampler.") for k in sd)
+    if connector == "fc" and has_sampler:
+        raise SpecdecError(f"EAGLE head {path} holds Feature Sampler tensors (sampler.*) but config.json says "
+                           "connector=fc (or has no connector field)")
+    if connector == "sampler" and "fc.weight" in sd:
+        raise SpecdecError(f"EAGLE head {path} holds fc.weight but config.json says connector=sampler")
+    size = raw.get("sampler_intermediate_size") if connector == "sampler" else None
+    if connector == "sampler" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise SpecdecError(f"EAGLE head {path}: config.json says connector=sampler without a valid "
+                           f"sampler_intermediate_size (got {size!r})")
+    return connector, pad, size
 
 
 def _reduced_vocab(path: Path, sd: dict[str, torch.Tensor], v: int, h: int,

@@ -1,10 +1,11 @@
-"""The EAGLE draft head (DESIGN.md §4, §6) as an nn.Module: for training and as the weights the lean
-heads.runner.HeadRunner packs.
+"""The feature-level draft head (EAGLE, DESIGN.md §4, §6; and FSPAD's variants) as an nn.Module: for
+training and as the weights the lean heads.runner.HeadRunner packs.
 
-Row t of the head reads (x_{t+1}, f_t): fc(cat(embed(x_{t+1}), f_t)) -> one Llama decoder layer
-without input norm (EAGLE; optionally more, ordinary pre-norm layers after it) -> f̂_{t+1}, at
-position t. Token logits come from the target's frozen LM head (no final norm), or from a reduced
-head over the V_d most frequent tokens with a draft->target id map.
+Row t of the head reads (x_{t+1}, f_t): a connector (EAGLE's fc(cat(embed(x_{t+1}), f_t)), or FSPAD's
+Feature Sampler) -> one Llama decoder layer without input norm (EAGLE; optionally more, ordinary
+pre-norm layers after it) -> f̂_{t+1}, at position t. Token logits come from the target's frozen LM
+head (no final norm), or from a reduced head over the V_d most frequent tokens with a draft->target id
+map. With PAD (FSPAD) the last layer has two outputs: f̂ continues the draft, f̃ gives the logits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from specdec.errors import SpecdecError
+from specdec.heads.fspad import CONNECTORS, feature_sampler, pad_outputs
 
 _COPIED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
            "rms_norm_eps", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id")
@@ -34,17 +36,40 @@ def head_config(target_config, **overrides) -> LlamaConfig:
     return LlamaConfig(**kw)
 
 
+class FeatureSampler(nn.Module):
+    """FSPAD's connector (heads.fspad.feature_sampler); tensors sampler.{gate,up,down}_proj.weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return feature_sampler(embeds, features, self.gate_proj, self.up_proj, self.down_proj)
+
+
 class EagleHead(nn.Module):
-    def __init__(self, config: LlamaConfig, draft_vocab_size: int | None = None, fc_bias: bool = False) -> None:
+    def __init__(self, config: LlamaConfig, draft_vocab_size: int | None = None, fc_bias: bool = False,
+                 connector: str = "fc", pad: bool = False, sampler_size: int | None = None) -> None:
+        """connector "fc" (EAGLE) or "sampler" (FSPAD's Feature Sampler, intermediate size `sampler_size`,
+        default the target's intermediate_size); pad: FSPAD's Partial Alignment Distillation."""
         super().__init__()
         if config.num_hidden_layers < 1:
             raise SpecdecError(f"an EAGLE head needs a decoder layer, config says {config.num_hidden_layers}")
+        if connector not in CONNECTORS:
+            raise SpecdecError(f"connector must be one of {', '.join(CONNECTORS)}, got {connector!r}")
         config._attn_implementation = "sdpa"
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        self.connector, self.pad = connector, bool(pad)
+        self.sampler_size = (sampler_size or config.intermediate_size) if connector == "sampler" else None
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias) if connector == "fc" else None
+        self.sampler = FeatureSampler(h, self.sampler_size) if connector == "sampler" else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.layers[0].input_layernorm = nn.Identity()  # EAGLE: the fc output enters the layer un-normalised
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE: the connector's output enters un-normalised
+        if self.pad:  # the last layer's MLP writes f and f̃ (heads.fspad.pad_outputs)
+            self.layers[-1].mlp.down_proj = nn.Linear(config.intermediate_size, 2 * h, bias=config.mlp_bias)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.draft_vocab_size = draft_vocab_size
         self.meta: dict = {}  # the "specdec" block of config.json (training recipe, target fingerprint)
@@ -64,19 +89,30 @@ class EagleHead(nn.Module):
         return self.config.vocab_size
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
-        """Reference/training forward. embeds = embed(x_{t+1}), features = f_t, both [B, T, H];
-        returns f̂_{t+1} [B, T, H]. Causal by default (right padding is harmless: pads never reach real
-        rows); attention_mask [B, 1, T, cached + T] bool and an HF cache serve unrolled training."""
+                attention_mask: torch.Tensor | None = None,
+                past_key_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference/training forward. embeds = embed(x_{t+1}), features = f_t, both [B, T, H]; returns
+        (f̂_{t+1}, the input of the LM head), both [B, T, H]: the same tensor unless the head has PAD.
+        Causal by default (right padding is harmless: pads never reach real rows); attention_mask
+        [B, 1, T, cached + T] bool and an HF cache serve unrolled training."""
         b, t, _ = embeds.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=embeds.device).expand(b, t)
-        x = self.fc(torch.cat([embeds, features], dim=-1))
+        if self.sampler is not None:
+            x = self.sampler(embeds, features)
+        else:
+            x = self.fc(torch.cat([embeds, features], dim=-1))
         cos_sin = self.rotary_emb(x, position_ids)
-        for layer in self.layers:
-            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-                      use_cache=past_key_values is not None, position_embeddings=cos_sin)
-        return x
+        kw = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                  position_embeddings=cos_sin)
+        for layer in self.layers[:-1] if self.pad else self.layers:
+            x = layer(x, use_cache=past_key_values is not None, **kw)
+        if not self.pad:
+            return x, x
+        # PAD: LlamaDecoderLayer adds an H-wide MLP output to its residual; this one is 2H wide
+        last = self.layers[-1]
+        x = x + last.self_attn(last.input_layernorm(x), **kw)[0]
+        return pad_outputs(x, last.mlp(last.post_attention_layernorm(x)))
 
     @torch.no_grad()
     def grow(self, n_layers: int) -> None:
@@ -84,7 +120,9 @@ class EagleHead(nn.Module):
         the deeper head computes exactly what this one did, and training takes it from there."""
         if n_layers < len(self.layers):
             raise SpecdecError(f"cannot shrink a {len(self.layers)}-layer head to {n_layers} layers")
-        ref = self.fc.weight
+        if self.pad and n_layers > len(self.layers):
+            raise SpecdecError("cannot grow a PAD head: its two outputs come from its last layer")
+        ref = self.layers[0].self_attn.q_proj.weight
         for i in range(len(self.layers), n_layers):
             layer = LlamaDecoderLayer(self.config, i).to(ref.device, ref.dtype)
             layer.self_attn.o_proj.weight.zero_()
@@ -112,7 +150,7 @@ class EagleHead(nn.Module):
         self.d2t = ids.to(target_lm_head.device)
 
     def t2d(self) -> torch.Tensor:
-        m = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.fc.weight.device)
+        m = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.layers[0].self_attn.q_proj.weight.device)
         if self.d2t is not None:
             m[self.d2t] = True
         else:

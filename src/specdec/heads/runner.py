@@ -1,6 +1,6 @@
-"""Batch-1 inference for an EagleHead on the target's lean machinery: llama.Block layers (the first
-without input norm), a kv.KVCache, explicit positions and a bool mask, and the same commit/rollback
-protocol as the target runners."""
+"""Batch-1 inference for an EagleHead (EAGLE or FSPAD variants) on the target's lean machinery:
+llama.Block layers (the first without input norm), a kv.KVCache, explicit positions and a bool mask,
+and the same commit/rollback protocol as the target runners."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecdecError
+from specdec.heads.fspad import feature_sampler, pad_outputs
 from specdec.target.base import Cached
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, Rope, chain_attention
@@ -18,6 +19,19 @@ from specdec.target.packed import Linear
 
 if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): drafting does not need them
     from specdec.heads.model import EagleHead
+
+
+class _PadDown:
+    """PAD's last layer: llama.Block adds down(x) to its residual itself, but PAD puts two halves of a
+    2H output on that residual. This down keeps the output and adds nothing, so the Block returns the
+    residual exactly and the runner applies pad_outputs to it."""
+
+    def __init__(self, down: Linear) -> None:
+        self.down, self.out = down, None
+
+    def __call__(self, x: torch.Tensor) -> int:
+        self.out = self.down(x)
+        return 0
 
 
 class HeadRunner(Cached):
@@ -31,8 +45,17 @@ class HeadRunner(Cached):
             raise SpecdecError(f"target embeddings are {tuple(embed.shape)}, the EAGLE head expects "
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
         # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
-        self.fc = Linear(head.fc.weight, head.fc.bias, pack, weights)
+        self.connector, self.pad = head.connector, head.pad
+        if head.sampler is not None:
+            s = head.sampler
+            self.fc, self.sampler = None, [Linear(m.weight, None, pack, weights)
+                                           for m in (s.gate_proj, s.up_proj, s.down_proj)]
+        else:
+            self.fc, self.sampler = Linear(head.fc.weight, head.fc.bias, pack, weights), None
         self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
+        self.pad_down = None
+        if head.pad:
+            self.pad_down = self.layers[-1].down = _PadDown(self.layers[-1].down)
         self.embed = embed.detach()
         if head.lm_head is not None:
             self.lm = Linear(head.lm_head.weight, None, pack, weights)
@@ -45,7 +68,7 @@ class HeadRunner(Cached):
         self.d2t = None if head.d2t is None else head.d2t.detach().clone()
         self.hidden_size = cfg.hidden_size
         self.max_length = cfg.max_position_embeddings
-        self.device, self.dtype = embed.device, head.fc.weight.dtype
+        self.device, self.dtype = embed.device, head.layers[0].self_attn.q_proj.weight.dtype
         self.cache = KVCache(len(self.layers), cfg.num_key_value_heads, cfg.head_dim, self.max_length, self.device,
                              self.dtype, initial_capacity)
         self.rope = Rope(head.rotary_emb, self.device, self.dtype, self.max_length)
@@ -53,9 +76,10 @@ class HeadRunner(Cached):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [n] target ids of x_{t+1}, features [n, H] f_t (target's or the head's own f̂);
-        mask [n, cached + n] bool (default: causal after every cached row). Returns f̂_{t+1} [n, H]."""
+        mask [n, cached + n] bool (default: causal after every cached row). Returns (f̂_{t+1}, the LM
+        head's input) [n, H] each: the same tensor unless PAD (then f and f̃: draft on with f̂)."""
         n = tokens.numel()
         start, positions = self._new_rows(n, positions, mask)
         kv = self.cache
@@ -63,7 +87,8 @@ class HeadRunner(Cached):
             kv.reserve(n)
             self.rope.grow(kv.capacity)
         e = F.embedding(tokens.to(self.device), self.embed).to(self.dtype)
-        h = self.fc(torch.cat([e, features.to(self.dtype)], dim=-1))[None]
+        f = features.to(self.dtype)
+        h = (self.fc(torch.cat([e, f], dim=-1)) if self.fc is not None else feature_sampler(e, f, *self.sampler))[None]
         cos, sin = self.rope(positions)
         causal = False
         if mask is None:
@@ -73,7 +98,11 @@ class HeadRunner(Cached):
         for layer in self.layers:
             h = layer(h, cos, sin, kv, start, mask, causal)
         kv.n_pending += n
-        return h[0]
+        if self.pad_down is not None:
+            f, g = pad_outputs(h[0], self.pad_down.out[0])
+            self.pad_down.out = None
+            return f, g
+        return h[0], h[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

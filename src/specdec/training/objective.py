@@ -46,8 +46,9 @@ class Objective(nn.Module):
             top_t = p_t.argmax(-1)
         t = tok_in.shape[1]
         loss, stats = 0.0, []
-        for k, pred in enumerate(unrolled(self.head, emb, f_in, self.unroll)):
-            logp = torch.log_softmax(self.head.logits(pred, self.target_lm), dim=-1)
+        for k, (pred, pred_lm) in enumerate(unrolled(self.head, emb, f_in, self.unroll)):
+            # with PAD the feature loss sees f and the logit loss f̃ (the same tensor otherwise)
+            logp = torch.log_softmax(self.head.logits(pred_lm, self.target_lm), dim=-1)
             ce = -(p_t * logp).sum(-1)
             vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
             wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
@@ -59,7 +60,8 @@ class Objective(nn.Module):
 
 
 def unrolled(head, embeds: torch.Tensor, features: torch.Tensor, steps: int):
-    """Yields the head's predictions [B, T, H] for draft steps 0..steps-1 (see `unrolled_mask`)."""
+    """Yields the head's outputs (f̂, the LM head's input), [B, T, H] each, for draft steps 0..steps-1
+    (see `unrolled_mask`)."""
     from transformers import DynamicCache
 
     if steps == 1:
@@ -71,5 +73,5 @@ def unrolled(head, embeds: torch.Tensor, features: torch.Tensor, steps: int):
         mask = unrolled_mask(t, k, embeds.device)[None, None].expand(b, 1, -1, -1)
         pred = head(embeds, features, attention_mask=mask, past_key_values=cache)
         yield pred
-        # the next step's row t reads this step's prediction of row t-1; no gradient through it
-        features = F.pad(pred.detach()[:, :-1], (0, 0, 1, 0))
+        # the next step's row t reads this step's prediction f̂ of row t-1; no gradient through it
+        features = F.pad(pred[0].detach()[:, :-1], (0, 0, 1, 0))

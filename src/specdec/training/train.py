@@ -1,4 +1,4 @@
-"""Train an EAGLE head on datagen shards (DESIGN.md §5).
+"""Train an EAGLE head, or FSPAD's variants (--connector sampler, --pad), on datagen shards (DESIGN.md §5).
 
 Row t of a sequence reads (x_{t+1}, f_t + noise) and predicts f_{t+1}:
 loss = SmoothL1(f̂_{t+1}, f_{t+1}) + w · CE(p_target, p̂), p = softmax of the (draft-vocabulary) LM head
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.heads.fspad import CONNECTORS
 from specdec.heads.shipped import target_fingerprint
 from specdec.options import add_flags, arg_type, flag_values
 from specdec.target.loading import Runtime, materialize
@@ -64,6 +65,9 @@ class TrainConfig:
     init_from: str = ""  # start from this head's weights and draft vocabulary (warm start on new data)
     unroll: int = 1  # draft steps trained per row: > 1 also trains on the head's own predictions
     layers: int = 0  # decoder layers: 0 = 1 (EAGLE), or as many as --init-from has; more grows that head
+    connector: str = "fc"  # fc (EAGLE) | sampler (FSPAD's Feature Sampler)
+    pad: bool = False  # FSPAD's Partial Alignment Distillation
+    sampler_size: int = 0  # the Feature Sampler's intermediate size: 0 = the target's intermediate_size
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -76,6 +80,14 @@ class TrainConfig:
             checked(name, getattr(self, name), rule)
         if self.schedule not in SCHEDULES:
             raise SpecdecError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.connector not in CONNECTORS:
+            raise SpecdecError(f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}")
+        if self.sampler_size and self.connector != "sampler":
+            raise SpecdecError("--sampler-size needs --connector sampler")
+
+    @property
+    def kind(self) -> str:
+        return "fspad" if (self.connector, self.pad) == ("sampler", True) else "eagle"
 
 
 # the argparse types of the numeric options (steps 0 = derived from epochs; layers 0 = the default)
@@ -86,13 +98,13 @@ RULES = {
     "clip": arg_type(float, ge=0), "ce_weight": arg_type(float, ge=0), "noise": arg_type(float, ge=0),
     "draft_vocab": arg_type(int, ge=0), "save_every": arg_type(int, ge=1), "keep_checkpoints": arg_type(int, ge=1),
     "log_every": arg_type(int, ge=1), "seed": arg_type(int, ge=0), "stop_after": arg_type(int, ge=0),
-    "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0),
+    "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0), "sampler_size": arg_type(int, ge=0),
 }
 SCHEDULES = ("cosine", "linear", "constant")
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip", "init_from",
-               "unroll", "layers")
+               "unroll", "layers", "connector", "pad", "sampler_size")
 
 
 # ---- the trainer ----
@@ -211,10 +223,15 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         if cfg.draft_vocab and cfg.draft_vocab != vd:
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
                                f"not --draft-vocab {cfg.draft_vocab}")
+        have = (head.connector, head.pad, head.sampler_size or 0)
+        if have[:2] != (cfg.connector, cfg.pad) or cfg.sampler_size not in (0, have[2]):
+            raise SpecdecError(f"--init-from {cfg.init_from} has connector={have[0]}, pad={have[1]}, sampler size "
+                               f"{have[2]}: pass the same --connector/--pad/--sampler-size")
         if cfg.layers:
             head.grow(cfg.layers)
     else:
-        head = EagleHead(head_config(target_model.config, num_hidden_layers=cfg.layers or 1))
+        head = EagleHead(head_config(target_model.config, num_hidden_layers=cfg.layers or 1),
+                         connector=cfg.connector, pad=cfg.pad, sampler_size=cfg.sampler_size or None)
         if cfg.draft_vocab:
             eos = getattr(target_model.config, "eos_token_id", None)
             always = set([eos] if isinstance(eos, int) else (eos or []))
@@ -247,7 +264,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     acc.wait_for_everyone()
     state = {"config": asdict(cfg), "shards": data.names, "head_meta": head_meta}
     bar = tqdm(total=total, initial=start, disable=not (progress and acc.is_main_process), unit="step",
-               desc="train eagle", dynamic_ncols=True)
+               desc=f"train {cfg.kind}", dynamic_ncols=True)
     acc_stats = torch.zeros(cfg.unroll, 4, device=dev)
     t0, tok_done, history = time.perf_counter(), 0, []
     step = start
@@ -315,25 +332,27 @@ def add_parser(sub) -> None:
     tp = sub.add_parser("train", help="train a draft head on `specdec datagen` data")
     one_line_errors(tp)
     kinds = tp.add_subparsers(dest="kind", required=True)
-    p = one_line_errors(kinds.add_parser("eagle", help="an EAGLE-1/2 head (resumes from --out if it holds "
-                                         "checkpoints)"))
-    p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
-    p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
-    p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
-    d = TrainConfig(data="", out="")
-    for f in fields(TrainConfig):
-        if f.name in ("data", "out"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(d, f.name)
-        if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=default)
-        elif f.name == "schedule":
-            p.add_argument(flag, choices=SCHEDULES, default=default)
-        else:
-            p.add_argument(flag, type=RULES.get(f.name, type(default)), default=default)
-    add_flags(p, Runtime, only=("threads",))
-    p.set_defaults(func=cmd_train_eagle)
+    for kind, fixed, what in (("eagle", {}, "an EAGLE-1/2 head, or FSPAD's ablations (--connector sampler, --pad)"),
+                              ("fspad", {"connector": "sampler", "pad": True}, "an FSPAD head: train eagle "
+                               "--connector sampler --pad")):
+        p = one_line_errors(kinds.add_parser(kind, help=f"{what} (resumes from --out if it holds checkpoints)"))
+        p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
+        p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
+        p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
+        d = TrainConfig(data="", out="")
+        for f in fields(TrainConfig):
+            if f.name in ("data", "out", *fixed):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = getattr(d, f.name)
+            if isinstance(default, bool):
+                p.add_argument(flag, action="store_true", default=default)
+            elif f.name in ("schedule", "connector"):
+                p.add_argument(flag, choices=SCHEDULES if f.name == "schedule" else CONNECTORS, default=default)
+            else:
+                p.add_argument(flag, type=RULES.get(f.name, type(default)), default=default)
+        add_flags(p, Runtime, only=("threads",))
+        p.set_defaults(func=cmd_train_eagle, **fixed)
 
 
 def cmd_train_eagle(args) -> int:
@@ -344,7 +363,7 @@ def cmd_train_eagle(args) -> int:
     cfg.check()
     done = finished_head(cfg)
     if done is not None:  # before the target loads: nothing else happens
-        print(f"train eagle: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
+        print(f"train {cfg.kind}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
         return 0
     path = materialize(args.model)
     try:  # only the embeddings and the LM head are used: no tokenizer needed
@@ -355,10 +374,10 @@ def cmd_train_eagle(args) -> int:
     head, steps = Path(cfg.out) / "head", f"step {r['steps']}/{r['total_steps']}"
     last = r["history"][-1] if r["history"] else None
     if r.get("finished"):
-        print(f"train eagle: {cfg.out} is already finished ({steps}); the head is in {head}")
+        print(f"train {cfg.kind}: {cfg.out} is already finished ({steps}); the head is in {head}")
     elif r["steps"] < r["total_steps"]:
-        print(f"train eagle: stopped at {steps}; re-run the same command to resume")
+        print(f"train {cfg.kind}: stopped at {steps}; re-run the same command to resume")
     else:
         loss = f"; loss {last['loss']:.4f}, top-1 agreement {last['top1_acc']:.3f}" if last else ""
-        print(f"train eagle: {steps} in {r['seconds']:.0f} s{loss}; head: {head}")
+        print(f"train {cfg.kind}: {steps} in {r['seconds']:.0f} s{loss}; head: {head}")
     return 0

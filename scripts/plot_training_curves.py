@@ -1,0 +1,84 @@
+"""Training curves of several head runs side by side (FSPAD's Figure 3): top-1 agreement and feature
+loss (SmoothL1) against the step, one line per run, read from each run's log.jsonl.
+
+    python scripts/plot_training_curves.py ~/.cache/specdec/runs/ablate-{eagle,eagle-w002,fs,pad,fspad} \\
+        --out docs/fspad-training-curves.png [--labels "EAGLE,EAGLE w=0.02,EAGLE+FS,EAGLE+PAD,FSPAD"]
+
+A run is a `specdec train` --out dir (or its log.jsonl). Logged values are means over the steps since the
+previous line (--log-every), on noisy training batches; --smooth N averages N lines more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_log(run: str) -> list[dict]:
+    path = Path(run)
+    path = path / "log.jsonl" if path.is_dir() else path
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if not rows:
+        raise SystemExit(f"{path}: no log lines")
+    return rows
+
+
+def label_of(run: str) -> str:
+    """The run's own settings when it wrote them (<run>/config.json), else its directory name."""
+    cfg_file = Path(run) / "config.json"
+    if not cfg_file.is_file():
+        return Path(run).name
+    cfg = json.loads(cfg_file.read_text())
+    parts = ["EAGLE"]
+    if cfg.get("connector") == "sampler":
+        parts.append("FS")
+    if cfg.get("pad"):
+        parts.append("PAD")
+    name = "FSPAD" if parts == ["EAGLE", "FS", "PAD"] else "+".join(parts)
+    return f"{name} (w={cfg.get('ce_weight', 0.1):g})"
+
+
+def smooth(ys: list[float], n: int) -> list[float]:
+    if n <= 1:
+        return ys
+    return [sum(ys[max(0, i - n + 1) : i + 1]) / len(ys[max(0, i - n + 1) : i + 1]) for i in range(len(ys))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="run dirs (or log.jsonl files)")
+    ap.add_argument("--labels", default=None, help="comma-separated, one per run (default: from each run's config)")
+    ap.add_argument("--out", default="training-curves.png")
+    ap.add_argument("--smooth", type=int, default=1, help="moving average over this many log lines")
+    a = ap.parse_args()
+    labels = a.labels.split(",") if a.labels else None
+    if labels is not None and len(labels) != len(a.runs):
+        raise SystemExit(f"--labels has {len(labels)} names for {len(a.runs)} runs")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, feat_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, run in enumerate(a.runs):
+        rows = read_log(run)
+        name = labels[i] if labels else label_of(run)
+        steps = [r["step"] for r in rows]
+        acc_ax.plot(steps, smooth([r["top1_acc"] for r in rows], a.smooth), label=name)
+        feat_ax.plot(steps, smooth([r["feature_loss"] for r in rows], a.smooth), label=name)
+        last = rows[-1]
+        print(f"{name}: step {last['step']}, top-1 {last['top1_acc']:.3f}, feature loss {last['feature_loss']:.4f}")
+    acc_ax.set(xlabel="step", ylabel="top-1 agreement with the target (training batches)", title="accuracy")
+    feat_ax.set(xlabel="step", ylabel="SmoothL1(f̂, f)", title="feature loss")
+    for ax in (acc_ax, feat_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=120)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
