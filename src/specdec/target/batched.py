@@ -51,7 +51,7 @@ def batch_generate(
         n = x_ids.shape[1]
         end = start + n
         pos = (col[start:end][None] - pad[:, None]).clamp(min=0)  # [R, n]
-        cos, sin = runner.rope.cos[pos][:, None], runner.rope.sin[pos][:, None]  # [R, 1, n, hd]
+        cos, sin = runner.rope(pos)  # [R, n, hd]
         q_col = col[start:end][None, :, None]
         vis = (col[:end][None, None] >= pad[:, None, None]) & (col[:end][None, None] <= q_col)
         vis = vis | (col[:end][None, None] == q_col)  # pad queries see themselves (no all-masked rows)

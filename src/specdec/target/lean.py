@@ -5,6 +5,8 @@ reference: tests compare the two.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,7 @@ SUPPORTED = ("llama", "qwen2", "mistral")
 # output independent of its forward's other rows (llama.attend_rows); longer ones (prompt prefill, which
 # vanilla and speculative decoding share) use one attention call per layer.
 EXACT_ROWS = 64
+PROBE_MIN_PARAMS = 4_000_000  # below this, one-row steps stay on the packed kernel unprobed
 
 
 def supports(model) -> bool:
@@ -45,16 +48,17 @@ class LeanRunner(Runner):
         self.max_length = cfg.max_position_embeddings
         self.embed = base.embed_tokens.weight.detach()
         self.weights = weights or precision_name(self.dtype)  # what decoding is lossless relative to
-        self.layers = [Block(layer, i, self.eps, pack, weights) for i, layer in enumerate(base.layers)]
+        # exact rows by default only where they matter: a reduced-precision target amplifies 1e-7 into other
+        # tokens; at the model's own precision the fast path (one attention call, GEMV decode steps) keeps
+        # greedy equal up to numerical ties. Why not always: a tree row's gathered K/V copy costs ~2x at
+        # 700 cached rows, and one-row steps must use the many-row kernel.
+        exact = self.weights != precision_name(self.dtype) if exact is None else exact
+        self.layers = [Block(layer, i, self.eps, pack, weights, exact) for i, layer in enumerate(base.layers)]
         self.n_heads, self.n_kv, self.head_dim = self.layers[0].n_heads, self.layers[0].n_kv, self.layers[0].head_dim
         self.norm = base.norm.weight.detach()
         head = model.get_output_embeddings()
-        self.lm_head = Linear(head.weight, getattr(head, "bias", None), pack, weights)
+        self.lm_head = Linear(head.weight, getattr(head, "bias", None), pack, weights, exact)
         linears = [self.lm_head] + [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
-        # exact rows by default only where they matter: a reduced-precision target amplifies 1e-7 into other
-        # tokens; at the model's own precision the fast path (one attention call) keeps greedy equal up to
-        # numerical ties. Why not always: a tree row's gathered K/V copy costs ~2x at 700 cached rows.
-        exact = self.weights != precision_name(self.dtype) if exact is None else exact
         self.exact_rows = EXACT_ROWS if exact and all(x.invariant for x in linears) else 0
         self.vocab_size = head.weight.shape[0]
         self.windows = self._windows(cfg, len(self.layers))
@@ -62,6 +66,41 @@ class LeanRunner(Runner):
                              initial_capacity, positions=True)
         self.rope = Rope(base.rotary_emb, self.device, self.dtype, self.max_length)
         self.rope.grow(self.cache.capacity)  # positions never exceed the number of cache rows
+        self.decode_kernel = self._pick_decode_kernel(linears)
+
+    def _pick_decode_kernel(self, linears: list[Linear]) -> str:
+        """'gemv' or 'packed': which kernel runs a one-row decode step, timed here on this machine.
+        Why measured: MKL's GEMV beat oneDNN's packed GEMM by ~25% on a Xeon and lost by ~60% on an
+        AMD EPYC (30.8 vs 50 ms per SmolLM2 step). The loser's extra weight copy is dropped."""
+        gemv = [x for x in linears if x.gemv is not None]
+        small = sum(x.gemv.numel() for x in gemv) < PROBE_MIN_PARAMS  # nothing to gain, and keep tiny models stable
+        if small:
+            for x in gemv:
+                x.gemv = None
+        if not gemv or small:
+            return "packed"
+        saved = [x.gemv for x in gemv]
+
+        def use(on: bool) -> None:
+            for x, w in zip(gemv, saved):
+                x.gemv = w if on else None
+
+        ids = torch.zeros(16, dtype=torch.long, device=self.device)
+        self.forward(ids)
+        self.commit(range(16))
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(4):  # interleaved, the first round a warm-up
+            for on in (True, False):
+                use(on)
+                t = time.perf_counter()
+                self.forward(ids[:1])
+                self.rollback()
+                if rep:
+                    times[on].append(time.perf_counter() - t)
+        self.reset()
+        best = min(times[True]) < min(times[False])
+        use(best)
+        return "gemv" if best else "packed"
 
     @staticmethod
     def _windows(cfg, n_layers: int) -> list[int | None]:

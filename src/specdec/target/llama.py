@@ -18,7 +18,8 @@ from specdec.target.packed import Linear
 
 class Rope:
     """cos/sin tables [positions, head_dim] from an HF rotary module, computed once and grown on demand:
-    a forward indexes them instead of calling the module."""
+    a forward indexes them instead of calling the module. `sin` carries rotate_half's sign (-sin on the
+    first half), so applying it is a flip and two products (apply_rope)."""
 
     def __init__(self, rotary: nn.Module, device: torch.device, dtype: torch.dtype, max_length: int) -> None:
         self.rotary, self.max_length = rotary, max_length
@@ -30,15 +31,20 @@ class Rope:
         n = min(n, self.max_length)
         if self.cos.shape[0] < n:
             cos, sin = self.rotary(self.like, torch.arange(n, device=self.like.device)[None])
-            self.cos, self.sin = cos[0].to(self.like.dtype), sin[0].to(self.like.dtype)
+            sin = sin[0].to(self.like.dtype)
+            half = sin.shape[-1] // 2
+            self.cos, self.sin = cos[0].to(self.like.dtype), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """HF's x * cos + rotate_half(x) * sin, bit for bit, with `sin` from Rope (sign folded in): swapping
+    the halves is one flip, where rotate_half is a chunk, a negation and a cat."""
+    shape = x.shape
+    swapped = x.unflatten(-1, (2, shape[-1] // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin
 
 
 def visible_columns(mask: torch.Tensor | None, start: int, n: int) -> list[slice | torch.Tensor]:
@@ -82,7 +88,8 @@ class Block:
     """One HF decoder layer's weights, fused (qkv, gate_up) and pre-packed. Optional q/k/v biases (Qwen2);
     no input norm when the layer has nn.Identity there (EAGLE's first head layer)."""
 
-    def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True, weights: str | None = None) -> None:
+    def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True, weights: str | None = None,
+                 invariant: bool = True) -> None:
         a, m = layer.self_attn, layer.mlp
         self.index, self.eps = index, eps  # index: this layer's slot in the KVCache
         hd = self.head_dim = a.head_dim
@@ -92,11 +99,12 @@ class Block:
         qkv_b = None
         if a.q_proj.bias is not None:
             qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, pack, weights)
-        self.o = Linear(a.o_proj.weight, a.o_proj.bias, pack, weights)
+        args = (pack, weights, invariant)
+        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, *args)
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias, *args)
         gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b, pack, weights)
-        self.down = Linear(m.down_proj.weight, m.down_proj.bias, pack, weights)
+        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b, *args)
+        self.down = Linear(m.down_proj.weight, m.down_proj.bias, *args)
         norm = layer.input_layernorm
         self.in_norm = None if isinstance(norm, nn.Identity) else norm.weight.detach()
         self.post_norm = layer.post_attention_layernorm.weight.detach()
@@ -105,17 +113,18 @@ class Block:
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
                  mask: torch.Tensor | None = None, causal: bool = False, rows: list | None = None) -> torch.Tensor:
         """h [B, n, H] -> [B, n, H]. Writes this layer's K/V at cache columns start..start+n, then attends
-        over columns < start+n. cos/sin broadcast to [B, heads, n, head_dim]; mask bool (True = visible)
+        over columns < start+n. cos/sin (Rope) are [n, head_dim] or [B, n, head_dim]; mask bool (True = visible)
         broadcasts to [B, heads, n, start+n]. rows (visible_columns): attend row by row instead, which
         makes every row's output independent of the others (attend_rows)."""
         b, n, _ = h.shape
         end = start + n
         nh, nkv, hd, li = self.n_heads, self.n_kv, self.head_dim, self.index
         x = h if self.in_norm is None else F.rms_norm(h, self.norm_shape, self.in_norm, self.eps)
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(b, n, nh, hd).transpose(1, 2), cos, sin)
-        kv.k[li, :, :, start:end] = apply_rope(k.view(b, n, nkv, hd).transpose(1, 2), cos, sin)
-        kv.v[li, :, :, start:end] = v.view(b, n, nkv, hd).transpose(1, 2)
+        qkv = self.qkv(x)
+        qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(b, n, nh + nkv, hd), cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q = qk[:, :, :nh].transpose(1, 2)
+        kv.k[li, :, :, start:end] = qk[:, :, nh:].transpose(1, 2)
+        kv.v[li, :, :, start:end] = qkv[..., (nh + nkv) * hd:].view(b, n, nkv, hd).transpose(1, 2)
         if rows is not None:
             a = attend_rows(q, kv.k[li], kv.v[li], rows, self.gqa)
         else:

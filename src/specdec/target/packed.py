@@ -68,7 +68,8 @@ class _Float:
         xin = x.to(self.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(xin, self.w, bias, "none", [], "").to(x.dtype)
-        return F.linear(xin, self.w, bias).to(x.dtype)
+        # (the packed kernel takes an fp32 bias with any input; F.linear wants one dtype)
+        return F.linear(xin, self.w, None if bias is None else bias.to(self.dtype)).to(x.dtype)
 
 
 class _Int8:
@@ -106,10 +107,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Linear:
     """y = x W^T + b. `precision` (PRECISIONS; None = the weight's own dtype) sets how W is stored and
-    multiplied; the output has x's dtype."""
+    multiplied; the output has x's dtype.
+
+    invariant=True makes a row's output independent of the call's other rows (blocked reductions, one
+    kernel for every row count). invariant=False is the fastest path instead: one block, and a single
+    row (a decode step) through MKL's GEMV on the unpacked weight, which kept in the forward's flow
+    beat oneDNN's packed GEMM by ~25% (scripts/forward_probe.py); many rows stay on oneDNN."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, invariant: bool = True) -> None:
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features, k = weight.shape
@@ -120,10 +126,10 @@ class Linear:
         dtype = FLOAT.get(self.precision, weight.dtype)
         cpu = pack and weight.device.type == "cpu"
         # integer sums are exact in any order: int8 needs no blocks
-        probe = cpu and not self.int8
+        probe = cpu and not self.int8 and invariant
         block = invariant_block(self.out_features, k, self.precision, torch.get_num_threads()) if probe else k
         # else rows may differ in the last bits between one-row and many-row calls (greedy ties can flip)
-        self.invariant = self.int8 or (cpu and block > 0)
+        self.invariant = self.int8 or (probe and block > 0)
         block = block or k
         self.slices = [slice(i, min(i + block, k)) for i in range(0, k, block)]
 
@@ -131,6 +137,8 @@ class Linear:
             return _Int8(w, cpu) if self.int8 else _Float(w, dtype, pack)
 
         self.parts = [part(weight[:, s]) for s in self.slices]
+        # the GEMV weight: the caller's tensor itself (no copy) when it already has the right dtype
+        self.gemv = weight if cpu and not invariant and not self.int8 and weight.dtype == dtype else None
 
     @property
     def packed(self) -> bool:
@@ -142,6 +150,8 @@ class Linear:
             xq, s = quantize_rows(x)
             y = self.parts[0].matmul(xq) * self.parts[0].scale * s
             return (y if self.bias is None else y + self.bias).to(x.dtype)
+        if self.gemv is not None and x.numel() == x.shape[-1]:
+            return F.linear(x, self.gemv, self.bias)
         one = len(self.parts) == 1
         y = self.parts[0].matmul(x if one else x[..., self.slices[0]].contiguous(), self.bias if one else None)
         for s, p in zip(self.slices[1:], self.parts[1:]):  # fixed order: the sum is the same for every row
@@ -166,7 +176,7 @@ def invariant_block(n: int, k: int, precision: str, threads: int) -> int:
     x = torch.randn(PROBE_ROWS, k, generator=g)
     for block in (k,) * (k <= BLOCKS[0]) + tuple(b for b in BLOCKS if b < k):
         lin = Linear.__new__(Linear)
-        lin.bias, lin.out_features, lin.precision, lin.int8 = None, n, precision, False
+        lin.bias, lin.out_features, lin.precision, lin.int8, lin.gemv = None, n, precision, False, None
         lin.slices = [slice(i, min(i + block, k)) for i in range(0, k, block)]
         lin.parts = [_Float(w[:, s], FLOAT[precision], True) for s in lin.slices]
         alone = torch.cat([lin(x[r:r + 1]) for r in range(PROBE_ROWS)])
