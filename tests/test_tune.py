@@ -17,7 +17,7 @@ from specdec.tree import build_dynamic_tree
 from specdec.tune.replay import matched_path, replay, visited
 from specdec.tune.search import Row, accepted_lengths, candidates, rank, tune, walk
 from specdec.tuning import BUDGET_KEYS as TUNED
-from specdec.tuning import load_tuning, save_tuning, tuning_path
+from specdec.tuning import load_acceptance, load_tuning, save_tuning, tuning_path
 from tests.test_engine import PROMPTS, run
 
 
@@ -120,10 +120,16 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     auto = rec["auto"]  # the fastest over plain trees and trees + a lookup chain of each length tried
     assert auto["lookup"] in (0, *rec["lookups_tried"]) and auto["tokens_per_second"] >= rec["tokens_per_second"]
     assert any(r.get("lookup") for r in rec["top_with_lookup"])
+    # the acceptance model adaptive auto reads: every config's tau, the same numbers the ranking used
+    assert [(r["depth"], r["topk"], r["tree_size"]) for r in rec["acceptance"]] == sorted(
+        astuple(c) for c in configs)
+    assert {(r["depth"], r["topk"], r["tree_size"]): r["tau"] for r in rec["top"]} == {
+        (r["depth"], r["topk"], r["tree_size"]): r["tau"] for r in rec["acceptance"]}
 
     assert save_tuning(rec, tuning_path(head)) == head / "tuning.json"
     assert json.loads((head / "tuning.json").read_text())["top"] == rec["top"]
     assert load_tuning(head) == dict(zip(TUNED, best))
+    assert load_acceptance(head) == rec["acceptance"]
     d = from_models(tiny, None, "eagle2", head=str(head)).drafter
     assert astuple(d.budget) == best
     d = from_models(tiny, None, "eagle2", head=str(head), depth=7, tree_tokens=12).drafter  # explicit wins
@@ -155,6 +161,7 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     assert tuning_path(head) == tmp_path / "cache" / "tuning" / "head.json"
     assert load_tuning(head) == dict(zip(TUNED, best))
+    assert load_acceptance(head) == rec["acceptance"]
     save_tuning({"depth": 3, "topk": 2, "tree_size": 6}, tuning_path(head))
     d = from_models(tiny, None, "eagle2", head=str(head)).drafter
     assert astuple(d.budget) == (3, 2, 6)

@@ -226,5 +226,6 @@ def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, dra
     runner = make_runner(model, backend, weights)
     drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, backend), options)
     if method == "auto":  # report what auto resolved to: the tree drafter (its union's first member) or vanilla
-        method = (drafter.members[0] if isinstance(drafter, UnionDrafter) else drafter).name
+        first = drafter.members[0] if isinstance(drafter, UnionDrafter) else getattr(drafter, "eagle", drafter)
+        method = first.name
     return Decoder(runner, tokenizer, drafter, method, eos_ids(model, tokenizer))

@@ -68,7 +68,8 @@ def cmd_generate(args) -> int:
     print(
         f"\n[{dec.drafter.name}, {dec.weights} weights] {s.new_tokens} tokens in {s.total_time:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s | "
-        f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards | "
+        f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards"
+        f"{f' ({s.vanilla_share:.0%} without a draft)' if s.vanilla_share else ''} | "
         f"draft {s.draft_time:.2f} s, verify {s.verify_time:.2f} s, prefill {s.prefill_time:.2f} s | "
         f"finish: {final.finish_reason}",
         file=sys.stderr,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -54,6 +55,14 @@ class Stats:
     def alpha_by_depth(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_tries)]
 
+    @property
+    def vanilla_share(self) -> float:
+        """Share of decode forwards that verified no draft (a drafter that chose not to draft)."""
+        return sum(n == 0 for n in self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+    def tree_size_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.tree_sizes).items()))
+
     def accept_histogram(self) -> dict[int, int]:
         h: dict[int, int] = {}
         for a in self.accept_lengths:
@@ -84,6 +93,7 @@ class Stats:
             "alpha_by_depth": [round(a, 4) for a in self.alpha_by_depth],
             "accept_histogram": self.accept_histogram(),
             "mean_tree_size": round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 3),
+            "tree_size_histogram": self.tree_size_histogram(), "vanilla_share": round(self.vanilla_share, 4),
             "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
                      "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time},
             "finish_reason": self.finish_reason, "resumes": self.resumes,

@@ -92,8 +92,9 @@ class ContentionMeter:
 
 
 @torch.inference_mode()
-def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200) -> dict[int, float]:
-    """Median seconds of a target forward over N new tokens (a chain mask, as a tree would use) after
+def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200,
+                  stat=statistics.median) -> dict[int, float]:
+    """Seconds (median, or `stat`) of a target forward over N new tokens (a chain mask, as a tree would use) after
     `ctx` cached tokens. Sizes are interleaved per repetition so drift on a busy machine hits all alike."""
     runner.reset()
     v = min(runner.vocab_size, 1000)
@@ -110,7 +111,7 @@ def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200) 
             if rep >= 2:  # warm-up
                 ts[n].append(time.perf_counter() - t)
     runner.reset()
-    return {n: statistics.median(x) for n, x in ts.items()}
+    return {n: stat(x) for n, x in ts.items()}
 
 
 def stream_bandwidth(mb: int = 512, reps: int = 3) -> float:

@@ -52,5 +52,25 @@ def load_tuning(head_dir: str | os.PathLike, auto: bool = False) -> dict | None:
     return None
 
 
+def load_acceptance(head_dir: str | os.PathLike) -> list[dict]:
+    """The acceptance table tune measured for this head (greedy tau per budget: machine-independent),
+    from the same file load_tuning reads; older files have only their fastest rows (`top`). [] if none."""
+    for f in dict.fromkeys([tuning_path(head_dir), Path(head_dir).resolve() / "tuning.json"]):
+        if not f.is_file():
+            continue
+        try:
+            raw = json.loads(f.read_text())
+            rows = raw.get("acceptance") or raw.get("top") or []
+            out = [{k: r[k] for k in (*BUDGET_KEYS, "tau")} for r in rows]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpecdecError(f"{f} is not a valid tuning file ({type(e).__name__}: {e}): "
+                               "re-run `specdec tune` or delete it") from None
+        if not all(type(r[k]) is int and r[k] >= 1 for r in out for k in BUDGET_KEYS) or \
+                not all(isinstance(r["tau"], (int, float)) and r["tau"] >= 1 for r in out):
+            raise SpecdecError(f"{f}: acceptance rows need integer depth, topk, tree_size >= 1 and tau >= 1")
+        return out
+    return []
+
+
 def save_tuning(record: dict, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, json.dumps(record, indent=1) + "\n")

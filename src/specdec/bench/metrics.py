@@ -9,7 +9,7 @@ A record is one timed generation: {"method", "name", "question_id", "category", 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 OVERALL = "overall"
 
@@ -200,6 +200,10 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
         c = cost_ratio(split["draft"], fwd * gamma, van_fwd)
         cell.update(cost_ratio=c, expected_tau=expected_tau(alpha, gamma),
                     expected_improvement=expected_improvement(alpha, gamma, c))
+    sizes = [n for st in stats for n in st.get("tree_sizes") or []]
+    if sizes:  # what the drafter chose to verify (an adaptive one varies it, 0 = a vanilla step)
+        cell.update(vanilla_share=sum(n == 0 for n in sizes) / len(sizes),
+                    tree_size_histogram=dict(sorted(Counter(sizes).items())))
     cal = [(p[0], p[3]) for r in rs for p in r.get("calibration") or []]
     if cal:
         cell["calibration"] = calibration_curve(cal)

@@ -45,6 +45,11 @@ def _metric_table(summary, run, methods, fn) -> str:
     return _table(["category"] + [f"`{m}`" for m in methods], rows)
 
 
+def _mean_size(hist: dict) -> float:
+    n = sum(hist.values())
+    return sum(int(k) * v for k, v in hist.items()) / n if n else 0.0
+
+
 def render(run: dict, summary: dict, audit: dict) -> str:
     methods = [m["label"] for m in run["methods"] if m["label"] in summary]
     ours = [m for m in methods if summary[m][OVERALL].get("tau") is not None]
@@ -107,6 +112,16 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                _metric_table(summary, run, ours, lambda c: _f(c["tokens_per_s"] / (fl["forwards_per_s"]
                                                                                     * max(c.get("tau") or 1, 1))))
                if ours else "", ""]
+    sized = [m for m in ours if summary[m][OVERALL].get("tree_size_histogram")]
+    if sized:
+        md += ["## Draft sizes", "",
+               "Nodes verified per target forward (draft tree + lookup chain; 0 = a step without a draft): the "
+               "share of steps without a draft and the histogram, `size: steps` (an adaptive method varies them).",
+               "", _table(["method", "no draft", "mean size", "histogram"], [
+                   [f"`{m}`", f"{100 * summary[m][OVERALL]['vanilla_share']:.1f}%",
+                    _f(_mean_size(summary[m][OVERALL]["tree_size_histogram"]), 1),
+                    ", ".join(f"{k}: {v}" for k, v in summary[m][OVERALL]["tree_size_histogram"].items())]
+                   for m in sized]), ""]
     if ours:
         md += ["## τ", "", TAU_NOTE + ".", "", _metric_table(summary, run, ours, lambda c: _f(c.get("tau"))), ""]
     if spec:

@@ -78,6 +78,7 @@ class OurMethod:
             "target_forwards": stats.target_forwards, "accept_histogram": stats.accept_histogram(),
             "depth_tries": list(stats.depth_tries), "depth_accepts": list(stats.depth_accepts),
             "time": s["time"], "gamma": self.gamma, "tau": stats.tau, "mean_tree_size": s["mean_tree_size"],
+            "tree_sizes": list(stats.tree_sizes),
             "finish_reason": stats.finish_reason, "accept_lengths": list(stats.accept_lengths),
         }
         return {"tokens": tokens, "wall_time": wall, "stats": rec_stats, "calibration": _calibration(trace)}

@@ -106,6 +106,7 @@ class EagleDrafter(Drafter):
         self.draft_depth = max(map(len, self.choices)) if budget is None else budget.depth
         self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row (PAD: its f)
         self.root_logits: torch.Tensor | None = None
+        self.pending: list[torch.Tensor] = []
 
     def _extend(self, tokens: list[int], features: torch.Tensor) -> None:
         h, g = self.runner.forward(torch.tensor(tokens, device=self.runner.device), features)
@@ -121,6 +122,7 @@ class EagleDrafter(Drafter):
 
     def begin(self, ctx: DecodeContext) -> None:
         self.runner.reset()
+        self.pending = []  # target features of emitted rows the head has not read yet (accept -> sync)
         p = ctx.prompt_len
         if ctx.features is None or ctx.features.shape[0] != p:
             raise SpecdecError("EAGLE needs the target's features of the whole prompt")
@@ -128,19 +130,33 @@ class EagleDrafter(Drafter):
             self._extend(ctx.tokens[1:p + 1], ctx.features)
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
-        n = self.runner.length
+        """Queue the new rows; the head reads them at the next propose(). Why lazy: a caller that skips
+        drafting for a while (adaptive `auto`) then pays one head forward for the whole stretch, not one
+        per step."""
         self.runner.rollback()  # drop the draft rows
+        if ctx.features is None or ctx.features.shape[0] != len(verdict.path) + 1:
+            raise RuntimeError("EAGLE drafter out of step with the engine")
+        self.pending.append(ctx.features)
+
+    def sync(self, ctx: DecodeContext) -> None:
+        """Read the queued rows: afterwards the head's cache covers every emitted token but the root."""
+        if not self.pending:
+            return
+        feats, self.pending = self.pending, []
         if not self._fits(ctx):
             return
+        n = self.runner.length
         new = ctx.tokens[n + 1:]
-        if len(new) != len(verdict.path) + 1 or ctx.features is None or ctx.features.shape[0] != len(new):
+        feats = feats[0] if len(feats) == 1 else torch.cat(feats)
+        if len(new) != feats.shape[0]:
             raise RuntimeError("EAGLE drafter out of step with the engine")
-        self._extend(new, ctx.features)
+        self._extend(new, feats)
 
     def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
         """budget: this call's tree size instead of the drafter's own (`specdec tune` prices many)."""
         if not self._fits(ctx):
             return DraftTree.empty()
+        self.sync(ctx)
         n = self.runner.length
         if n != len(ctx.tokens) - 1:
             raise RuntimeError("EAGLE drafter out of step with the engine")

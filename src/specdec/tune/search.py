@@ -20,7 +20,7 @@ import datetime
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 
 import torch
 
@@ -227,6 +227,9 @@ def tune(decoder, prompts: Sequence[list[int]], tokens: int = 256, configs: Sequ
         "target_ms": {str(n): round(t * 1e3, 3) for n, t in t_target.items()},
         "follow_ms": round(follow * 1e3, 3),
         "top": [r.as_dict() for r in rows[:20]],
+        # the acceptance model (greedy tau per budget): machine-independent, what adaptive `auto` sizes trees from
+        "acceptance": [{**asdict(r.config), "tau": round(r.tau, 4)}
+                       for r in sorted(rows, key=lambda r: astuple(r.config))],
         # `auto`: the fastest of the trees above and of the trees joined with a prompt-lookup chain
         "auto": {**asdict(both[0].config), "lookup": both[0].lookup, "tau": round(both[0].tau, 4),
                  "tokens_per_second": round(both[0].tokens_per_second, 2)},

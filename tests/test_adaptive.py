@@ -1,0 +1,215 @@
+"""Adaptive speculation (`auto`): the controller's choices, the cost cache, and losslessness with the
+draft size changing from step to step (greedy equality, chi-square at T > 0 with top-k / top-p)."""
+
+import json
+
+import pytest
+import torch
+
+from specdec.drafters.adaptive import AdaptiveDrafter, Choice, Controller, Costs, load_costs, matched, menu_from_tuning
+from specdec.drafters.base import NoDrafter
+from specdec.sampling import SamplingParams
+from specdec.target.lean import LeanRunner
+from specdec.tree import DraftTree, TreeBudget
+from tests.conftest import tiny_model
+from tests.eagle_common import drafter_for, make_head
+from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
+from tests.test_verify import chi2_pvalue
+
+B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
+MENU = [(B4, 0.9), (B8, 1.3)]
+
+
+def costs(slope: float, draft: float = 0.05) -> Costs:
+    """t(N) = 1 + slope * (N - 1) seconds (a unit forward), drafts `draft` each."""
+    return Costs({n: 1 + slope * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: draft, B8: 2 * draft}, 0.01, 0.001)
+
+
+# ---- the controller ----
+
+def test_costs_interpolate_between_and_beyond_measured_sizes():
+    c = Costs({1: 1.0, 5: 2.0, 9: 4.0}, {}, 0.0, 0.0)
+    assert c.target(1) == 1.0 and c.target(3) == pytest.approx(1.5) and c.target(7) == pytest.approx(3.0)
+    assert c.target(13) == pytest.approx(6.0)  # along the last segment
+
+
+def test_choice_follows_the_cost_of_a_wider_forward():
+    free = Controller(MENU, costs(0.0), 1.0, 0.5)  # verifying more rows costs nothing: the biggest tree
+    assert free.choose(0, 100) == Choice(B8, False)
+    steep = Controller(MENU, costs(0.5), 1.0, 0.5)  # t(5) = 3 t(1): no tree pays
+    assert steep.choose(0, 100).vanilla
+    mid = Controller(MENU, costs(0.1), 1.0, 0.5)  # t(5) = 1.4, t(9) = 1.8: the small tree
+    assert mid.choose(0, 100) == Choice(B4, False)
+    assert mid.choose(0, 0).vanilla  # no room left in the context
+
+
+def test_low_acceptance_stops_drafting_and_a_later_try_follows():
+    c = Controller(MENU, costs(0.1), 1.0, 0.5)
+    assert c.choose(0, 100).budget == B4
+    for _ in range(4):  # the text turned hard: nothing accepted
+        c.step()
+        c.observe_tree(0, 0.9)
+    assert c.scale < 0.5 and c.choose(0, 100).vanilla
+    steps = 0
+    while c.choose(0, 100).vanilla:  # vanilla steps observe nothing: the estimate drifts back to the prior
+        c.step()
+        steps += 1
+    assert 3 <= steps <= 40 and c.choose(0, 100).budget == B4
+
+
+def test_high_acceptance_grows_the_tree_and_a_good_chain_is_used():
+    c = Controller(MENU, costs(0.06), 1.0, 0.5)
+    assert c.choose(0, 100) == Choice(B4, False)
+    for _ in range(6):
+        c.step()
+        c.observe_tree(3, 1.3)
+    assert c.choose(0, 100) == Choice(B8, False)
+    for _ in range(6):  # the answer repeats itself: chains of 8 match 7 tokens
+        c.step()
+        c.observe_chain(7)
+    got = c.choose(8, 100)
+    assert got.chain
+    assert c.choose(0, 100).chain is False  # no chain this step: nothing to add
+
+
+def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
+    rows = [{"depth": d, "topk": k, "tree_size": m, "tau": 1 + 0.1 * d + 0.01 * k + 0.02 * m}
+            for d in (2, 3, 4, 5) for k in (2, 3, 6) for m in (4, 8)]
+    menu = dict(menu_from_tuning(rows))
+    assert set(menu) == {TreeBudget(4, 3, 4), TreeBudget(2, 3, 4), TreeBudget(4, 3, 8), TreeBudget(2, 3, 8)}
+    assert menu[TreeBudget(4, 3, 8)] == pytest.approx(0.4 + 0.03 + 0.16)
+    assert menu_from_tuning([])  # no table: a safe default menu
+
+
+def test_matched_follows_emitted_tokens_through_the_tree():
+    t = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]))
+    assert matched(t, [5, 7, 8, 1]) == 3 and matched(t, [6, 9]) == 1 and matched(t, [9]) == 0
+    assert matched(DraftTree.empty(), [1, 2]) == 0
+
+
+# ---- losslessness with the size changing every step ----
+
+def adaptive_for(model, head, slope, lookup=0, sampled_scale=1.0):
+    eagle = drafter_for(model, head, True, depth=3, topk=3, tree_size=8)
+    return AdaptiveDrafter(eagle, MENU, costs(slope), lookup, sampled_scale=sampled_scale)
+
+
+def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
+    from specdec.heads.io import load_head
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8]
+    seen = set()
+    for slope in (0.02, 0.1, 0.13):
+        for lookup in (0, 6):
+            drafter = adaptive_for(tiny, head, slope, lookup)
+            for p in PROMPTS + [prompt]:
+                want, _ = run(target, NoDrafter(), p, SamplingParams(), 40)
+                got, stats = run(target, drafter, p, SamplingParams(), 40)
+                assert got == want
+                seen |= set(stats.tree_sizes)
+    assert 0 in seen and len(seen) >= 3  # vanilla steps and trees of several sizes were verified
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
+                         ids=["T1", "T0.8-topk3-topp0.9"])
+def test_adaptive_sampling_matches_the_target_distribution(params):
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    drafter = adaptive_for(model, make_head(model, seed=3), 0.2, lookup=3)  # at the border: history decides
+    target = LeanRunner(model)
+    prompt = [1, 3, 0, 2, 1, 3, 0]
+    counts, sizes = sample_first3(target, drafter, prompt, params)
+    assert 0 in sizes and max(sizes) >= 4  # both vanilla steps and trees among the first tokens
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
+    """After vanilla steps the head reads the whole stretch in one forward: same drafts as following."""
+    from specdec.heads.io import load_head
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    eager = drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8)
+    want, _ = run(target, eager, PROMPTS[1], SamplingParams(), 30)
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+        lazy = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0)
+        lazy_trees = []
+        orig = lazy.eagle.propose
+
+        def spy(ctx, budget=None, orig=orig, lazy_trees=lazy_trees):
+            t = orig(ctx, budget)
+            lazy_trees.append((len(ctx.tokens), t.tokens.tolist()))
+            return t
+
+        lazy.eagle.propose = spy
+        got, stats = run(target, lazy, PROMPTS[1], SamplingParams(), 30)
+        assert got == want
+        if 0 in stats.tree_sizes and lazy_trees:
+            break
+    assert 0 in stats.tree_sizes and lazy_trees
+    # each lazy draft equals the draft a head that followed every step makes at the same point
+    for n_tokens, toks in lazy_trees:
+        ref = drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8)
+        seq = PROMPTS[1] + want
+        from specdec.drafters.base import DecodeContext
+
+        target.reset()
+        out = target.forward(torch.tensor(seq[:n_tokens - 1]))
+        target.reset()
+        ctx = DecodeContext(seq[:n_tokens], SamplingParams(), None, n_tokens - 1, out.features)
+        ref.begin(ctx)
+        b = next(b for b, _ in MENU if len(toks) <= b.tree_size)
+        assert ref.propose(ctx, b).tokens.tolist()[:len(toks)] == toks
+
+
+# ---- costs measured here, cached per machine ----
+
+def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch):
+    from specdec.drafters import adaptive
+    from specdec.heads.io import load_head
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    eagle = drafter_for(tiny, head, True)
+    calls = []
+    real = adaptive.measure_costs
+    monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c1, path, fresh = load_costs(target, eagle, "h", MENU, 6)
+    assert fresh and path.is_file() and len(calls) == 1
+    assert set(c1.draft_s) == {B4, B8} and c1.target(1) > 0 and c1.target(33) >= c1.target(1)
+    c2, path2, fresh = load_costs(target, eagle, "h", MENU, 6)
+    assert not fresh and path2 == path and c2.to_json() == c1.to_json() and len(calls) == 1
+    load_costs(target, eagle, "h", MENU, 6, recalibrate=True)
+    assert len(calls) == 2
+    torch.set_num_threads(1)
+    try:  # another thread count is another key
+        _, path3, fresh = load_costs(target, eagle, "h", MENU, 6)
+    finally:
+        torch.set_num_threads(2)
+    assert fresh and path3 != path and len(calls) == 3
+    path.write_text("{ not json")  # a damaged entry is measured again
+    _, _, fresh = load_costs(target, eagle, "h", MENU, 6)
+    assert fresh and json.loads(path.read_text())["key"]["threads"] == 2
+
+
+def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_path, monkeypatch):
+    from specdec.api import from_models
+    from specdec.drafters.union import UnionDrafter
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    head_dir = str(trained[1] / "head")
+    dec = from_models(tiny, None, "auto", head=head_dir)
+    assert isinstance(dec.drafter, AdaptiveDrafter) and dec.method == "eagle2"
+    static = from_models(tiny, None, "auto", head=head_dir, adaptive=False, lookup=4)
+    assert isinstance(static.drafter, UnionDrafter)
+    pinned = from_models(tiny, None, "auto", head=head_dir, depth=2)  # an explicit budget pins the tree
+    assert not isinstance(pinned.drafter, AdaptiveDrafter)
+    want, _ = run(LeanRunner(tiny), NoDrafter(), PROMPTS[3], SamplingParams(), 30)
+    got, stats = run(dec.runner, dec.drafter, PROMPTS[3], SamplingParams(), 30)
+    assert got == want
+    s = stats.summary()
+    assert sum(s["tree_size_histogram"].values()) == stats.target_forwards and 0 <= s["vanilla_share"] <= 1
