@@ -111,7 +111,7 @@ def test_stop_string_and_streaming(smol):
 @pytest.mark.parametrize("method", ["eagle", "eagle2", "auto"])
 def test_shipped_eagle_head_greedy_equals_vanilla(smol, method):
     """The head shipped in the package: found for SmolLM2 by fingerprint, lossless, and really accepting.
-    auto = the shipped tuning's choice: the EAGLE-2 tree joined with a prompt-lookup chain."""
+    auto = adaptive: the shipped acceptance table's trees and a prompt-lookup chain, sized every step."""
     from specdec.heads.shipped import find_shipped_head
 
     model, tok, _ = smol
@@ -119,7 +119,7 @@ def test_shipped_eagle_head_greedy_equals_vanilla(smol, method):
     vanilla = from_models(model, tok)
     spec = from_models(model, tok, method)
     if method == "auto":  # the default uses the head, with the lookup chain the shipped tuning chose
-        assert spec.method == "eagle2" and spec.drafter.name == "eagle2+pld"
+        assert spec.method == "eagle2" and spec.drafter.name == "eagle2+pld adaptive"
     assert mean_tau_if_lossless(model, vanilla, spec) > 1.5  # a trained head (measured ~1.8), not a stub (~1.1)
 
 

@@ -138,13 +138,16 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     rec["auto"] = {"depth": 3, "topk": 2, "tree_size": 6, "lookup": 5}
     save_tuning(rec, tuning_path(head))
     assert load_tuning(head, auto=True) == rec["auto"] and load_tuning(head) == dict(zip(TUNED, best))
-    u = from_models(tiny, None, "auto", head=str(head))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # adaptive auto caches its measured costs
+    a = from_models(tiny, None, "auto", head=str(head)).drafter  # adaptive (default): the tuned chain length,
+    assert a.lookup == 5 and {astuple(b) for b, _ in a.menu} <= {astuple(c) for c in configs}  # tune's table
+    u = from_models(tiny, None, "auto", head=str(head), adaptive=False)  # static: tune's choice as is
     e, p = u.drafter.members
     assert u.drafter.name == "eagle2+pld" and (*astuple(e.budget), p.inner.chain_len) == (3, 2, 6, 5)
-    assert from_models(tiny, None, "auto", head=str(head), lookup=0).drafter.budget.depth == 3  # explicit wins
+    assert from_models(tiny, None, "auto", head=str(head), lookup=0, adaptive=False).drafter.budget.depth == 3
     # the tuned chain is priced for greedy decoding: sampled requests get the EAGLE tree alone, unless
     # the caller asks for the chain
-    explicit = from_models(tiny, None, "auto", head=str(head), lookup=5)
+    explicit = from_models(tiny, None, "auto", head=str(head), lookup=5, adaptive=False)
     sizes = {"greedy": [], "sampled": [], "explicit": []}
     for prompt in PROMPTS[:3]:
         for key, dec, params in (("greedy", u, SamplingParams()), ("sampled", u, SamplingParams(1.0, seed=0)),
