@@ -110,7 +110,7 @@ def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
 
 @torch.inference_mode()
 def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, float]], lookup: int,
-                  reps: int = 3, ctx_len: int = 128) -> Costs:
+                  reps: int = 5, ctx_len: int = 128) -> Costs:
     """~2 s for SmolLM2-135M on 2 cores: t(N) at the anchors up to the largest tree + chain, then each
     budget's propose() and the head's catch-up at a ctx_len-token context."""
     top = max(b.tree_size for b, _ in menu) + lookup + 1

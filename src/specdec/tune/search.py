@@ -138,6 +138,7 @@ def walk(drafter, target, prompt: list[int], continuation: list[int], configs: S
         ctx.features = feats[r:r + 1]
         t = time.perf_counter()
         drafter.accept(ctx, Verdict([], [seq[r + 1]], seq[r + 1]))
+        drafter.sync(ctx)  # the head follows lazily: its catch-up is this step's cost, not the next draft's
         w.follow_s.append(time.perf_counter() - t)
     return w
 
