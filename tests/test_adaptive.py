@@ -18,6 +18,7 @@ from tests.test_verify import chi2_pvalue
 
 B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
 MENU = [(B4, 0.9), (B8, 1.3)]
+PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}  # a lookup chain's matched tokens by the n-gram it matched
 
 
 def costs(slope: float, draft: float = 0.05) -> Costs:
@@ -34,17 +35,17 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
 
 
 def test_choice_follows_the_cost_of_a_wider_forward():
-    free = Controller(MENU, costs(0.0), 1.0, 0.5)  # verifying more rows costs nothing: the biggest tree
+    free = Controller(MENU, costs(0.0), 1.0, PRIOR)  # verifying more rows costs nothing: the biggest tree
     assert free.choose(0, 100) == Choice(B8, False)
-    steep = Controller(MENU, costs(0.5), 1.0, 0.5)  # t(5) = 3 t(1): no tree pays
+    steep = Controller(MENU, costs(0.5), 1.0, PRIOR)  # t(5) = 3 t(1): no tree pays
     assert steep.choose(0, 100).vanilla
-    mid = Controller(MENU, costs(0.1), 1.0, 0.5)  # t(5) = 1.4, t(9) = 1.8: the small tree
+    mid = Controller(MENU, costs(0.1), 1.0, PRIOR)  # t(5) = 1.4, t(9) = 1.8: the small tree
     assert mid.choose(0, 100) == Choice(B4, False)
     assert mid.choose(0, 0).vanilla  # no room left in the context
 
 
 def test_low_acceptance_stops_drafting_and_a_later_try_follows():
-    c = Controller(MENU, costs(0.1), 1.0, 0.5)
+    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
     assert c.choose(0, 100).budget == B4
     for _ in range(4):  # the text turned hard: nothing accepted
         c.step()
@@ -58,18 +59,23 @@ def test_low_acceptance_stops_drafting_and_a_later_try_follows():
 
 
 def test_high_acceptance_grows_the_tree_and_a_good_chain_is_used():
-    c = Controller(MENU, costs(0.06), 1.0, 0.5)
+    c = Controller(MENU, costs(0.06), 1.0, PRIOR)
     assert c.choose(0, 100) == Choice(B4, False)
     for _ in range(6):
         c.step()
         c.observe_tree(3, 1.3)
     assert c.choose(0, 100) == Choice(B8, False)
-    for _ in range(6):  # the answer repeats itself: chains of 8 match 7 tokens
+    assert not c.choose(8, 100, ngram=1).chain  # a 1-gram match is a poor bet a priori
+    for _ in range(6):  # the answer repeats itself: chains of 8 from 3-gram matches match 7 tokens
         c.step()
-        c.observe_chain(7)
-    got = c.choose(8, 100)
-    assert got.chain
+        c.observe_chain(3, 7.0, 4.0)
+    assert c.choose(8, 100, ngram=3).chain  # (alone here: 7 tokens for t(9) beat the tree + chain)
+    assert not c.choose(8, 100, ngram=1).chain  # evidence about 3-gram matches says nothing of 1-gram ones
     assert c.choose(0, 100).chain is False  # no chain this step: nothing to add
+    for _ in range(40):  # the repeats end: chains stop matching
+        c.step()
+        c.observe_chain(3, 0.0, 0.0)
+    assert not c.choose(8, 100, ngram=3).chain
 
 
 def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():

@@ -37,11 +37,14 @@ from specdec.target.loading import cache_dir
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
-ANCHORS = (1, 2, 3, 5, 9, 17, 33)  # forward sizes timed; others are interpolated
+# forward sizes timed besides 1 + each menu tree's size; others are interpolated. Not assumed monotone:
+# measured on an AMD EPYC (SmolLM2, 2 threads), t(2) = 37 ms > t(5) = 32 ms > t(1) = 30 ms
+ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 DECAY = 0.85  # per step: an observation's weight halves in ~4 steps
 PRIOR_WEIGHT = 2.0  # the prior counts as this many expected accepted tokens
 SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, alpha_1 0.35 at T=1 vs 0.64 greedy
-LOOKUP_PRIOR = (0.6, 0.3)  # prior matched tokens of a lookup chain: greedy, sampled
+# prior matched tokens of a lookup chain by the n-gram length it matched (greedy; sampled: half)
+LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
 
 
 @dataclass
@@ -110,15 +113,12 @@ def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
 
 @torch.inference_mode()
 def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, float]], lookup: int,
-                  reps: int = 5, ctx_len: int = 128) -> Costs:
-    """~2 s for SmolLM2-135M on 2 cores: t(N) at the anchors up to the largest tree + chain, then each
-    budget's propose() and the head's catch-up at a ctx_len-token context."""
+                  reps: int = 3, ctx_len: int = 384) -> Costs:
+    """~2.5 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
+    tree + chain, then each budget's propose() and the head's catch-up, at a ctx_len-token context."""
     top = max(b.tree_size for b, _ in menu) + lookup + 1
-    sizes = [n for n in ANCHORS if n < top] + [top]
-    raw = forward_costs(runner, sizes, reps, ctx=ctx_len, stat=min)  # min: the least disturbed repetition
-    target_s, top_t = {}, 0.0
-    for n in sizes:  # a bigger forward never costs less: a noisy dip would invite oversized trees
-        top_t = target_s[n] = max(top_t, raw[n])
+    sizes = sorted({n for n in ANCHORS if n < top} | {1 + b.tree_size for b, _ in menu} | {top})
+    target_s = forward_costs(runner, sizes, reps, ctx=ctx_len, stat=min)  # min: the least disturbed repetition
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
     runner.reset()
@@ -129,7 +129,7 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     draft_s = {}
     for b, _ in menu:
         ts = []
-        for _ in range(reps + 1):
+        for _ in range(reps + 2):
             t = time.perf_counter()
             drafter.propose(ctx, b)
             ts.append(time.perf_counter() - t)
@@ -183,26 +183,34 @@ class Choice:
 
 
 class Controller:
-    """The per-request estimates and the per-step choice (pure arithmetic: unit-tested on its own)."""
+    """The per-request estimates and the per-step choice (pure arithmetic: unit-tested on its own).
 
-    def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, scale: float, lookup_prior: float,
-                 decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT) -> None:
+    Tree: a decaying ratio of observed to expected accepted tokens scales the table's gains. Chain, per
+    n-gram length it matched (a 3-gram match predicts far better than a 1-gram one): the decaying mean
+    of its matched tokens (`alone`), and of what it adds beyond the head's tree (`extra` =
+    max(0, chain matched - tree matched)), which prices the tree + chain union."""
+
+    def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, scale: float,
+                 lookup_prior: dict[int, float] | None = None, decay: float = DECAY,
+                 prior_weight: float = PRIOR_WEIGHT) -> None:
         self.menu, self.costs, self.decay = menu, costs, decay
         self.gain = dict(menu)
-        self.prior = (scale, lookup_prior, prior_weight)
-        self.num = self.den = prior_weight  # tree: decayed observed / expected accepted tokens
-        self.num *= scale
-        self.look_num, self.look_den = lookup_prior, 1.0  # chain: decayed matched tokens / observations
+        self.scale_prior, self.weight = scale, prior_weight
+        self.num, self.den = prior_weight * scale, prior_weight  # tree: decayed observed / expected tokens
+        self.chain_prior = dict(lookup_prior or {})
+        # n-gram -> [alone sum, extra sum, observations], decayed; the prior counts as one observation
+        self.chain = {n: [p, p / 2, 1.0] for n, p in self.chain_prior.items()}
 
     @property
     def scale(self) -> float:
         return self.num / self.den
 
-    @property
-    def lookup_mean(self) -> float:
-        return self.look_num / self.look_den
+    def chain_mean(self, ngram: int) -> tuple[float, float]:
+        """(matched tokens of the chain alone, tokens it adds to a tree) expected for this n-gram."""
+        a, e, n = self.chain.get(ngram, (0.0, 0.0, 1.0))
+        return a / n, e / n
 
-    def expected(self, choice: Choice, chain_len: int, room: int) -> tuple[float, float]:
+    def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0) -> tuple[float, float]:
         """(expected tokens, expected seconds) of one step with this choice."""
         c = self.costs
         tree = 0.0
@@ -213,40 +221,50 @@ class Controller:
             nodes = min(b.tree_size, room)
             tree = self.scale * self.gain[b] * nodes / b.tree_size
             secs += c.draft_s[b] + c.follow_s
-        chain = 0.0
+        extra = 0.0
         if choice.chain:
             n = min(chain_len, room - nodes)
-            chain = min(float(n), self.lookup_mean)
+            alone, added = self.chain_mean(ngram)
+            extra = min(float(n), added if choice.budget is not None else alone)
             nodes += n
-        return 1.0 + max(tree, chain), secs + c.target(1 + nodes)
+        return 1.0 + tree + extra, secs + c.target(1 + nodes)
 
-    def choose(self, chain_len: int, room: int) -> Choice:
+    def choose(self, chain_len: int, room: int, ngram: int = 0) -> Choice:
         options = [Choice(None, False)]
         if room > 0:
             options += [Choice(b, False) for b, _ in self.menu]
             if chain_len:
                 options += [Choice(None, True)] + [Choice(b, True) for b, _ in self.menu]
-        rate = {o: (lambda e: e[0] / e[1])(self.expected(o, chain_len, room)) for o in options}
+        rate = {}
+        for o in options:
+            tokens, secs = self.expected(o, chain_len, room, ngram)
+            rate[o] = tokens / secs
         best = max(rate.values())
         # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
         return next(o for o in options if rate[o] >= best * 0.995)
 
     def step(self) -> None:
         """Every step decays the evidence toward the priors, observed or not."""
-        scale, lookup_prior, w = self.prior
-        d = self.decay
-        self.num = d * self.num + (1 - d) * w * scale
+        d, w = self.decay, self.weight
+        self.num = d * self.num + (1 - d) * w * self.scale_prior
         self.den = d * self.den + (1 - d) * w
-        self.look_num = d * self.look_num + (1 - d) * lookup_prior
-        self.look_den = d * self.look_den + (1 - d)
+        for n, s in self.chain.items():
+            p = self.chain_prior[n]
+            s[0], s[1], s[2] = d * s[0] + (1 - d) * p, d * s[1] + (1 - d) * p / 2, d * s[2] + (1 - d)
 
     def observe_tree(self, accepted: int, expected: float) -> None:
         self.num += accepted
         self.den += expected
 
-    def observe_chain(self, matched: float) -> None:
-        self.look_num += matched
-        self.look_den += 1.0
+    def observe_chain(self, ngram: int, alone: float, extra: float | None) -> None:
+        """alone: what the chain matched; extra: beyond the tree's accepted tokens (None: no tree drafted)."""
+        s = self.chain.setdefault(ngram, [0.0, 0.0, 0.0])
+        self.chain_prior.setdefault(ngram, 0.0)
+        if extra is None:  # no tree this step: a tree's typical accepted tokens stand in
+            extra = max(0.0, alone - self.scale * self.gain[self.menu[0][0]])
+        s[0] += alone
+        s[1] += extra
+        s[2] += 1.0
 
 
 def matched(tree: DraftTree, tokens: list[int]) -> int:
@@ -274,19 +292,20 @@ class AdaptiveDrafter(Drafter):
         if not self.lookup:
             self.name = "eagle2 adaptive"
         self.ctrl: Controller | None = None
-        self.last: tuple[Choice, DraftTree | None, float, DraftTree | None] | None = None
+        self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
         self.ctrl = Controller(self.menu, self.costs, 1.0 if greedy else self.sampled_scale,
-                               LOOKUP_PRIOR[0 if greedy else 1])
+                               {n: p if greedy else p / 2 for n, p in LOOKUP_PRIOR.items()})
         self.choices = Counter()
         self.last = None
         self.eagle.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         chain = self.pld.propose(ctx) if self.pld is not None and ctx.max_nodes > 0 else DraftTree.empty()
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes)
+        ngram = self.pld.last_ngram if len(chain) else 0
+        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram)
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
@@ -297,22 +316,23 @@ class AdaptiveDrafter(Drafter):
         eagle_tree = tree if choice.budget is not None else None
         if choice.chain and ctx.max_nodes > len(tree):
             tree = tree.union(chain.select(torch.arange(min(len(chain), ctx.max_nodes - len(tree)))))
-        self.last = (choice, eagle_tree, expected, chain if len(chain) else None)
+        self.last = (choice, eagle_tree, expected, chain if len(chain) else None, ngram)
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         self.eagle.accept(ctx, verdict)
         if self.last is None:
             return
-        choice, eagle_tree, expected, chain = self.last
+        choice, eagle_tree, expected, chain, ngram = self.last
         ctrl, new = self.ctrl, verdict.tokens
         ctrl.step()
+        t = None
         if eagle_tree is not None and len(eagle_tree):
-            ctrl.observe_tree(matched(eagle_tree, new), expected)
+            t = matched(eagle_tree, new)
+            ctrl.observe_tree(t, expected)
         if chain is not None:
-            m = matched(chain, new)
-            if choice.chain or m < len(new):  # exact: verified, or it broke inside the emitted tokens
-                ctrl.observe_chain(m)
-            else:  # it matched every emitted token and was not verified: at least that many
-                ctrl.observe_chain(max(float(m), ctrl.lookup_mean))
+            m = float(matched(chain, new))
+            if not choice.chain and m == len(new):  # matched all emitted, unverified: at least that many
+                m = max(m, ctrl.chain_mean(ngram)[0])
+            ctrl.observe_chain(ngram, m, None if t is None else max(0.0, m - t))
         self.last = None

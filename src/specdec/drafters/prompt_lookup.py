@@ -24,8 +24,11 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram, self.chain_len = max_ngram, min_ngram, chain_len
         self.draft_depth = chain_len
 
+    last_ngram = 0  # the n-gram length the last propose() matched (0: none): longer ones predict better
+
     def propose(self, ctx: DecodeContext) -> DraftTree:
         # a deterministic chain: q is a point mass, so the verifier stays exact at any temperature
+        self.last_ngram = 0
         k = min(self.chain_len, ctx.max_nodes)
         toks = np.asarray(ctx.tokens)
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
@@ -35,6 +38,7 @@ class PromptLookupDrafter(Drafter):
                 start = int(hits[-1]) + n
                 follow = toks[start:start + k]
                 if follow.size:
+                    self.last_ngram = n
                     return DraftTree.chain(torch.from_numpy(follow.astype(np.int64)))
         return DraftTree.empty()
 
