@@ -18,6 +18,7 @@ sampled) and a seeded sampled request gives the same text every time on this mac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -59,15 +60,19 @@ class Costs:
 
     def target(self, n: int) -> float:
         """t(n), linear between the measured sizes (and beyond the last, along the last segment)."""
-        xs = sorted(self.target_s)
         if n in self.target_s:
             return self.target_s[n]
+        xs = self.sizes
         lo = max([x for x in xs if x < n], default=xs[0])
         hi = min([x for x in xs if x > n], default=xs[-1])
         if hi == lo:
             lo, hi = xs[-2], xs[-1]
         t0, t1 = self.target_s[lo], self.target_s[hi]
         return t0 + (t1 - t0) * (n - lo) / (hi - lo)
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:  # sorted once: target() runs for every option of every step
+        return sorted(self.target_s)
 
     def to_json(self) -> dict:
         return {"target_ms": {str(n): round(t * 1e3, 4) for n, t in self.target_s.items()},
