@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint clean
 
 $(STAMP): pyproject.toml
+	# a C++ compiler and Python's headers build the streaming linear kernel on first use (else slower linears)
+	command -v g++ >/dev/null && $(PYTHON) -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+		|| (apt-get update -q && apt-get install -y -q g++ python3-dev) || echo "no g++: the streaming kernel will be skipped"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the CPU build on local disk (anything else pulls a multi-GB CUDA build)

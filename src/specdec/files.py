@@ -1,5 +1,5 @@
 """Files: atomic writes (a reader or a killed writer never sees half a file or directory) and where the
-project's shared data lives. Every module that writes or looks for data uses these."""
+project's shared data and caches live. Every module that writes or looks for data uses these."""
 
 from __future__ import annotations
 
@@ -81,6 +81,11 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def cache_dir() -> Path:
+    """Where converted models, measured costs and built kernels are kept (SPECDEC_CACHE overrides)."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def data_roots() -> list[Path]:

@@ -127,19 +127,25 @@ def stream_bandwidth(mb: int = 512, reps: int = 3) -> float:
     return x.numel() * 4 / best
 
 
-def weight_bytes_per_token(model) -> int:
+def weight_bytes_per_token(model, weights: str | None = None) -> int:
     """Bytes of weights one decode step must stream: every parameter once (tied tensors once), except an
-    input embedding table that is not also the LM head (a step reads one row of it)."""
+    input embedding table that is not also the LM head (a step reads one row of it). weights (a
+    precision name): the matrices as the lean runner stores them at that precision."""
+    size = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}.get(weights or "")
+
+    def nbytes(p):
+        return p.numel() * (size if size and p.dim() == 2 else p.element_size())
+
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(nbytes(p) for p in model.parameters())
     if head is None or head.weight.data_ptr() != emb.data_ptr():
-        total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
+        total -= nbytes(emb) - emb.shape[1] * emb.element_size()
     return total
 
 
-def memory_floor(model, bandwidth: float | None = None) -> dict:
+def memory_floor(model, bandwidth: float | None = None, weights: str | None = None) -> dict:
     """The physical limit of plain decoding here: weight bytes per token / streaming bandwidth."""
     bw = bandwidth or stream_bandwidth()
-    nbytes = weight_bytes_per_token(model)
+    nbytes = weight_bytes_per_token(model, weights)
     return {"bandwidth_gb_s": bw / 1e9, "weight_mb": nbytes / 1e6, "ms_per_forward": 1e3 * nbytes / bw,
             "forwards_per_s": bw / nbytes}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_write_text
-from specdec.target.loading import cache_dir
+from specdec.files import cache_dir
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUDGET_KEYS = ("depth", "topk", "tree_size")

@@ -37,7 +37,8 @@ from pydantic import field_validator
 from specdec.errors import SpecdecError
 from specdec.files import atomic_file
 from specdec.options import Options, option
-from specdec.target.loading import cache_dir, resolve
+from specdec.files import cache_dir
+from specdec.target.loading import resolve
 
 NAMES = ("llamacpp", "llamacpp-pld", "llamacpp-server")
 INSTALL = 'pip install -e ".[peers]"'

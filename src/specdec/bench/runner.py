@@ -221,7 +221,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 methods[lab].run(warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens))
 
     # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
-    floor = memory_floor(model)
+    floor = memory_floor(model, weights=cfg.weights)
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
     meter = ContentionMeter()
     records: list[dict] = []

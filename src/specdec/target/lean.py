@@ -69,9 +69,11 @@ class LeanRunner(Runner):
         self.decode_kernel = self._pick_decode_kernel(linears)
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
-        """'gemv' or 'packed': which kernel runs a one-row decode step, timed here on this machine.
-        Why measured: MKL's GEMV beat oneDNN's packed GEMM by ~25% on a Xeon and lost by ~60% on an
-        AMD EPYC (30.8 vs 50 ms per SmolLM2 step). The loser's extra weight copy is dropped."""
+        """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
+        a one-row decode step, timed here. Why measured: MKL's GEMV beat oneDNN's packed GEMM by ~25% on a
+        Xeon and lost by ~60% on an AMD EPYC (30.8 vs 50 ms per SmolLM2 step). The loser's copy is dropped."""
+        if all(x.stream is not None for x in linears):
+            return "stream"
         gemv = [x for x in linears if x.gemv is not None]
         small = sum(x.gemv.numel() for x in gemv) < PROBE_MIN_PARAMS  # nothing to gain, and keep tiny models stable
         if small:

