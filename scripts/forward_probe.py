@@ -4,9 +4,9 @@
 
 Prints (1) the memory floor (weight bytes / streaming bandwidth), (2) one decode forward (N = 1) whole,
 without its linears and the linears alone, (3) the same weights through several CPU GEMV/GEMM
-kernels at N = 1 and N = 8, and (4) for reduced-precision linears (bf16/fp16 weights and activations
-through oneDNN) the speed of a forward and how far a row's logits move between an N = 8 forward and
-N = 1 steps: the batch variance that decides whether such a target can be decoded losslessly.
+kernels (ours and oneDNN's/MKL's) at N = 1 to 32, and (4) per `weights=` precision the lean runner's
+forward at N = 1 and 8 and how far a row's logits move between an N = 8 forward and N = 1 steps (0:
+the batch invariance lossless decoding at that precision needs).
 """
 
 from __future__ import annotations
@@ -31,30 +31,6 @@ def median_ms(fn, reps: int = 20, warm: int = 4) -> float:
         if i >= warm:
             ts.append(time.perf_counter() - t)
     return 1e3 * statistics.median(ts)
-
-
-class Reduced:
-    """A packed linear whose weight and input are in `dtype` (oneDNN), output cast back to fp32."""
-
-    def __init__(self, lin: Linear, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.w = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), None)
-        self.b = None if lin.bias is None else lin.bias.to(dtype)
-        self.dtype, self.out_features = dtype, lin.out_features
-
-    def __call__(self, x):
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.w, self.b, "none", [], "").to(x.dtype)
-
-
-def reduced_runner(model, dtype: torch.dtype) -> LeanRunner:
-    r = LeanRunner(model)
-    for layer, b in zip(model.get_decoder().layers, r.layers):
-        a, m = layer.self_attn, layer.mlp
-        b.qkv = Reduced(b.qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), dtype)
-        b.o = Reduced(b.o, a.o_proj.weight.detach(), dtype)
-        b.gate_up = Reduced(b.gate_up, torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), dtype)
-        b.down = Reduced(b.down, m.down_proj.weight.detach(), dtype)
-    r.lm_head = Reduced(r.lm_head, model.get_output_embeddings().weight.detach(), dtype)
-    return r
 
 
 @torch.inference_mode()
@@ -89,20 +65,33 @@ def main() -> None:
         torch.cat([b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight]),
         b.self_attn.o_proj.weight, torch.cat([b.mlp.gate_proj.weight, b.mlp.up_proj.weight]), b.mlp.down_proj.weight)]
     weights = [w.detach().contiguous() for w in weights] + [model.get_output_embeddings().weight.detach()]
-    for n in (1, 8):
-        packed = lambda dt: [torch.ops.mkldnn._reorder_linear_weight(w.to(dt), None) for w in weights]  # noqa: E731
-        onednn = lambda dt: lambda x, w: torch.ops.mkldnn._linear_pointwise(x.to(dt), w, None, "none", [], "")  # noqa
-        kernels = {
-            "oneDNN packed fp32": (packed(torch.float32), onednn(torch.float32)),
-            "F.linear fp32 (MKL)": (weights, F.linear),
-            "x @ W^T pre-transposed": ([w.t().contiguous() for w in weights], lambda x, w: x @ w),
-            "oneDNN packed bf16": (packed(torch.bfloat16), onednn(torch.bfloat16)),
-            "oneDNN packed fp16": (packed(torch.float16), onednn(torch.float16)),
-        }
-        for name, (ws, fn) in kernels.items():
+
+    def ours(precision):
+        return [Linear(w, None, precision=precision) for w in weights], lambda x, lin: lin(x)
+
+    kernels = {
+        "streaming fp32 (ours)": lambda: ours("fp32"),
+        "streaming bf16 weights (ours)": lambda: ours("bf16"),
+        "streaming int8 weights (ours)": lambda: ours("int8"),
+        "oneDNN packed fp32": lambda: ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights],
+                                       lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
+        "F.linear fp32 (MKL)": lambda: (weights, F.linear),
+        "oneDNN packed bf16 (bf16 activations)": lambda: (
+            [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights],
+            lambda x, w: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, None, "none", [], "")),
+    }
+    for name, make in kernels.items():
+        try:
+            ws, fn = make()
+        except Exception as e:  # e.g. an op this CPU lacks
+            print(f"{name:40s} unavailable: {str(e).splitlines()[0][:80]}")
+            continue
+        row = []
+        for n in (1, 2, 4, 8, 16, 32):
             inputs = [torch.randn(n, w.shape[1]) for w in weights]
-            ms = median_ms(lambda: [fn(x, w) for x, w in zip(inputs, ws)], reps=6, warm=2)
-            print(f"N={n} {name:24s} {ms:6.1f} ms")
+            row.append(median_ms(lambda: [fn(x, w) for x, w in zip(inputs, ws)], reps=6, warm=2))
+        print(f"{name:40s} " + " ".join(f"N={n}: {ms:5.1f}" for n, ms in zip((1, 2, 4, 8, 16, 32), row)) + " ms")
+
 
     def batch_variance(run: LeanRunner) -> float:
         """Largest logit change of a row between one N = 8 forward and eight N = 1 steps."""
@@ -114,12 +103,13 @@ def main() -> None:
             run.commit([0])
         return (chunk - torch.stack(single)).abs().max().item()
 
-    for dtype in (torch.bfloat16, torch.float16):
-        rr = prefilled(reduced_runner(model, dtype))
-        ms = median_ms(lambda run=rr: (run.forward(ids[200:201]), run.rollback()))
-        print(f"{str(dtype):15s} linears: forward N=1 {ms:.1f} ms (fp32 {whole:.1f}); "
+    for precision in ("fp32", "bf16", "fp16", "int8"):
+        rr = prefilled(LeanRunner(model, weights=precision))
+        one = median_ms(lambda run=rr: (run.forward(ids[200:201]), run.rollback()))
+        eight = median_ms(lambda run=rr: (run.forward(ids[200:208]), run.rollback()))
+        print(f"weights={precision}: forward N=1 {one:.1f} ms, N=8 {eight:.1f} ms ({rr.decode_kernel}); "
               f"max |logit, N=8 row - N=1| = {batch_variance(rr):.2e}")
-    print(f"fp32 linears: max |logit, N=8 row - N=1| = {batch_variance(prefilled(LeanRunner(model))):.2e}")
+
 
 if __name__ == "__main__":
     main()

@@ -9,8 +9,7 @@ import os
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_write_text
-from specdec.files import cache_dir
+from specdec.files import atomic_write_text, cache_dir
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUDGET_KEYS = ("depth", "topk", "tree_size")

@@ -35,9 +35,8 @@ from typing import Literal
 from pydantic import field_validator
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_file
+from specdec.files import atomic_file, cache_dir
 from specdec.options import Options, option
-from specdec.files import cache_dir
 from specdec.target.loading import resolve
 
 NAMES = ("llamacpp", "llamacpp-pld", "llamacpp-server")

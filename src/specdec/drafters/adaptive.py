@@ -31,10 +31,9 @@ import torch
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.files import atomic_write_text
+from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import cpu_name, forward_costs, usable_cpus
 from specdec.sampling import SamplingParams
-from specdec.files import cache_dir
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
@@ -112,7 +111,8 @@ def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
             "target_shape": [getattr(cfg, "hidden_size", 0), getattr(cfg, "num_hidden_layers", 0),
                              getattr(runner, "vocab_size", 0)],
             "dtype": str(runner.dtype), "weights": getattr(runner, "weights", ""), "device": str(runner.device),
-            "kernel": getattr(runner, "decode_kernel", ""), "head": Path(head_dir).name if head_dir else "", "menu": [list(b.__dict__.values()) for b, _ in menu],
+            "kernel": getattr(runner, "decode_kernel", ""), "head": Path(head_dir).name if head_dir else "",
+            "menu": [list(b.__dict__.values()) for b, _ in menu],
             "lookup": lookup}
 
 

@@ -14,10 +14,9 @@ import torch
 from pydantic import field_validator
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_dir
+from specdec.files import atomic_dir, cache_dir
 from specdec.machine import usable_cpus
 from specdec.options import Options, option
-from specdec.files import cache_dir
 from specdec.target.lean import LeanRunner, supports
 from specdec.target.packed import FLOAT
 

@@ -143,7 +143,8 @@ def invariant_block(n: int, k: int, precision: str, threads: int) -> int:
     x = torch.randn(PROBE_ROWS, k, generator=g)
     for block in (k,) * (k <= BLOCKS[0]) + tuple(b for b in BLOCKS if b < k):
         lin = Linear.__new__(Linear)
-        lin.bias, lin.out_features, lin.precision, lin.gemv, lin.stream, lin.scale = None, n, precision, None, None, None
+        lin.bias, lin.out_features, lin.precision, lin.gemv = None, n, precision, None
+        lin.stream = lin.scale = None
         lin.slices = [slice(i, min(i + block, k)) for i in range(0, k, block)]
         lin.parts = [_Float(w[:, s], FLOAT[precision], True) for s in lin.slices]
         alone = torch.cat([lin(x[r:r + 1]) for r in range(PROBE_ROWS)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 import sys
@@ -20,10 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.files import cache_dir
+from specdec.files import atomic_dir, cache_dir
 
 SOURCE = Path(__file__).with_name("kernels") / "stream.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # no contraction: sums in source order
+AVX512 = ["-mavx512f"]  # the same per-lane operations in 16-lane vectors: the same bits, fewer instructions
 PANEL = 16  # outputs per panel (stream.cpp's P)
 
 
@@ -44,22 +46,39 @@ def kernel():
     why = _usable()
     if why is not None:
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+    flags = FLAGS + (AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
                                       sys.version.encode()])).hexdigest()[:16]
+    name = f"specdec_stream_{key}"
     build = cache_dir() / "kernels" / f"stream-{key}"
     try:
-        from torch.utils.cpp_extension import load
-
-        _ninja_on_path()
-        build.mkdir(parents=True, exist_ok=True)
-        mod = load(f"specdec_stream_{key}", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                   build_directory=str(build), verbose=False)
+        so = build / f"{name}.so"
+        mod = _import(name, so) if so.exists() else _build(name, flags, build)
         _self_check(mod)
     except Exception as e:  # a machine without a compiler still decodes, on the slower kernels
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         warnings.warn(f"specdec: the streaming linear kernel is unavailable ({first}); using oneDNN/torch linears",
                       stacklevel=2)
         return None
+    return mod
+
+
+def _build(name: str, flags: list[str], build: Path):
+    """Compile in a private directory that then takes `build`'s place: a build killed half-way leaves
+    nothing behind (torch's own lock file would make every later build wait for it forever), and two
+    processes building at once each finish."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    with atomic_dir(build) as tmp:
+        return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+                    verbose=False)
+
+
+def _import(name: str, so: Path):
+    spec = importlib.util.spec_from_file_location(name, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 
@@ -88,7 +107,8 @@ class StreamWeight:
     """One weight [O, K] in panels for the kernel, stored as `dtype` (float32, bfloat16, float16, or int8
     with one fp32 scale per output); bias folded in. Calls take and return fp32."""
 
-    def __init__(self, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None, scale: torch.Tensor | None = None):
+    def __init__(self, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
+                 scale: torch.Tensor | None = None) -> None:
         mod = kernel()
         self.out_features = w.shape[0]
         pad = -(-self.out_features // PANEL) * PANEL
