@@ -93,6 +93,27 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
         stream.kernel.cache_clear()
 
 
+def test_runners_built_from_several_threads_share_one_kernel():
+    from concurrent.futures import ThreadPoolExecutor
+
+    stream.kernel.cache_clear()
+    with ThreadPoolExecutor(4) as pool:
+        mods = list(pool.map(lambda _: stream.kernel(), range(4)))
+    assert all(m is mods[0] for m in mods)
+
+
+def test_a_bad_switch_is_one_clear_error(monkeypatch):
+    from specdec.errors import SpecdecError
+
+    monkeypatch.setenv("SPECDEC_STREAM", "off")
+    stream.kernel.cache_clear()
+    try:
+        with pytest.raises(SpecdecError, match="SPECDEC_STREAM must be 0 .* or 1"):
+            stream.kernel()
+    finally:
+        stream.kernel.cache_clear()
+
+
 def test_it_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("SPECDEC_STREAM", "0")
     stream.kernel.cache_clear()

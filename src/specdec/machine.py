@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specdec.target.base import chain_mask
-from specdec.target.packed import onednn_available
+from specdec.target.packed import onednn_available, weight_bytes
 
 
 def usable_cpus() -> int:
@@ -131,7 +131,7 @@ def weight_bytes_per_token(model, weights: str | None = None) -> int:
     """Bytes of weights one decode step must stream: every parameter once (tied tensors once), except an
     input embedding table that is not also the LM head (a step reads one row of it). weights (a
     precision name): the matrices as the lean runner stores them at that precision."""
-    size = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}.get(weights or "")
+    size = weight_bytes(weights) if weights else None
 
     def nbytes(p):
         return p.numel() * (size if size and p.dim() == 2 else p.element_size())

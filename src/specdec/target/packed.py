@@ -37,6 +37,11 @@ def precision_name(dtype: torch.dtype) -> str:
     return {v: n for n, v in FLOAT.items()}.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def weight_bytes(precision: str) -> int:
+    """Bytes per stored weight at that precision (int8's per-row scales aside)."""
+    return 1 if precision == "int8" else FLOAT[precision].itemsize
+
+
 def round_weight(w: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the stored weight, its per-output scale or None): int8 codes in [-127, 127] with w ~ codes * scale,
     else w in that float type."""
@@ -93,7 +98,7 @@ class Linear:
         self.parts, self.slices = [], []
         cpu = pack and weight.device.type == "cpu"
         if cpu and act == torch.float32 and stream.kernel() is not None:
-            self.stream = stream.StreamWeight(stored, stored.dtype, self.bias, self.scale)
+            self.stream = stream.StreamWeight(stored, self.bias, self.scale)
             self.invariant = True
             return
         rounded = stored.to(act)  # the same model on a general kernel: the rounded weights, widened

@@ -15,12 +15,14 @@ import importlib.util
 import os
 import platform
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 
 SOURCE = Path(__file__).with_name("kernels") / "stream.cpp"
@@ -31,7 +33,10 @@ PANEL = 16  # outputs per panel (stream.cpp's P)
 
 def _usable() -> str | None:
     """Why the kernel cannot be used here, or None."""
-    if os.environ.get("SPECDEC_STREAM", "1") == "0":
+    switch = os.environ.get("SPECDEC_STREAM", "1")
+    if switch not in ("0", "1"):
+        raise SpecdecError(f"SPECDEC_STREAM must be 0 (use oneDNN/torch linears) or 1 (the default), got {switch!r}")
+    if switch == "0":
         return "SPECDEC_STREAM=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} is not x86-64"
@@ -40,9 +45,18 @@ def _usable() -> str | None:
     return None
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
 def kernel():
-    """The compiled module (`pack`, `linear`), or None with one warning saying why."""
+    """The compiled module (`pack`, `linear`), or None with one warning saying why. Built or loaded once
+    per process, also when several threads build runners at once."""
+    with _LOCK:
+        return _kernel()
+
+
+@functools.cache
+def _kernel():
     why = _usable()
     if why is not None:
         return None
@@ -61,6 +75,9 @@ def kernel():
                       stacklevel=2)
         return None
     return mod
+
+
+kernel.cache_clear = _kernel.cache_clear  # forget the result (tests)
 
 
 def _build(name: str, flags: list[str], build: Path):
@@ -104,11 +121,10 @@ def _self_check(mod) -> None:
 
 
 class StreamWeight:
-    """One weight [O, K] in panels for the kernel, stored as `dtype` (float32, bfloat16, float16, or int8
-    with one fp32 scale per output); bias folded in. Calls take and return fp32."""
+    """One weight [O, K] in panels for the kernel, stored in its own dtype (float32, bfloat16, float16, or
+    int8 with one fp32 scale per output); bias folded in. Calls take and return fp32."""
 
-    def __init__(self, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
-                 scale: torch.Tensor | None = None) -> None:
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
         mod = kernel()
         self.out_features = w.shape[0]
         pad = -(-self.out_features // PANEL) * PANEL
@@ -120,7 +136,7 @@ class StreamWeight:
             return out
 
         self.scale, self.bias = padded(scale, 1.0), padded(bias, 0.0)
-        self.w = mod.pack(w.to(dtype).contiguous())
+        self.w = mod.pack(w.contiguous())
         self._linear = mod.linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
