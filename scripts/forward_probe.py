@@ -52,7 +52,8 @@ def main() -> None:
     step = lambda run=r: (run.forward(ids[200:201]), run.rollback())  # noqa: E731
     whole = median_ms(step)
     orig = Linear.__call__
-    Linear.__call__ = lambda self, x: x.new_zeros(x.shape[:-1] + (self.out_features,))
+    Linear.__call__ = lambda self, x, residual=None: (x.new_zeros(x.shape[:-1] + (self.out_features,))
+                                                      if residual is None else residual)
     no_lin = median_ms(step)
     Linear.__call__ = orig
     xs = {576: torch.randn(1, 1, 576), 1536: torch.randn(1, 1, 1536)}

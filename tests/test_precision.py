@@ -154,13 +154,19 @@ def test_int8_sampling_matches_the_int8_targets_distribution(shape):
     assert chi2_pvalue(counts, runner_first3(target, prompt, params, v)) > 1e-3
 
 
-def test_weights_are_checked_and_need_the_lean_runner():
+def test_weights_are_checked_and_need_the_lean_runner(monkeypatch):
+    from specdec.target import stream
+
     with pytest.raises(SpecdecError, match="weights"):
         Runtime(weights="int4")
     with pytest.raises(SpecdecError, match="weights=int8 needs the lean runner"):
         make_runner(tiny_model("llama"), "hf", "int8")
     assert make_runner(tiny_model("llama"), "auto", "int8").weights == "int8"
-    # exact rows by default only for a reduced precision (the fp32 fast path keeps greedy up to ties)
+    # exact rows at every precision on the fused kernels (row-by-row attention costs nothing there)
+    assert make_runner(tiny_model("llama"), "auto", "int8").exact_rows > 0
+    assert make_runner(tiny_model("llama"), "auto").exact_rows > 0
+    # without them, only for a reduced precision (the fp32 fast path keeps greedy up to ties)
+    monkeypatch.setattr(stream, "kernel", lambda: None)
     assert make_runner(tiny_model("llama"), "auto", "int8").exact_rows > 0
     assert make_runner(tiny_model("llama"), "auto").exact_rows == 0
 

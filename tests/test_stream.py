@@ -122,3 +122,100 @@ def test_it_can_be_switched_off(monkeypatch):
         assert LeanRunner(tiny_model("llama")).decode_kernel in ("gemv", "packed")
     finally:
         stream.kernel.cache_clear()
+
+
+# ---- the fused per-layer ops (kernels/fused.cpp) ----
+
+needs_kernel = pytest.mark.skipif(not X86_AVX2, reason="the fused ops are part of the x86-64 kernel")
+
+
+def attention_reference(q, kc, vc, visible):
+    """float64 softmax attention of q [n, nh*hd] over the cache rows visible[i] (bool [end]) per row."""
+    n, nkv, hd = q.shape[0], kc.shape[0], kc.shape[2]
+    nh = q.shape[1] // hd
+    out = torch.empty(n, nh, hd, dtype=torch.float64)
+    for i in range(n):
+        cols = visible[i].nonzero().flatten()
+        for h in range(nh):
+            kh, vh = kc[h // (nh // nkv), cols].double(), vc[h // (nh // nkv), cols].double()
+            p = torch.softmax(kh @ q[i, h * hd:(h + 1) * hd].double() / hd ** 0.5, 0)
+            out[i, h] = p @ vh
+    return out.view(n, -1).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("hd", [16, 64, 128])
+def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd):
+    ops = stream.kernel()
+    g = torch.Generator().manual_seed(hd)
+    nh, nkv, start, n, cap = 6, 2, 37, 9, 64
+    kc, vc = torch.randn(nkv, cap, hd, generator=g), torch.randn(nkv, cap, hd, generator=g)
+    q = torch.randn(n, nh * hd, generator=g) * 3
+    tree = torch.rand(n, start + n, generator=g) < 0.6  # an arbitrary visibility pattern, every row sees itself
+    tree[:, :start] |= torch.arange(start) < 5
+    tree[torch.arange(n), start + torch.arange(n)] = True
+    chain = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+    for mask, visible in ((tree, tree), (None, chain)):
+        out = ops.attend(q, kc, vc, start, mask)
+        ref = attention_reference(q, kc, vc, visible)
+        assert (out - ref).abs().max() < 1e-5
+        for i in range(n):  # each row alone, and with other columns added to the cache: the same bits
+            row_mask = visible[i:i + 1].clone()
+            assert torch.equal(ops.attend(q[i:i + 1], kc, vc, start + i, row_mask), out[i:i + 1])
+            wider = torch.cat([row_mask, torch.zeros(1, 7, dtype=torch.bool)], 1)
+            assert torch.equal(ops.attend(q[i:i + 1], kc, vc, 0, wider), out[i:i + 1])
+
+
+@needs_kernel
+def test_fused_elementwise_ops_match_torch():
+    ops = stream.kernel()
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(11, 96, generator=g) * 4, torch.randn(96, generator=g)
+    x[3] *= 1e3
+    ref = F.rms_norm(x.double(), (96,), w.double(), 1e-5).float()
+    y = ops.rms_norm(x, w, 1e-5)
+    assert ((y - ref).abs() / ref.abs().clamp(min=1e-3)).max() < 1e-5
+    assert torch.equal(torch.cat([ops.rms_norm(x[i:i + 1], w, 1e-5) for i in range(11)]), y)
+    gu = torch.randn(5, 2 * 64, generator=g) * 30  # exp far into both tails
+    gate, up = gu.double().chunk(2, -1)
+    ref = (F.silu(gate) * up).float()
+    assert ((ops.silu_mul(gu) - ref).abs() / ref.abs().clamp(min=1e-6)).max() < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_fused_layer_computes_the_torch_layer(family):
+    """llama.Block on the fused kernels against its own torch ops with the same linears: prefill (SDPA),
+    decode, a chain and a tree (row by row), the same output and the same K/V written."""
+    from specdec.target.kv import KVCache
+    from specdec.target.llama import Block, Rope
+
+    model = tiny_model(family)
+    layer, cfg = model.model.layers[1], model.config
+    block = Block(layer, 0, cfg.rms_norm_eps)
+    assert block.fused is not None
+    ops = block.fused
+    rope = Rope(model.model.rotary_emb, torch.device("cpu"), torch.float32, 64)
+    rope.grow(64)
+    caches = [KVCache(1, block.n_kv, block.head_dim, 64, "cpu", torch.float32, 64) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    steps = [(0, 20, None, True), (20, 1, None, False), (21, 3, "chain", False), (24, 4, tree, False)]
+    for start, n, mask, causal in steps:
+        if isinstance(mask, torch.Tensor):
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool), mask], 1)
+        elif mask == "chain":
+            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        h = torch.randn(1, n, cfg.hidden_size, generator=g)
+        pos = torch.arange(start, start + n)
+        cos, sin = rope(pos)
+        rows = True if n <= 8 else None
+        outs = []
+        for kv, fused in zip(caches, (ops, None)):
+            block.fused = fused
+            outs.append(block(h, cos, sin, kv, start, mask, causal, rows))
+        block.fused = ops
+        assert (outs[0] - outs[1]).abs().max() < 1e-5, (start, n)
+        end = start + n
+        assert torch.allclose(caches[0].k[..., :end, :], caches[1].k[..., :end, :], atol=1e-6)
+        assert torch.allclose(caches[0].v[..., :end, :], caches[1].v[..., :end, :], atol=1e-6)

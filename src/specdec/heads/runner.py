@@ -29,9 +29,9 @@ class _PadDown:
     def __init__(self, down: Linear) -> None:
         self.down, self.out = down, None
 
-    def __call__(self, x: torch.Tensor) -> int:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | int:
         self.out = self.down(x)
-        return 0
+        return 0 if residual is None else residual
 
 
 class HeadRunner(Cached):
@@ -95,11 +95,11 @@ class HeadRunner(Cached):
             mask, causal = chain_attention(start, n, self.device)
         else:
             mask = mask.to(self.device)
-        for layer in self.layers:
-            h = layer(h, cos, sin, kv, start, mask, causal)
+        for layer in self.layers:  # the fused kernels attend row by row (cheaper than SDPA for a few rows)
+            h = layer(h, cos, sin, kv, start, mask, causal, True if layer.fused is not None and n <= 64 else None)
         kv.n_pending += n
         if self.pad_down is not None:
-            f, g = pad_outputs(h[0], self.pad_down.out[0])
+            f, g = pad_outputs(h[0], self.pad_down.out.reshape(n, -1))
             self.pad_down.out = None
             return f, g
         return h[0], h[0]

@@ -59,6 +59,9 @@ class LeanRunner(Runner):
         head = model.get_output_embeddings()
         self.lm_head = Linear(head.weight, getattr(head, "bias", None), pack, weights, exact)
         linears = [self.lm_head] + [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
+        # the fused kernels attend row by row at no extra cost: exact rows at every precision there
+        self.fused = self.layers[0].fused if all(b.fused is not None for b in self.layers) else None
+        exact = exact or self.fused is not None
         self.exact_rows = EXACT_ROWS if exact and all(x.invariant for x in linears) else 0
         self.vocab_size = head.weight.shape[0]
         self.windows = self._windows(cfg, len(self.layers))
@@ -140,9 +143,10 @@ class LeanRunner(Runner):
                     )
                     masks[w] = base & ((positions[:, None] - kv.pos[None, :end]) < w)
                 m, c = masks[w], False
-            if exact and w not in rows:
-                rows[w] = visible_columns(None if chain and m is mask else m, start, n)
+            if exact and w not in rows:  # the fused kernels read the mask themselves
+                rows[w] = True if self.fused else visible_columns(None if chain and m is mask else m, start, n)
             h = layer(h, cos, sin, kv, start, m, c, rows[w] if exact else None)
-        feats = F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps)
+        feats = (self.fused.rms_norm(h[0], self.norm, self.eps) if self.fused
+                 else F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps))
         wanted = feats if logits_rows is None else feats[logits_rows]
         return ForwardOut(self.lm_head(wanted), feats)

@@ -116,9 +116,14 @@ class Linear:
     def packed(self) -> bool:
         return self.stream is not None or self.parts[0].packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, plus `residual` when given (added last: the same bits as adding it afterwards)."""
         if self.stream is not None:
-            return self.stream(x)
+            return self.stream(x, residual)
+        y = self._linear(x)
+        return y if residual is None else residual + y
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.numel() == x.shape[-1]:
             return F.linear(x, self.gemv, self.bias)
         one = len(self.parts) == 1 and self.scale is None

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 
-SOURCE = Path(__file__).with_name("kernels") / "stream.cpp"
+SOURCES = [Path(__file__).with_name("kernels") / f for f in ("stream.cpp", "fused.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # no contraction: sums in source order
 AVX512 = ["-mavx512f"]  # the same per-lane operations in 16-lane vectors: the same bits, fewer instructions
 PANEL = 16  # outputs per panel (stream.cpp's P)
@@ -61,8 +61,8 @@ def _kernel():
     if why is not None:
         return None
     flags = FLAGS + (AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
-                                      sys.version.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES), " ".join(flags).encode(),
+                                      torch.__version__.encode(), sys.version.encode()])).hexdigest()[:16]
     name = f"specdec_stream_{key}"
     build = cache_dir() / "kernels" / f"stream-{key}"
     try:
@@ -88,8 +88,8 @@ def _build(name: str, flags: list[str], build: Path):
 
     _ninja_on_path()
     with atomic_dir(build) as tmp:
-        return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(tmp),
-                    verbose=False)
+        return load(name, [str(f) for f in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(tmp), verbose=False)
 
 
 def _import(name: str, so: Path):
@@ -139,5 +139,5 @@ class StreamWeight:
         self.w = mod.pack(w.contiguous())
         self._linear = mod.linear
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.w, self.out_features, self.scale, self.bias)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self._linear(x, self.w, self.out_features, self.scale, self.bias, residual)

@@ -38,13 +38,15 @@ inline __m512 load16(const int8_t* w) {  // int8 -> fp32, exact
 #define SPECDEC_ROW(r) \
   if constexpr (R > r) a##r = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * K + k]), a##r);
 #define SPECDEC_OUT(r)                                                                                       \
-  if constexpr (R > r)                                                                                       \
-    _mm512_mask_storeu_ps(y + r * O, m, _mm512_add_ps(_mm512_mul_ps(a##r, _mm512_loadu_ps(scale)),           \
-                                                      _mm512_loadu_ps(bias)));
+  if constexpr (R > r) {                                                                                     \
+    __m512 v = _mm512_add_ps(_mm512_mul_ps(a##r, _mm512_loadu_ps(scale)), _mm512_loadu_ps(bias));            \
+    if (res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, res + r * O));                                    \
+    _mm512_mask_storeu_ps(y + r * O, m, v);                                                                  \
+  }
 
 template <int R, typename W>
-void panel(const float* x, int64_t K, const W* p, const float* scale, const float* bias, float* y, int64_t O,
-           int valid) {
+void panel(const float* x, int64_t K, const W* p, const float* scale, const float* bias, const float* res,
+           float* y, int64_t O, int valid) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
          a9 = a0, a10 = a0, a11 = a0;
   for (int64_t k = 0; k < K; k++) {
@@ -81,18 +83,23 @@ inline __m256 load8(const int8_t* w) {  // int8 -> fp32, exact
     a##r##1 = _mm256_fmadd_ps(w1, xb, a##r##1);                         \
   }
 #define SPECDEC_OUT(r)                                                  \
-  if constexpr (R > r) store(a##r##0, a##r##1, scale, bias, y + r * O, valid);
+  if constexpr (R > r) store(a##r##0, a##r##1, scale, bias, res ? res + r * O : nullptr, y + r * O, valid);
 
-inline void store(__m256 lo, __m256 hi, const float* scale, const float* bias, float* y, int valid) {
+inline void store(__m256 lo, __m256 hi, const float* scale, const float* bias, const float* res, float* y,
+                  int valid) {
   alignas(32) float out[P];
   _mm256_store_ps(out, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(scale)), _mm256_loadu_ps(bias)));
   _mm256_store_ps(out + 8, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(scale + 8)), _mm256_loadu_ps(bias + 8)));
-  std::memcpy(y, out, sizeof(float) * valid);
+  if (res) {
+    for (int j = 0; j < valid; j++) y[j] = out[j] + res[j];
+  } else {
+    std::memcpy(y, out, sizeof(float) * valid);
+  }
 }
 
 template <int R, typename W>
-void panel(const float* x, int64_t K, const W* p, const float* scale, const float* bias, float* y, int64_t O,
-           int valid) {
+void panel(const float* x, int64_t K, const W* p, const float* scale, const float* bias, const float* res,
+           float* y, int64_t O, int valid) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
          a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   for (int64_t k = 0; k < K; k++) {
@@ -107,17 +114,17 @@ void panel(const float* x, int64_t K, const W* p, const float* scale, const floa
 
 // the last N % RB rows: panel<rem>
 template <int R, typename W>
-void tail(int rem, const float* x, int64_t K, const W* p, const float* s, const float* b, float* y, int64_t O,
-          int valid) {
+void tail(int rem, const float* x, int64_t K, const W* p, const float* s, const float* b, const float* r, float* y,
+          int64_t O, int valid) {
   if constexpr (R > 0) {
-    if (rem == R) panel<R>(x, K, p, s, b, y, O, valid);
-    else tail<R - 1>(rem, x, K, p, s, b, y, O, valid);
+    if (rem == R) panel<R>(x, K, p, s, b, r, y, O, valid);
+    else tail<R - 1>(rem, x, K, p, s, b, r, y, O, valid);
   }
 }
 
 template <typename W>
 void run(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const float* scale, const float* bias,
-         float* y) {
+         const float* res, float* y) {
   const int64_t panels = (O + P - 1) / P;
   const int64_t grain = std::max<int64_t>(1, 16384 / (K * P * int64_t(sizeof(W))) + 1);
   at::parallel_for(0, panels, grain, [&](int64_t lo, int64_t hi) {
@@ -127,8 +134,9 @@ void run(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const floa
       const int valid = static_cast<int>(std::min<int64_t>(P, O - o));
       const float *s = scale + o, *b = bias + o;
       int64_t n = 0;
-      for (; n + RB <= N; n += RB) panel<RB>(x + n * K, K, p, s, b, y + n * O + o, O, valid);
-      tail<RB - 1>(static_cast<int>(N - n), x + n * K, K, p, s, b, y + n * O + o, O, valid);
+      for (; n + RB <= N; n += RB) panel<RB>(x + n * K, K, p, s, b, res ? res + n * O + o : nullptr, y + n * O + o, O, valid);
+      tail<RB - 1>(static_cast<int>(N - n), x + n * K, K, p, s, b, res ? res + n * O + o : nullptr, y + n * O + o, O,
+                   valid);
     }
   });
 }
@@ -144,9 +152,10 @@ torch::Tensor pack(const torch::Tensor& w) {
   return padded.view({panels, P, K}).transpose(1, 2).contiguous().view({-1});
 }
 
-// x [..., K] fp32; packed from pack(); scale and bias fp32 [ceil(O/16) * 16] (padded) -> [..., O]
+// x [..., K] fp32; packed from pack(); scale and bias fp32 [ceil(O/16) * 16] (padded) -> [..., O];
+// with residual [..., O]: residual + that (the layer's skip connection, the same bits as adding after)
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t O, const torch::Tensor& scale,
-                     const torch::Tensor& bias) {
+                     const torch::Tensor& bias, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be fp32 on the CPU");
   const int64_t K = x.size(-1), panels = (O + P - 1) / P;
   TORCH_CHECK(packed.is_contiguous() && packed.numel() == panels * P * K, "packed weights do not match x");
@@ -159,17 +168,38 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   auto y = torch::empty({N, O}, x.options());
   const float *xp = xs.data_ptr<float>(), *sp = scale.data_ptr<float>(), *bp = bias.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const float* rp = nullptr;
+  torch::Tensor r;
+  if (residual.has_value()) {
+    r = residual->reshape({-1, O}).contiguous();
+    TORCH_CHECK(r.scalar_type() == torch::kFloat && r.size(0) == N, "residual must be fp32 and match the output");
+    rp = r.data_ptr<float>();
+  }
   switch (packed.scalar_type()) {
-    case torch::kFloat: run(xp, N, K, packed.data_ptr<float>(), O, sp, bp, yp); break;
-    case torch::kBFloat16: run(xp, N, K, packed.data_ptr<at::BFloat16>(), O, sp, bp, yp); break;
-    case torch::kHalf: run(xp, N, K, packed.data_ptr<at::Half>(), O, sp, bp, yp); break;
-    case torch::kChar: run(xp, N, K, packed.data_ptr<int8_t>(), O, sp, bp, yp); break;
+    case torch::kFloat: run(xp, N, K, packed.data_ptr<float>(), O, sp, bp, rp, yp); break;
+    case torch::kBFloat16: run(xp, N, K, packed.data_ptr<at::BFloat16>(), O, sp, bp, rp, yp); break;
+    case torch::kHalf: run(xp, N, K, packed.data_ptr<at::Half>(), O, sp, bp, rp, yp); break;
+    case torch::kChar: run(xp, N, K, packed.data_ptr<int8_t>(), O, sp, bp, rp, yp); break;
     default: TORCH_CHECK(false, "weights must be fp32, bf16, fp16 or int8");
   }
   return y.view(shape);
 }
 
+// kernels/fused.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gu);
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv);
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
+                     const c10::optional<torch::Tensor>& mask);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("pack", &pack);
-  m.def("linear", &linear);
+  m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("O"), py::arg("scale"), py::arg("bias"),
+        py::arg("residual") = py::none());
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("rope_store", &rope_store);
+  m.def("attend", &attend, py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("start"), py::arg("mask") = py::none());
 }

@@ -1,0 +1,243 @@
+// The small per-layer operations of a decode step or verify tree, one call each (issue 23): RMSNorm,
+// RoPE + the K/V cache write, attention, SiLU(gate) * up. Built into the same module as stream.cpp.
+//
+// Why: on a 2-core CPU these ~20 torch ops per layer cost ~4 ms of a ~20 ms SmolLM2 step in dispatch and
+// small allocations, not arithmetic. Here they are 4 calls per layer.
+//
+// Row invariant by construction, like the linears: every output row is computed from its own input row
+// (and, for attention, exactly its visible cache columns, in column order) by a fixed sequence of
+// operations, whatever else is in the call. The vector width is 8 lanes in every build, so the AVX2 and
+// AVX-512 builds give the same bits.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int L = 8;  // lanes
+
+inline float hsum(__m256 v) {  // lanes summed in a fixed order
+  alignas(32) float t[L];
+  _mm256_store_ps(t, v);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+// exp, Cephes' single-precision polynomial (~1 ulp on [-88, 88]): what torch's vectorised exp does too,
+// in its own variant; both are within a few ulp of the true value.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                            _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1,
+              name, " must be 2-D fp32 on the CPU with contiguous rows");
+}
+
+}  // namespace
+
+// x [N, H] -> x * rsqrt(mean(x^2) + eps) * w, per row
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  const int64_t N = x.size(0), H = x.size(1);
+  TORCH_CHECK(H % L == 0 && w.is_contiguous() && w.numel() == H && w.scalar_type() == torch::kFloat);
+  auto y = torch::empty({N, H}, x.options());
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / H), [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; n++) {
+      const float* xr = x.data_ptr<float>() + n * x.stride(0);
+      float* yr = y.data_ptr<float>() + n * H;
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = 0; k < H; k += L) {
+        const __m256 v = _mm256_loadu_ps(xr + k);
+        s = _mm256_fmadd_ps(v, v, s);
+      }
+      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum(s) / float(H) + float(eps)));
+      for (int64_t k = 0; k < H; k += L)
+        _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), r), _mm256_loadu_ps(wp + k)));
+    }
+  });
+  return y;
+}
+
+// gu [N, 2I] (gate, up) -> silu(gate) * up [N, I]
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  const int64_t N = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(I % L == 0, "intermediate size must be a multiple of 8");
+  auto y = torch::empty({N, I}, gu.options());
+  const __m256 one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / I), [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; n++) {
+      const float* g = gu.data_ptr<float>() + n * gu.stride(0);
+      const float* u = g + I;
+      float* yr = y.data_ptr<float>() + n * I;
+      for (int64_t k = 0; k < I; k += L) {
+        const __m256 gv = _mm256_loadu_ps(g + k);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(yr + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+      }
+    }
+  });
+  return y;
+}
+
+// qkv [n, (nh + 2 nkv) * hd]; cos, sin [n, hd] (sin with rotate_half's sign folded in, as llama.Rope).
+// Rotates q and k (x * cos + swap_halves(x) * sin, HF's order of operations), writes k and v to cache
+// rows start..start+n of kc, vc [nkv, capacity, hd]; returns q [n, nh * hd].
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t n = qkv.size(0), hd = cos.size(1), half = hd / 2;
+  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * hd && cos.size(0) == n && sin.size(0) == n && hd % 2 == 0);
+  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 &&
+              kc.size(1) >= start + n && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
+              vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat);
+  auto q = torch::empty({n, nh * hd}, qkv.options());
+  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *qp = q.data_ptr<float>();
+  const int64_t hs = kc.stride(0), rs = kc.stride(1);
+  for (int64_t i = 0; i < n; i++) {
+    const float* row = qkv.data_ptr<float>() + i * qkv.stride(0);
+    const float *c = cos.data_ptr<float>() + i * cos.stride(0), *s = sin.data_ptr<float>() + i * sin.stride(0);
+    for (int64_t h = 0; h < nh + nkv; h++) {
+      const float* x = row + h * hd;
+      float* out = h < nh ? qp + i * nh * hd + h * hd : kp + (h - nh) * hs + (start + i) * rs;
+      for (int64_t d = 0; d < hd; d++) {
+        const float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * s[d];
+        out[d] = a + b;
+      }
+    }
+    for (int64_t h = 0; h < nkv; h++)
+      std::memcpy(vp + h * hs + (start + i) * rs, row + (nh + nkv + h) * hd, sizeof(float) * hd);
+  }
+  return q;
+}
+
+namespace {
+
+// Eight columns' 8-lane partial dot products -> their eight sums, each lane order the same as hsum's:
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). A column's sum depends only on its own partials.
+inline __m256 hsum8(const float* part) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_loadu_ps(part), _mm256_loadu_ps(part + L));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_loadu_ps(part + 2 * L), _mm256_loadu_ps(part + 3 * L));
+  const __m256 t2 = _mm256_hadd_ps(_mm256_loadu_ps(part + 4 * L), _mm256_loadu_ps(part + 5 * L));
+  const __m256 t3 = _mm256_hadd_ps(_mm256_loadu_ps(part + 6 * L), _mm256_loadu_ps(part + 7 * L));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One query row of one head over its m visible columns `cols`: NB = head_dim / 8 vectors per row.
+template <int NB>
+void attend_one(const float* qv, const float* kh, const float* vh, int64_t rs, const int32_t* cols, int64_t m,
+                float scale, float* part, float* p, float* out) {
+  __m256 qr[NB];
+  for (int d = 0; d < NB; d++) qr[d] = _mm256_loadu_ps(qv + d * L);
+  for (int64_t c = 0; c < m; c++) {  // 8-lane partial dot products, two chains
+    const float* kr = kh + cols[c] * rs;
+    __m256 a0 = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kr)), a1 = _mm256_mul_ps(qr[1], _mm256_loadu_ps(kr + L));
+    for (int d = 2; d + 1 < NB; d += 2) {
+      a0 = _mm256_fmadd_ps(qr[d], _mm256_loadu_ps(kr + d * L), a0);
+      a1 = _mm256_fmadd_ps(qr[d + 1], _mm256_loadu_ps(kr + (d + 1) * L), a1);
+    }
+    _mm256_storeu_ps(part + c * L, _mm256_add_ps(a0, a1));
+  }
+  const int64_t m8 = (m + L - 1) / L * L;
+  std::memset(part + m * L, 0, sizeof(float) * L * (m8 - m));
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t c = 0; c < m8; c += L) _mm256_storeu_ps(p + c, _mm256_mul_ps(hsum8(part + c * L), sc));
+  float tmax = -INFINITY;
+  for (int64_t c = 0; c < m; c++) tmax = std::max(tmax, p[c]);
+  for (int64_t c = m; c < m8; c++) p[c] = -INFINITY;  // padding columns: exp gives 0
+  const __m256 tv = _mm256_set1_ps(tmax);
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t c = 0; c < m8; c += L) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + c), tv));
+    _mm256_storeu_ps(p + c, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  const float sum = hsum(sv);
+  __m256 o[NB];
+  for (int d = 0; d < NB; d++) o[d] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < m; c++) {
+    const __m256 pc = _mm256_set1_ps(p[c]);
+    const float* vr = vh + cols[c] * rs;
+    for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + d * L), o[d]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (int d = 0; d < NB; d++) _mm256_storeu_ps(out + d * L, _mm256_mul_ps(o[d], inv));
+}
+
+}  // namespace
+
+// q [n, nh * hd]; kc, vc [nkv, capacity, hd]; row i sees the cache columns where mask[i] is true (mask
+// [n, end] bool), or with no mask columns 0..start+i (a chain). softmax(q k^T / sqrt(hd)) v per head,
+// over those columns in order -> [n, nh * hd].
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
+                     const c10::optional<torch::Tensor>& mask) {
+  check_rows(q, "q");
+  const int64_t n = q.size(0), nkv = kc.size(0), hd = kc.size(2), nh = q.size(1) / hd, group = nh / nkv;
+  TORCH_CHECK((hd == 16 || hd == 32 || hd == 64 || hd == 128) && nh * hd == q.size(1) && nh % nkv == 0 &&
+              kc.stride(2) == 1 && vc.strides() == kc.strides(), "attend: head_dim must be 16, 32, 64 or 128");
+  const bool* mp = nullptr;
+  int64_t end = start + n, ms = 0;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == n &&
+                mask->stride(1) == 1, "mask must be bool [n, end] with contiguous rows");
+    end = mask->size(1);
+    mp = mask->data_ptr<bool>();
+    ms = mask->stride(0);
+  }
+  TORCH_CHECK(kc.size(1) >= end, "the cache is shorter than the mask");
+  auto out = torch::empty({n, nh * hd}, q.options());
+  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t hs = kc.stride(0), rs = kc.stride(1);
+  const float scale = 1.0f / std::sqrt(float(hd));
+  // tasks: (row, head), so that 2 threads share even one decode row's 9 heads about evenly
+  const int64_t grain = std::max<int64_t>(1, 32768 / (end * hd));
+  at::parallel_for(0, n * nh, grain, [&](int64_t lo, int64_t hi) {
+    const int64_t m8 = (end + L - 1) / L * L;
+    std::vector<float> part(m8 * L), p(m8);
+    std::vector<int32_t> cols(end);
+    int64_t row = -1, m = 0;
+    for (int64_t t = lo; t < hi; t++) {
+      const int64_t i = t / nh, h = t % nh, g = h / group;
+      if (i != row) {  // this row's visible columns
+        row = i, m = 0;
+        if (mp) {
+          for (int64_t j = 0; j < end; j++)
+            if (mp[i * ms + j]) cols[m++] = int32_t(j);
+        } else {
+          for (int64_t j = 0; j <= start + i; j++) cols[m++] = int32_t(j);
+        }
+      }
+      const float* qv = q.data_ptr<float>() + i * q.stride(0) + h * hd;
+      float* orow = out.data_ptr<float>() + i * nh * hd + h * hd;
+      const float *kh = kp + g * hs, *vh = vp + g * hs;
+      switch (hd) {
+        case 16: attend_one<2>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
+        case 32: attend_one<4>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
+        case 64: attend_one<8>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
+        default: attend_one<16>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
+      }
+    }
+  });
+  return out;
+}
