@@ -111,7 +111,8 @@ def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
             "target_shape": [getattr(cfg, "hidden_size", 0), getattr(cfg, "num_hidden_layers", 0),
                              getattr(runner, "vocab_size", 0)],
             "dtype": str(runner.dtype), "weights": getattr(runner, "weights", ""), "device": str(runner.device),
-            "kernel": getattr(runner, "decode_kernel", ""), "head": Path(head_dir).name if head_dir else "",
+            "kernel": getattr(runner, "decode_kernel", ""),
+            "kernel_build": getattr(runner, "kernel_build", ""), "head": Path(head_dir).name if head_dir else "",
             "menu": [list(b.__dict__.values()) for b, _ in menu],
             "lookup": lookup}
 

@@ -10,6 +10,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specdec.target import stream
 from specdec.target.base import ForwardOut, Runner
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, Rope, chain_attention, visible_columns
@@ -70,6 +71,8 @@ class LeanRunner(Runner):
         self.rope = Rope(base.rotary_emb, self.device, self.dtype, self.max_length)
         self.rope.grow(self.cache.capacity)  # positions never exceed the number of cache rows
         self.decode_kernel = self._pick_decode_kernel(linears)
+        # which build of the kernels ran (their source hash): costs measured on another build are stale
+        self.kernel_build = stream.kernel().__name__ if self.decode_kernel == "stream" else ""
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
