@@ -178,6 +178,7 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
     from specdec.heads.io import load_head
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    torch.set_num_threads(2)  # an earlier test (a training run with --threads 1) may have left another count
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     eagle = drafter_for(tiny, head, True)

@@ -26,6 +26,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.runner import HeadRunner
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
+from specdec.target import stream
 from specdec.tree import DraftTree, NodeSlots, StepFn, TreeBudget, build_dynamic_tree
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
@@ -257,13 +258,26 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
         if head.meta.get("lm_head", "target") != "target":
             raise SpecdecError("full_vocab needs a head whose reduced LM head rows are the target's (lm_head: target)")
         head.lm_head, head.d2t, head.draft_vocab_size = None, None, None
-    lm = None
+    lm, weights = None, draft_weights(runner, head)
     if head.lm_head is None:
-        # reuse the target runner's (pre-packed) LM head rather than holding a second copy
+        # reuse the target runner's (pre-packed) LM head rather than holding a second copy, unless the
+        # head stores its weights in another precision (then the full head is those rows, rounded alike)
         lm = getattr(runner, "lm_head", None)
-        if not callable(lm) or isinstance(lm, torch.nn.Module):
+        if not callable(lm) or isinstance(lm, torch.nn.Module) or weights != getattr(runner, "weights", None):
             lm = model.get_output_embeddings().weight
-    return HeadRunner(head, embed, lm, weights=getattr(runner, "weights", None)), str(head_dir)
+    return HeadRunner(head, embed, lm, weights=weights), str(head_dir)
+
+
+def draft_weights(runner, head) -> str | None:
+    """The head's weight precision: the target's, except fp16 in place of fp32 on the streaming kernel.
+    Why: heads ship in fp16, so their own weights lose nothing, and a draft step reads half the bytes
+    (0.82 -> 0.48 ms per step for SmolLM2's head, docs/benchmarks.md); only the target's LM head rows are
+    rounded, which moves draft scores, never what is accepted."""
+    weights = getattr(runner, "weights", None)
+    if weights not in (None, "fp32") or stream.kernel() is None:
+        return weights
+    top = max(float(p.detach().abs().max()) for p in head.parameters())
+    return "fp16" if top < 6e4 else weights  # fp16 overflows past 65504
 
 
 def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None = None) -> TreeBudget:
