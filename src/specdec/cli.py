@@ -9,6 +9,7 @@ from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
+from specdec.heads import medusa_cli
 from specdec.options import add_flags, flag_values
 from specdec.target.loading import Runtime
 from specdec.training import datagen, train
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     datagen.add_parser(sub)
     train.add_parser(sub)
     tune_cli.add_parser(sub)
+    medusa_cli.add_parser(sub)
     add_bench_parser(sub)
     return ap
 

@@ -37,6 +37,7 @@ class Stats:
     finish_reason: str = ""
     wait_time: float = 0.0  # waiting for another request's turn on a shared Decoder (not in tok/s)
     resumes: int = 0  # times another request took the runner meanwhile and this one rebuilt its state
+    acceptance: str = "lossless"  # or the lossy rule that ran (Medusa's typical acceptance at T > 0)
 
     @property
     def tau(self) -> float:
@@ -96,7 +97,7 @@ class Stats:
             "tree_size_histogram": self.tree_size_histogram(), "vanilla_share": round(self.vanilla_share, 4),
             "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
                      "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time},
-            "finish_reason": self.finish_reason, "resumes": self.resumes,
+            "finish_reason": self.finish_reason, "resumes": self.resumes, "acceptance": self.acceptance,
         }
 
 
@@ -134,6 +135,9 @@ def decode(
         )
     dev = runner.device
     gen = params.generator(dev)
+    typical = getattr(drafter, "typical", None)  # a lossy acceptance rule the drafter asks for (Medusa's)
+    if typical is not None and not params.greedy:
+        stats.acceptance = f"LOSSY {typical}"
     lease = lease or Slot().lease()
     t0 = _clock(dev)
     stats.prompt_tokens = len(prompt_ids)
@@ -173,7 +177,7 @@ def decode(
                 positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
                 mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
                 out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask)
-                verdict = verify(tree, out.logits, params, gen)
+                verdict = verify(tree, out.logits, params, gen, typical)
                 keep = [0] + [i + 1 for i in verdict.path]
                 runner.commit(keep)
                 t2 = _clock(dev)

@@ -6,7 +6,7 @@ last accepted token, not yet in the target's KV cache) is implicit and has index
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -233,3 +233,15 @@ def build_dynamic_tree(
     keep = keep.sort().values
     return DraftTree(all_tok, all_par, all_v).select(keep)
 
+
+def check_choices(choices: Sequence[Sequence[int]]) -> list[tuple]:
+    """Rank paths (EAGLE-1's and Medusa's static trees: (0, 1) = the best node's 2nd-ranked child) in
+    tree order; a ValueError saying "must ..." when they do not make a tree."""
+    ordered = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    if not ordered or any(len(c) == 0 or min(c) < 0 for c in ordered):
+        raise ValueError(f"must be non-empty lists of ranks >= 0, e.g. [[0], [1], [0, 0]], got {choices!r}")
+    have = set(ordered)
+    for c in ordered:
+        if len(c) > 1 and c[:-1] not in have:
+            raise ValueError(f"must hold every path's parent: {list(c)} needs its parent {list(c[:-1])}")
+    return ordered

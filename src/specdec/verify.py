@@ -15,6 +15,18 @@ from specdec.sampling import SamplingParams, probs_from_logits
 from specdec.tree import DraftTree
 
 
+@dataclass(frozen=True)
+class Typical:
+    """Medusa's typical acceptance (LOSSY, opt-in): a draft token x is accepted where the target's
+    p(x) > min(epsilon, delta * exp(-H(p))); the longest accepted path wins; at T = 0 it is greedy."""
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def __str__(self) -> str:
+        return f"typical(epsilon={self.epsilon:g}, delta={self.delta:g})"
+
+
 @dataclass
 class Verdict:
     path: list[int]  # accepted tree nodes, root to leaf
@@ -23,10 +35,14 @@ class Verdict:
 
 
 def verify(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    typical: Typical | None = None,
 ) -> Verdict:
+    """Lossless unless `typical` is given (then lossy at T > 0)."""
     if params.greedy:
         return _verify_greedy(tree, logits)
+    if typical is not None:
+        return _verify_typical(tree, probs_from_logits(logits, params), generator, typical)
     return _verify_stochastic(tree, probs_from_logits(logits, params), generator)
 
 
@@ -90,4 +106,28 @@ def _verify_stochastic(tree: DraftTree, probs: torch.Tensor, generator: torch.Ge
         row = accepted + 1
         p = probs[row]
     bonus = int(torch.multinomial(p, 1, generator=generator).item())
+    return Verdict(path, [toks[i] for i in path] + [bonus], bonus)
+
+
+def _verify_typical(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None, rule: Typical) -> Verdict:
+    """The deepest node whose whole path passes p(x) > min(epsilon, delta exp(-H(p))) at each parent's row
+    (ties: the earliest in draft order); the bonus is sampled from the target at that node's row."""
+    logp = torch.log(probs.clamp_min(1e-38))
+    entropy = -(probs * logp).sum(-1)
+    thresh = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.delta * torch.exp(-entropy))
+    par, toks = tree.parents.tolist(), tree.tokens.tolist()
+    ok = (probs[torch.tensor(par) + 1, tree.tokens] > thresh[torch.tensor(par) + 1]).tolist() if len(tree) else []
+    depth, best = [0] * len(tree), -1
+    for i, p in enumerate(par):  # topological order: a parent's verdict is known before its children
+        live = ok[i] and (p < 0 or depth[p] > 0)
+        depth[i] = (1 if p < 0 else depth[p] + 1) if live else 0
+        if live and (best < 0 or depth[i] > depth[best]):
+            best = i
+    path: list[int] = []
+    while best >= 0:
+        path.append(best)
+        best = par[best]
+    path.reverse()
+    row = path[-1] + 1 if path else 0
+    bonus = int(torch.multinomial(probs[row], 1, generator=generator).item())
     return Verdict(path, [toks[i] for i in path] + [bonus], bonus)

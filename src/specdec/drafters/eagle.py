@@ -27,7 +27,7 @@ from specdec.heads.runner import HeadRunner
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
 from specdec.target import stream
-from specdec.tree import DraftTree, NodeSlots, StepFn, TreeBudget, build_dynamic_tree
+from specdec.tree import DraftTree, NodeSlots, StepFn, TreeBudget, build_dynamic_tree, check_choices
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
 
@@ -72,21 +72,9 @@ def build_static_tree(root_logprobs: torch.Tensor, step: StepFn, choices: Sequen
     return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(scores))
 
 
-def _check_choices(choices: Sequence[Sequence[int]]) -> list[tuple]:
-    """The paths in tree order; a ValueError saying "must ..." when they do not make a tree."""
-    ordered = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
-    if not ordered or any(len(c) == 0 or min(c) < 0 for c in ordered):
-        raise ValueError(f"must be non-empty lists of ranks >= 0, e.g. [[0], [1], [0, 0]], got {choices!r}")
-    have = set(ordered)
-    for c in ordered:
-        if len(c) > 1 and c[:-1] not in have:
-            raise ValueError(f"must hold every path's parent: {list(c)} needs its parent {list(c[:-1])}")
-    return ordered
-
-
 def _choices_or_error(choices: Sequence[Sequence[int]]) -> list[tuple]:
     try:
-        return _check_choices(choices)
+        return check_choices(choices)
     except ValueError as e:
         raise SpecdecError(f"choices {e}") from None
 
@@ -205,7 +193,7 @@ class EagleOptions(HeadOptions):
     @field_validator("choices")
     @classmethod
     def _a_tree(cls, v: list | None) -> list | None:
-        return v if v is None else [list(c) for c in _check_choices(v)]
+        return v if v is None else [list(c) for c in check_choices(v)]
 
 
 class Eagle2Options(HeadOptions):

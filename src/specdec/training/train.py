@@ -9,17 +9,12 @@ the head, the optimizer, the scheduler and the step; it is written to a temporar
 Multi-process: `accelerate launch --multi_gpu --num_processes 2 -m specdec.cli train eagle ...` (on a
 machine without GPUs this is torchrun -> MULTI_CPU, gloo, DDP; `--cpu` would start a single process);
 each process takes a slice of the same global batch and the loss is normalised by the global token
-count, so N processes follow the 1-process run.
+count, so N processes follow the 1-process run. The step loop, checkpoints, the resume check and the data
+checks are loop.py's, shared with `train medusa` (medusa.py).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
-import sys
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -30,12 +25,24 @@ from specdec.heads.fspad import CONNECTORS
 from specdec.heads.shipped import target_fingerprint
 from specdec.options import add_flags, arg_type, flag_values
 from specdec.target.loading import Runtime, materialize
+from specdec.training import medusa
 from specdec.training.datagen import checked, one_line_errors
+from specdec.training.loop import (
+    SCHEDULES,
+    add_config_flags,
+    finished_run,
+    global_sum,
+    load_data,
+    load_resume,
+    load_target,
+    lr_lambda,
+    run_steps,
+)
 from specdec.training.objective import Objective, unrolled, unrolled_mask
-from specdec.training.shards import ShardData, build_draft_vocab, global_batch
+from specdec.training.shards import build_draft_vocab
 
 # the heads (and with them transformers) are imported inside functions: the CLI parser imports this module
-__all__ = ["TrainConfig", "train_eagle", "finished_head", "unrolled", "unrolled_mask"]
+__all__ = ["TrainConfig", "train_eagle", "finished_head", "lr_lambda", "unrolled", "unrolled_mask"]
 
 
 @dataclass
@@ -100,7 +107,6 @@ RULES = {
     "log_every": arg_type(int, ge=1), "seed": arg_type(int, ge=0), "stop_after": arg_type(int, ge=0),
     "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0), "sampler_size": arg_type(int, ge=0),
 }
-SCHEDULES = ("cosine", "linear", "constant")
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip", "init_from",
@@ -109,66 +115,16 @@ RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup
 
 # ---- the trainer ----
 
-def lr_lambda(cfg: TrainConfig, total: int):
-    def f(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / (cfg.warmup + 1)
-        if cfg.schedule == "constant":
-            return 1.0
-        frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
-        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-    return f
-
-
-def _checkpoints(out: Path) -> list[Path]:
-    return sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-
-
-def _save_checkpoint(out: Path, head, opt, sched, step: int, state: dict, keep: int) -> Path:
-    ck = out / "checkpoints"
-    ck.mkdir(parents=True, exist_ok=True)
-    final = ck / f"step-{step:07d}"
-    tmp = ck / f".tmp-step-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save({"model": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": step, "torch_rng": torch.get_rng_state(), **state}, tmp / "state.pt")
-    from specdec.heads.io import save_head
-
-    save_head(head, tmp / "head", extra=state.get("head_meta"))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)  # a checkpoint exists under its real name only when complete
-    for old in _checkpoints(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
 def finished_head(cfg: TrainConfig) -> tuple[Path, int] | None:
     """(cfg.out/head, its step count) when this run is complete: the head is written, the last checkpoint
     is its final step, the settings are the same (and a --ship-to copy exists); else None."""
-    out = Path(cfg.out)
-    ckpts, head = _checkpoints(out), out / "head"
-    try:
-        training = json.loads((head / "config.json").read_text())["specdec"]["training"]
-        saved, total = TrainConfig.from_dict(training["config"]), int(training["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not ckpts or int(ckpts[-1].name.split("-")[1]) < total:
-        return None
-    if any(getattr(saved, k) != getattr(cfg, k) for k in RESUME_KEYS):
-        return None  # the resume check says what differs
-    if cfg.ship_to and not (Path(cfg.ship_to) / "config.json").is_file():
-        return None  # a re-run with a new --ship-to writes that copy
-    return head, total
+    return finished_run(cfg, TrainConfig, RESUME_KEYS, "head")
 
 
 def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool = True) -> dict:
     """Train (or resume) an EAGLE head for `target_model`. Returns a summary; the head ends up in
     cfg.out/head (an HF-style dir usable with `--head`)."""
     from accelerate import Accelerator
-    from tqdm import tqdm
 
     from specdec.heads.io import load_head, save_head
     from specdec.heads.model import EagleHead, head_config
@@ -181,39 +137,12 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         return {"steps": done[1], "total_steps": done[1], "history": [], "head": head, "finished": True,
                 "seconds": 0.0, "data_tokens": head.meta.get("training", {}).get("data_tokens", 0)}
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    rank, world = acc.process_index, acc.num_processes
-    out = Path(cfg.out)
-    dev = acc.device
+    world, dev = acc.num_processes, acc.device
     emb = target_model.get_input_embeddings().weight.detach().to(dev, torch.float32)
     target_lm = target_model.get_output_embeddings().weight.detach().to(dev, torch.float32)
     fp = target_fingerprint(target_model)
-
-    ckpts = _checkpoints(out)
-    resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False) if ckpts else None
-    if resume is not None:
-        saved = TrainConfig.from_dict(resume["config"])
-        for k in RESUME_KEYS:
-            if getattr(saved, k) != getattr(cfg, k):
-                raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
-                                   "resume with the same settings or use another --out")
-    data = ShardData(cfg.data, resume["shards"] if resume else None, cfg.max_len)
-    if any(m.get("target") and m["target"] != fp for m in data.metas):
-        raise SpecdecError(f"the data in {cfg.data} was made with a different target model")
-    if data.hidden_size != target_model.config.hidden_size:
-        raise SpecdecError(f"data features have size {data.hidden_size}, the target {target_model.config.hidden_size}")
-    if not len(data):  # refuse rather than "train" a head on zero-loss rows
-        if data.first_answer is None:
-            raise SpecdecError(f"the {data.n_sequences} sequences in {cfg.data} hold no answer token: "
-                               "nothing to train on")
-        raise SpecdecError(f"--max-len {cfg.max_len} leaves no answer token in any of the {data.n_sequences} "
-                           f"sequences (the earliest answer starts at token {data.first_answer}): "
-                           f"raise --max-len above {data.first_answer}")
-    if 2 * data.dropped > data.n_sequences and acc.is_main_process:
-        print(f"specdec: warning: {data.dropped} of the {data.n_sequences} sequences have no answer token "
-              f"within --max-len {cfg.max_len}: training on the other {len(data)}", file=sys.stderr, flush=True)
-    total = cfg.steps or max(1, int(cfg.epochs * len(data) / cfg.batch_size))
-    if cfg.batch_size < world:
-        raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
+    resume = load_resume(cfg, TrainConfig, RESUME_KEYS)
+    data, total = load_data(cfg, resume, fp, target_model.config.hidden_size, world, acc.is_main_process)
 
     torch.manual_seed(cfg.seed)
     if cfg.init_from:  # the warm start fixes the draft vocabulary too (its rows may come from the target)
@@ -254,27 +183,10 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     n_data = data.n_tokens
     head_meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
                                             "config": asdict(cfg) | {"stop_after": 0, "ship_to": ""}}}
-    log_f = out / "log.jsonl"
-    if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        if log_f.is_file():  # drop log lines of steps a killed run did after its last checkpoint
-            lines = [ln for ln in log_f.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
-            log_f.write_text("".join(ln + "\n" for ln in lines))
-    acc.wait_for_everyone()
     state = {"config": asdict(cfg), "shards": data.names, "head_meta": head_meta}
-    bar = tqdm(total=total, initial=start, disable=not (progress and acc.is_main_process), unit="step",
-               desc=f"train {cfg.kind}", dynamic_ncols=True)
-    acc_stats = torch.zeros(cfg.unroll, 4, device=dev)
-    t0, tok_done, history = time.perf_counter(), 0, []
-    step = start
-    objective.train()
-    while step < total:
-        idx = global_batch(len(data), cfg.batch_size, cfg.seed, step)
-        mine = idx[rank::world]
-        ids, feats, mask = (t.to(dev) for t in data.batch(mine))
-        n_local = mask[:, 1:].sum()
-        n_global = float(acc.reduce(n_local.detach().clone(), reduction="sum")) if world > 1 else float(n_local)
+
+    def step_fn(step, mine, ids, feats, mask):
+        n_global = float(global_sum(acc, mask[:, 1:].sum()))
         noise = None
         if cfg.noise > 0:  # per sequence and step: independent of how the batch is split over processes
             noise = torch.zeros(feats[:, :-1].shape)
@@ -284,46 +196,28 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
                 noise[r, :n_i] = (torch.rand(n_i, noise.shape[-1], generator=g) * 2 - 1) * cfg.noise
             noise = noise.to(dev)
         # DDP averages gradients over processes: scale so the sum matches a global token mean
-        loss, stats = objective(ids, feats, mask, noise, max(n_global, 1.0) / world, cfg.ce_weight)
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        if cfg.clip > 0:
-            acc.clip_grad_norm_(params, cfg.clip)
-        opt.step()
-        sched.step()
-        step += 1
-        acc_stats += stats
-        tok_done += sum(data.spans[i][1] - data.spans[i][0] for i in mine)
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == total:
-            s = acc.reduce(acc_stats.clone(), reduction="sum") if world > 1 else acc_stats
-            n = max(float(s[0, 3]), 1.0)  # step 0 (= plain EAGLE training) keeps the old fields
-            rec = {"step": step, "loss": (float(s[0, 0]) + cfg.ce_weight * float(s[0, 1])) / n,
-                   "feature_loss": float(s[0, 0]) / n,
-                   "ce": float(s[0, 1]) / n, "top1_acc": float(s[0, 2]) / n, "lr": sched.get_last_lr()[0],
-                   "tokens_per_s": tok_done * world / (time.perf_counter() - t0), "processes": world}
-            if cfg.unroll > 1:
-                rec["top1_acc_by_step"] = [round(float(r[2]) / max(float(r[3]), 1.0), 4) for r in s]
-            history.append(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['top1_acc']:.3f}")
-            if acc.is_main_process:
-                with log_f.open("a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
-            acc_stats.zero_()
-        if (step % cfg.save_every == 0 or step == total) and acc.is_main_process:
-            _save_checkpoint(out, acc.unwrap_model(objective).head, opt, sched, step, state, cfg.keep_checkpoints)
-        acc.wait_for_everyone()
-        if cfg.stop_after and step - start >= cfg.stop_after and step < total:
-            break
-    bar.close()
+        return objective(ids, feats, mask, noise, max(n_global, 1.0) / world, cfg.ce_weight)
+
+    def record(s):
+        n = max(float(s[0, 3]), 1.0)  # step 0 (= plain EAGLE training) keeps the old fields
+        rec = {"loss": (float(s[0, 0]) + cfg.ce_weight * float(s[0, 1])) / n, "feature_loss": float(s[0, 0]) / n,
+               "ce": float(s[0, 1]) / n, "top1_acc": float(s[0, 2]) / n}
+        if cfg.unroll > 1:
+            rec["top1_acc_by_step"] = [round(float(r[2]) / max(float(r[3]), 1.0), 4) for r in s]
+        return rec, {"loss": f"{rec['loss']:.3f}", "acc": f"{rec['top1_acc']:.3f}"}
+
+    step, history, seconds = run_steps(
+        acc, cfg, data, objective, opt, sched, params, total, start, state, step_fn, record, (cfg.unroll, 4),
+        lambda h, d: save_head(h, d / "head", extra=head_meta), f"train {cfg.kind}", progress,
+        (resume or {}).get("seconds", 0.0))
     final = acc.unwrap_model(objective).head
     if step == total and acc.is_main_process:
-        save_head(final, out / "head", extra=head_meta)
+        save_head(final, Path(cfg.out) / "head", extra=head_meta)
         if cfg.ship_to:
             save_head(final, cfg.ship_to, extra=head_meta, dtype=torch.float16, lm_head=not cfg.freeze_lm_head)
     acc.wait_for_everyone()
     return {"steps": step, "total_steps": total, "history": history, "head": final,
-            "seconds": time.perf_counter() - t0, "data_tokens": n_data}
+            "seconds": seconds, "data_tokens": n_data}
 
 
 # ---- CLI ----
@@ -339,25 +233,13 @@ def add_parser(sub) -> None:
         p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
         p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
         p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
-        d = TrainConfig(data="", out="")
-        for f in fields(TrainConfig):
-            if f.name in ("data", "out", *fixed):
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = getattr(d, f.name)
-            if isinstance(default, bool):
-                p.add_argument(flag, action="store_true", default=default)
-            elif f.name in ("schedule", "connector"):
-                p.add_argument(flag, choices=SCHEDULES if f.name == "schedule" else CONNECTORS, default=default)
-            else:
-                p.add_argument(flag, type=RULES.get(f.name, type(default)), default=default)
+        add_config_flags(p, TrainConfig, RULES, {"schedule": SCHEDULES, "connector": CONNECTORS}, skip=fixed)
         add_flags(p, Runtime, only=("threads",))
         p.set_defaults(func=cmd_train_eagle, **fixed)
+    medusa.add_parser(kinds)
 
 
 def cmd_train_eagle(args) -> int:
-    from transformers import AutoModelForCausalLM
-
     Runtime.parse(flag_values(args, Runtime)).apply()
     cfg = TrainConfig.from_dict(vars(args))
     cfg.check()
@@ -365,11 +247,7 @@ def cmd_train_eagle(args) -> int:
     if done is not None:  # before the target loads: nothing else happens
         print(f"train {cfg.kind}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
         return 0
-    path = materialize(args.model)
-    try:  # only the embeddings and the LM head are used: no tokenizer needed
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    except (OSError, ValueError) as e:
-        raise SpecdecError(f"could not load the target model {args.model!r}: {e}") from None
+    model = load_target(materialize(args.model), args.model)
     r = train_eagle(cfg, model)
     head, steps = Path(cfg.out) / "head", f"step {r['steps']}/{r['total_steps']}"
     last = r["history"][-1] if r["history"] else None

@@ -1,0 +1,259 @@
+"""Medusa-1/2 drafting (Cai et al., 2024): K parallel heads on the target's last feature, one tiny forward
+per step, their top-k combined into a tree.
+
+The root is the token the verifier just emitted from the target's feature f of the last committed row;
+head k (0-based) on that same f predicts the token at depth k + 1 below the root. A tree is a list of
+rank paths (Medusa's `medusa_choices`): (0, 2) = head 0's best token, then head 1's third best. Siblings
+at one depth are distinct top-k ranks of one head, so their tokens differ; children are deterministic
+(point masses), so the verifier stays lossless at T > 0.
+
+The sparse tree (the paper's): from each head's measured top-i accuracy a[k][i] (held-in data, written
+by `specdec train medusa`), a node's expected acceptance is the product of a[k][i_k] along its path;
+nodes are added greedily, best first, until the node budget. The budget maximises expected tokens per
+second under t(N) measured on this machine (cached like `auto`'s costs). Typical acceptance (lossy,
+opt-in) lives in verify.py with the other acceptance rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Annotated
+
+import torch
+from pydantic import Field, field_validator
+
+from specdec.drafters.adaptive import cost_key
+from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.registry import Method, Options, Target, option, register
+from specdec.errors import SpecdecError
+from specdec.files import atomic_write_text, cache_dir
+from specdec.heads.medusa import MedusaRunner
+from specdec.heads.medusa_formats import import_medusa
+from specdec.machine import forward_costs
+from specdec.sampling import tempered_log_probs
+from specdec.tree import DraftTree, check_choices
+from specdec.verify import Typical
+
+MAX_RANK = 10  # top-i accuracies measured per head (Medusa's trees use ranks < 10)
+SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # tree sizes the budget is chosen from
+
+
+def sparse_choices(accuracies: Sequence[Sequence[float]], n_nodes: int) -> list[tuple[int, ...]]:
+    """Medusa's sparse tree: the n_nodes rank paths of highest expected acceptance, prod_k a[k][i_k]
+    along the path. A child's value never exceeds its parent's, so best-first order is a valid tree."""
+    acc = [[max(0.0, float(a)) for a in row] for row in accuracies]
+    heap = [(-a, (i,)) for i, a in enumerate(acc[0])]
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < n_nodes:
+        v, path = heapq.heappop(heap)
+        out.append(path)
+        d = len(path)
+        if d < len(acc):
+            for i, a in enumerate(acc[d]):
+                heapq.heappush(heap, (v * a, path + (i,)))
+    return out
+
+
+def expected_accepted(accuracies: Sequence[Sequence[float]], choices: Sequence[Sequence[int]]) -> float:
+    """Expected accepted draft tokens of a tree under Medusa's independence model: the sum over nodes of
+    the probability that its whole path is accepted."""
+    total = 0.0
+    for c in choices:
+        p = 1.0
+        for d, i in enumerate(c):
+            p *= accuracies[d][i] if i < len(accuracies[d]) else 0.0
+        total += p
+    return total
+
+
+def dense_choices(num_heads: int, topk: int, n_nodes: int) -> list[tuple[int, ...]]:
+    """The dense tree the paper compares against: every path of ranks < topk, level by level, cut at n_nodes."""
+    out, level = [], [()]
+    for _ in range(num_heads):
+        level = [p + (i,) for p in level for i in range(topk)]
+        out += level
+        if len(out) >= n_nodes:
+            break
+    return out[:n_nodes]
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+
+    def __init__(self, runner: MedusaRunner, choices: Sequence[Sequence[int]], typical: Typical | None = None) -> None:
+        self.runner = runner
+        self.choices = _ordered(choices, runner.num_heads)
+        self.top = [1 + max((c[d] for c in self.choices if len(c) > d), default=-1) for d in range(runner.num_heads)]
+        self.draft_depth = max(map(len, self.choices))
+        self.typical = typical  # the engine's acceptance rule: None = lossless
+        self.feature: torch.Tensor | None = None
+
+    def begin(self, ctx: DecodeContext) -> None:
+        if ctx.features is None or ctx.features.shape[0] < 1:
+            raise SpecdecError("Medusa needs the target's features of the prompt")
+        self.feature = ctx.features[-1]
+
+    def accept(self, ctx: DecodeContext, verdict) -> None:
+        self.feature = ctx.features[-1]  # the row whose distribution gave the new root
+
+    def propose(self, ctx: DecodeContext) -> DraftTree:
+        if self.feature is None:
+            raise RuntimeError("Medusa drafter used before begin()")
+        choices = self.choices[:ctx.max_nodes]
+        lp = tempered_log_probs(self.runner.logits(self.feature), ctx.params)  # [K, V']
+        depth = max(map(len, choices))
+        ranked = [torch.topk(lp[d], self.top[d]) for d in range(depth)]
+        vals = [r.values.tolist() for r in ranked]
+        ids = [self.runner.to_target(r.indices).tolist() for r in ranked]
+        index: dict[tuple, int] = {(): -1}
+        toks, pars, scores = [], [], []
+        for c in choices:
+            d, i = len(c) - 1, c[-1]
+            p = index[c[:-1]]
+            index[c] = len(toks)
+            toks.append(ids[d][i])
+            pars.append(p)
+            scores.append((scores[p] if p >= 0 else 0.0) + vals[d][i])
+        return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(scores))
+
+
+def _ordered(choices: Sequence[Sequence[int]], num_heads: int) -> list[tuple[int, ...]]:
+    try:
+        ordered = check_choices(choices)
+    except ValueError as e:
+        raise SpecdecError(f"choices {e}") from None
+    if (deep := max(map(len, ordered))) > num_heads:
+        raise SpecdecError(f"choices: a path of depth {deep} needs {deep} Medusa heads, these heads have {num_heads}")
+    return ordered
+
+
+# ---- the node budget, from this machine's costs ----
+
+def tree_rate(accuracies, choices, target_s: dict[int, float], draft_s: float) -> float:
+    """Expected tokens per second of a tree: (1 + expected accepted) / (t(1 + nodes) + draft)."""
+    return (1 + expected_accepted(accuracies, choices)) / (target_s[1 + len(choices)] + draft_s)
+
+
+def best_size(accuracies, target_s: dict[int, float], draft_s: float, dense_topk: int = 0) -> int:
+    sizes = [n - 1 for n in sorted(target_s) if n > 1]
+    k = len(accuracies)
+    pick = (lambda n: dense_choices(k, dense_topk, n)) if dense_topk else (lambda n: sparse_choices(accuracies, n))
+    return max(sizes, key=lambda n: tree_rate(accuracies, pick(n), target_s, draft_s))
+
+
+def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, recalibrate: bool = False) -> dict:
+    """{"target_s": {N: s}, "draft_s": s}: t(N) for 1 + SIZES and one heads forward, cached per machine,
+    threads, torch, target, precision and heads (a few seconds the first time)."""
+    key = cost_key(target_runner, head_dir, [], 0) | {"medusa_sizes": list(SIZES)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "costs" / f"medusa-{digest}.json"
+    if not recalibrate and path.is_file():
+        try:
+            rec = json.loads(path.read_text())
+            if rec.get("key") == key:
+                return {"target_s": {int(n): t for n, t in rec["target_s"].items()}, "draft_s": rec["draft_s"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    target_s = forward_costs(target_runner, [1 + n for n in (0, *SIZES)], reps=3, ctx=384, stat=min)
+    f = torch.randn(drafter_runner.hidden_size)
+    ts = []
+    for _ in range(8):
+        t = time.perf_counter()
+        drafter_runner.logits(f)
+        ts.append(time.perf_counter() - t)
+    rec = {"key": key, "target_s": {str(n): t for n, t in target_s.items()}, "draft_s": min(ts[2:]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
+    return {"target_s": target_s, "draft_s": rec["draft_s"]}
+
+
+# ---- registration ----
+
+class MedusaOptions(Options):
+    model_config = Options.model_config | {"validate_default": True}
+    heads: str | None = option(None, "Medusa heads dir: ours (`specdec train medusa`), FasterDecoding's or vLLM's "
+                               "layout; required: none ship yet",
+                               aliases=("head",), shown="required")
+    tree: str = option("sparse", "sparse (from the heads' measured accuracies) or dense (every rank < topk, "
+                       "level by level)")
+    tree_size: int | None = option(None, "nodes in the tree (default: the most tokens per second under "
+                                   "this machine's measured forward costs)", ge=1, le=64, shown="measured")
+    topk: int = option(3, "dense tree: ranks per head", ge=1, le=MAX_RANK)
+    choices: list[list[Annotated[int, Field(ge=0)]]] | None = option(
+        None, "an explicit tree: Medusa's medusa_choices, rank paths e.g. [[0],[1],[0,0]]", shown="none")
+    typical: bool = option(False, "LOSSY: Medusa's typical acceptance, accept x if p(x) > min(epsilon, "
+                           "delta * exp(-H(p))); greedy at T = 0")
+    epsilon: float = option(0.09, "typical acceptance: the probability threshold", gt=0, le=1)
+    delta: float = option(0.3, "typical acceptance: the entropy-scaled threshold", gt=0, le=1)
+    recalibrate: bool = option(False, "re-measure this machine's forward costs for the tree size")
+
+    @field_validator("heads")
+    @classmethod
+    def _given(cls, v: str | None) -> str | None:
+        if v is None:
+            raise ValueError("must be given: no Medusa heads ship for any target yet; pass heads=<dir> "
+                             "(train them with `specdec train medusa`)")
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v not in ("sparse", "dense"):
+            raise ValueError(f"must be sparse or dense, got {v!r}")
+        return v
+
+    @field_validator("choices")
+    @classmethod
+    def _a_tree(cls, v: list | None) -> list | None:
+        return v if v is None else [list(c) for c in check_choices(v)]
+
+
+def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
+    if not os.path.isdir(heads_dir):
+        raise SpecdecError(f"Medusa heads {heads_dir!r} is not a directory")
+    model, runner = target.model, target.runner
+    p = next(model.parameters())
+    lm = model.get_output_embeddings().weight
+    heads = import_medusa(heads_dir, hidden_size=runner.hidden_size, vocab_size=lm.shape[0], target_lm_head=lm,
+                          device=p.device, dtype=p.dtype)  # ours, vLLM's or FasterDecoding's layout
+    shared = getattr(runner, "lm_head", None)  # the target runner's packed LM head: no second copy
+    weights = getattr(runner, "weights", None)
+    if heads.lm_heads is None and heads.d2t is None and callable(shared) and not isinstance(shared, torch.nn.Module):
+        return MedusaRunner(heads, shared, weights=weights), heads.meta
+    return MedusaRunner(heads, lm, weights=weights), heads.meta
+
+
+def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
+    runner, meta = medusa_runner(target, opts.heads)
+    acc = meta.get("accuracies")
+    k = runner.num_heads
+    if opts.choices is not None:
+        choices = opts.choices
+    else:
+        dense = opts.tree == "dense" or not acc
+        if acc is not None and (len(acc) != k or not all(isinstance(r, list) and r for r in acc)):
+            raise SpecdecError(f"Medusa heads {opts.heads}: config.json specdec.accuracies must hold one list "
+                               f"per head ({k})")
+        size = opts.tree_size
+        if size is None:
+            if not acc:  # imported heads without measured accuracies: a small dense tree
+                size = min(opts.topk * 2, 8)
+            else:
+                costs = measured_costs(target.runner, runner, opts.heads, opts.recalibrate)
+                size = best_size(acc, costs["target_s"], costs["draft_s"], opts.topk if dense else 0)
+        choices = dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
+    typical = Typical(opts.epsilon, opts.delta) if opts.typical else None
+    drafter = MedusaDrafter(runner, choices, typical)
+    drafter.name = "medusa" + (":typical" if typical else "")
+    return drafter
+
+
+register(Method("medusa", "Medusa: K parallel heads on the target's last feature, one tiny forward per step; a sparse "
+                "tree from their measured accuracies (`typical=true`: Medusa's lossy typical acceptance)",
+                MedusaOptions, build_medusa))
