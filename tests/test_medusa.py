@@ -221,3 +221,12 @@ def test_heads_without_accuracies_fall_back_to_a_dense_tree(tiny, tmp_path):
     save_medusa(make_heads(tiny, 3), tmp_path / "m")
     d = from_models(tiny, None, "medusa", heads=str(tmp_path / "m"), topk=2)
     assert d.drafter.choices == [tuple(c) for c in dense_choices(3, 2, 4)]
+
+
+def test_bench_never_audits_typical_acceptance_as_lossless():
+    from specdec.bench.methods import parse_method
+
+    lossy = parse_method("medusa:heads=somewhere:typical=true")
+    assert lossy.lossy and not lossy.audited
+    exact = parse_method("medusa:heads=somewhere")
+    assert not exact.lossy and exact.audited

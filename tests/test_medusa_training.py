@@ -19,7 +19,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaHeads
 from specdec.heads.medusa_io import load_medusa
 from specdec.heads.shipped import target_fingerprint
-from specdec.training import medusa
+from specdec.training import medusa, medusa_objective
 from specdec.training.medusa import MedusaObjective, MedusaTrainConfig, head_accuracies, held_in, train_medusa
 from specdec.training.shards import ShardData
 
@@ -81,7 +81,7 @@ def test_loss_and_accuracies_read_the_offsets_of_their_definitions(tiny, lm_head
     loss.backward()
     grads = [p.grad.clone() for p in heads.parameters()]
     heads.zero_grad()
-    monkeypatch.setattr(medusa, "RECOMPUTE_ABOVE", 0)
+    monkeypatch.setattr(medusa_objective, "RECOMPUTE_ABOVE", 0)
     again, stats2 = MedusaObjective(heads, lm, weights)(None, feats, mask, counts)
     again.backward()
     assert torch.equal(again, loss) and torch.equal(stats2, stats)
@@ -207,8 +207,9 @@ def test_train_medusa_cli(tiny, tiny_data, tmp_path, capsys, monkeypatch):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("specdec: error:") and err.count("\n") == 1, err
-    with pytest.raises(SystemExit):  # Medusa-2's joint training is not there yet
-        parse(["train", "medusa", "--data", "d", "--out", "o", "--joint"])
+    cfg = MedusaTrainConfig.from_dict(vars(parse(["train", "medusa", "--data", "d", "--out", "o", "--joint",
+                                                  "--full-finetune", "--lambda0", "0.5", "--heads-warmup", "7"])))
+    assert (cfg.joint, cfg.full_finetune, cfg.lambda0, cfg.heads_warmup, cfg.kind) == (True, True, 0.5, 7, "medusa-2")
     model_dir = tmp_path / "target"
     tiny.save_pretrained(model_dir)
     args = ["train", "medusa", "--model", str(model_dir), "--data", str(tiny_data), "--out", str(tmp_path / "run"),

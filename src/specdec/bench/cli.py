@@ -132,23 +132,25 @@ def cmd_bench(args) -> int:
           f"{fl['ms_per_forward']:.1f} ms, at most {fl['forwards_per_s']:.1f} forwards/s")
     print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s} {'of floor':>8s}")
     weights = {m["label"]: m.get("weights") or {} for m in run["methods"]}
+    lossy = {m["label"] for m in run["methods"] if m.get("lossy")}
     for m, cells in summary.items():
         c = cells[OVERALL]
         tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
         share = c["tokens_per_s"] / (fl["forwards_per_s"] * max(c.get("tau") or 1, 1))
         share_s = "-" if weights.get(m, {}).get("type", "F32") != "F32" else f"{share:.2f}"  # the floor: fp32 bytes
-        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share_s:>8s}")
+        print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share_s:>8s}"
+              + ("  LOSSY (typical acceptance)" if m in lossy else ""))
     other = run["contention"].get("other_cpu_frac")
     if other is not None and other > 0.05:
         print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "
               "these timings are not trustworthy; rerun on an idle machine")
     print(f"losslessness audit: {'PASS' if aud['ok'] else 'FAIL'} ({aud['checked']} checked, "
           f"{aud['ties']} numerical ties, {aud['bugs']} bugs)")
-    for m, a in aud.get("agreement", {}).items():  # other engines: not audited, agreement reported
+    for m, a in aud.get("agreement", {}).items():  # other engines and lossy methods: agreement reported
         fd = a["first_divergence_mean"]
         div = "" if fd is None else f", the others first diverge at token {fd:.1f} on average"
-        print(f"  {m} ({weights[m].get('type', '?')} weights, not audited): {a['identical']}/{a['compared']} "
-              f"outputs identical to vanilla{div}")
+        what = "LOSSY, not audited" if m in lossy else f"{weights.get(m, {}).get('type', '?')} weights, not audited"
+        print(f"  {m} ({what}): {a['identical']}/{a['compared']} outputs identical to vanilla{div}")
     print(f"report: {out / 'report.md'}")
     return 0 if aud["ok"] else 1
 

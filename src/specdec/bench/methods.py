@@ -35,10 +35,15 @@ class MethodSpec:
         return self.name in PEERS
 
     @property
+    def lossy(self) -> bool:
+        """A lossy acceptance rule is on (Medusa's typical acceptance): never audited as lossless."""
+        return self.opts.get("typical") is True
+
+    @property
     def audited(self) -> bool:
-        """False for peers on another engine (llama.cpp: other kernels, maybe other weights): not held to
-        token identity with our vanilla; their agreement with it is reported instead."""
-        return self.name not in llamacpp.NAMES
+        """False for peers on another engine (llama.cpp: other kernels, maybe other weights) and for lossy
+        methods: not held to token identity with our vanilla; their agreement with it is reported instead."""
+        return self.name not in llamacpp.NAMES and not self.lossy
 
 
 def _value(v: str):

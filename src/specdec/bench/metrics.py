@@ -204,6 +204,10 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
     if sizes:  # what the drafter chose to verify (an adaptive one varies it, 0 = a vanilla step)
         cell.update(vanilla_share=sum(n == 0 for n in sizes) / len(sizes),
                     tree_size_histogram=dict(sorted(Counter(sizes).items())))
+    ll = [(st["loglik_per_token"], r["new_tokens"]) for r, st in ((r, r.get("stats")) for r in rs)
+          if st and st.get("loglik_per_token") is not None]
+    if ll:  # T > 0: the target's mean log-likelihood per answer token (a lossy rule drifts from vanilla's)
+        cell["loglik_per_token"] = sum(v * n for v, n in ll) / max(1, sum(n for _, n in ll))
     cal = [(p[0], p[3]) for r in rs for p in r.get("calibration") or []]
     if cal:
         cell["calibration"] = calibration_curve(cal)

@@ -64,7 +64,9 @@ def render(run: dict, summary: dict, audit: dict) -> str:
     status = "PASS" if audit["ok"] else f"FAIL ({audit['bugs']} mismatch(es) that are not numerical ties)"
     md += [
         f"Started {run['started']}, {run['duration_s']:.0f} s in all ({run['timed_s']:.0f} s timed). "
-        f"{run['questions']} questions, {run['generations']} timed generations. Losslessness audit: **{status}**.",
+        f"{run['questions']} questions, {run['generations']} timed generations. Losslessness audit: **{status}**."
+        + "".join(f" `{m['label']}` is LOSSY (typical acceptance): not audited." for m in run["methods"]
+                  if m.get("lossy")),
         "",
         "## Setup", "",
         _table(["", ""], [
@@ -124,6 +126,13 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                    for m in sized]), ""]
     if ours:
         md += ["## τ", "", TAU_NOTE + ".", "", _metric_table(summary, run, ours, lambda c: _f(c.get("tau"))), ""]
+    ll = [m for m in ours if summary[m][OVERALL].get("loglik_per_token") is not None]
+    if ll:
+        md += ["## Target log-likelihood of the sampled answers", "",
+               "Mean log p_target(token | its prefix) per answer token (T = 1 scale), one teacher-forced forward "
+               "per answer: lossless methods sample the target's distribution and differ from vanilla only by "
+               "noise; a lossy rule (typical acceptance) shifts it.", "",
+               _metric_table(summary, run, ll, lambda c: _f(c.get("loglik_per_token"), 3)), ""]
     if spec:
         depth = max(len(summary[m][OVERALL]["alpha_by_depth"]) for m in spec)
         md += ["## Acceptance by depth", "", "α_k = accepted at depth k / tried at depth k (tried: depth k−1 was "
@@ -193,13 +202,16 @@ def _agreement(run: dict, audit: dict) -> list[str]:
         a, w = agr.get(m["label"]), m.get("weights") or {}
         if a is None:
             continue
+        if m.get("lossy"):
+            w = {"type": "ours, LOSSY (typical acceptance)", "gguf": "—"}
         ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
         div = "—" if a["first_divergence_mean"] is None else \
             f"{a['first_divergence_mean']:.1f} (earliest {a['first_divergence_min']})"
         rows.append([f"`{m['label']}`", w.get("type", "?") + (" (same weights)" if w.get("choice") == "f32" else ""),
                      f"`{w.get('gguf', '?')}`", ident, div])
-    return ["## Other engines: agreement with our vanilla", "",
-            f"Not part of the audit (another engine's kernels; Q4_1 is other weights). Mode: {audit.get('mode', '')}. "
+    return ["## Not audited: agreement with our vanilla", "",
+            "Not part of the audit: other engines (their kernels; Q4_1 is other weights) and lossy methods "
+            f"(Medusa's typical acceptance accepts tokens the target would not emit). Mode: {audit.get('mode', '')}. "
             "Identical = the whole output equals our vanilla's; first divergence = mean token index where the "
             "differing outputs first differ.", "",
             _table(["method", "weights", "gguf", "identical outputs", "first divergence"], rows), ""]

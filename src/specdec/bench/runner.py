@@ -269,6 +269,11 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     timed_s = time.time() - started
     contention = meter.result()
 
+    if cfg.temperature > 0:  # how far a lossy rule drifts: the target's log-likelihood of what was sampled
+        for r in records:
+            if r.get("stats") is not None:
+                r["stats"]["loglik_per_token"] = answer_loglik(model, prompts[(r["question_id"], r["turn"])],
+                                                               r["tokens"])
     # losslessness audit: at T=0 the timed outputs themselves; at T>0 a greedy replay of a few prompts
     if cfg.temperature == 0:
         audit_recs = records
@@ -298,6 +303,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         "duration_s": time.time() - started, "timed_s": timed_s,
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("methods", "progress")},
         "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer, "audited": s.audited,
+                     "lossy": s.lossy,
                      **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {})}
                     for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
@@ -314,6 +320,17 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         report.write_report(out, run, summary, aud)
         write_answers(out, records, tokenizer, run["target"].get("name_or_path") or run["target"]["model_type"])
     return result
+
+
+@torch.inference_mode()
+def answer_loglik(model, prompt_ids: list[int], answer: list[int]) -> float | None:
+    """Mean log p_target(x_t | x_<t) (T = 1) over the answer tokens: one teacher-forced forward."""
+    if not answer:
+        return None
+    dev = next(model.parameters()).device
+    logits = model(torch.tensor([list(prompt_ids) + list(answer)], device=dev)).logits[0, len(prompt_ids) - 1:-1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(answer, device=dev)[:, None])
+    return float(lp.mean())
 
 
 def _model_info(model, runner) -> dict:

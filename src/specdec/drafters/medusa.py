@@ -29,6 +29,7 @@ from pydantic import Field, field_validator
 
 from specdec.drafters.adaptive import cost_key
 from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.eagle import draft_weights
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.files import atomic_write_text, cache_dir
@@ -150,7 +151,9 @@ def best_size(accuracies, target_s: dict[int, float], draft_s: float, dense_topk
 def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, recalibrate: bool = False) -> dict:
     """{"target_s": {N: s}, "draft_s": s}: t(N) for 1 + SIZES and one heads forward, cached per machine,
     threads, torch, target, precision and heads (a few seconds the first time)."""
-    key = cost_key(target_runner, head_dir, [], 0) | {"medusa_sizes": list(SIZES)}
+    # the full path: trained heads all sit in dirs named "heads", and their draft costs differ
+    key = cost_key(target_runner, head_dir, [], 0) | {"medusa_sizes": list(SIZES),
+                                                      "heads_path": os.path.realpath(head_dir)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "costs" / f"medusa-{digest}.json"
     if not recalibrate and path.is_file():
@@ -223,8 +226,9 @@ def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
     heads = import_medusa(heads_dir, hidden_size=runner.hidden_size, vocab_size=lm.shape[0], target_lm_head=lm,
                           device=p.device, dtype=p.dtype)  # ours, vLLM's or FasterDecoding's layout
     shared = getattr(runner, "lm_head", None)  # the target runner's packed LM head: no second copy
-    weights = getattr(runner, "weights", None)
-    if heads.lm_heads is None and heads.d2t is None and callable(shared) and not isinstance(shared, torch.nn.Module):
+    weights = draft_weights(runner, heads)  # fp16 on the streaming kernel for an fp32 target (as EAGLE's head)
+    if heads.lm_heads is None and heads.d2t is None and callable(shared) and not isinstance(shared, torch.nn.Module) \
+            and weights == getattr(runner, "weights", None):
         return MedusaRunner(heads, shared, weights=weights), heads.meta
     return MedusaRunner(heads, lm, weights=weights), heads.meta
 

@@ -19,6 +19,9 @@ from specdec.files import atomic_dir
 from specdec.heads.medusa import LM_HEADS, MedusaHeads
 
 CONFIG_KEYS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "lm_head")
+# specdec.kind: "medusa" (Medusa-1, for the target they were trained on) or "medusa-2" (trained jointly with
+# the backbone: for the new target named by specdec.lossless_relative_to / specdec.target)
+KINDS = ("medusa", "medusa-2")
 
 
 def save_medusa(heads: MedusaHeads, path: str | os.PathLike, extra: dict | None = None,
@@ -34,10 +37,11 @@ def save_medusa(heads: MedusaHeads, path: str | os.PathLike, extra: dict | None 
         t2d = torch.zeros(heads.vocab_size, dtype=torch.bool)
         t2d[d2t] = True
         sd["t2d"] = t2d
+    meta = {**heads.meta, **(extra or {})}
     cfg = {"architectures": ["MedusaHeads"], "model_type": "medusa", "hidden_size": heads.hidden_size,
            "vocab_size": heads.vocab_size, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "lm_head": heads.lm_head_kind, "draft_vocab_size": heads.draft_vocab_size,
-           "specdec": {**heads.meta, **(extra or {}), "kind": "medusa"}}
+           "specdec": meta | {"kind": meta["kind"] if meta.get("kind") in KINDS else "medusa"}}
     with atomic_dir(path) as tmp:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
