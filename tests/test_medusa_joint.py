@@ -161,6 +161,17 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny, tiny_data, tmp
         assert "\n" not in str(e.value)
 
 
+def test_recomputed_activations_change_nothing(tiny, tiny_data, tmp_path):
+    runs = [train_medusa(MedusaTrainConfig(data=str(tiny_data), out=str(tmp_path / str(keep)), steps=3, heads_warmup=1,
+                                           log_every=1, keep_activations=keep, **KW), tiny, progress=False)
+            for keep in (False, True)]
+    a, b = ([h["loss"] for h in r["history"]] for r in runs)
+    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    ta, tb = (load_file(str(tmp_path / d / "target" / "model.safetensors")) for d in ("False", "True"))
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k])
+
+
 def test_full_finetune(tiny, tiny_data, tmp_path):
     cfg = MedusaTrainConfig(data=str(tiny_data), out=str(tmp_path), steps=4, heads_warmup=1, full_finetune=True,
                             save_every=1, keep_checkpoints=4, **KW)

@@ -75,6 +75,8 @@ class MedusaTrainConfig:
     full_finetune: bool = False  # train every backbone weight instead of LoRA adapters
     lora_rank: int = 16
     lora_alpha: float = 32.0
+    keep_activations: bool = False  # keep the backbone's activations for the backward pass instead of
+    # recomputing them: ~10% faster; SmolLM2-135M, batch 4 (~1,350 tokens): peak RSS 9.8 GB instead of 6.9
 
     @classmethod
     def from_dict(cls, d: dict) -> MedusaTrainConfig:

@@ -16,6 +16,8 @@ every weight (--full-finetune); it learns at --backbone-lr (default lr / 4: Medu
 heads 4x the backbone's rate) behind a learning-rate warm-up of its own that starts after the heads'
 warm-up: the first --heads-warmup steps train only the heads, on the stored features (the backbone is
 still the original then, and the shards hold its features: a Medusa-1 warm start at Medusa-1's cost).
+The backbone's decoder layers recompute their activations in the backward pass unless --keep-activations
+(SmolLM2-135M, batch 4: peak RSS 6.9 GB instead of 9.8, ~35 s per joint step instead of ~31 on one core).
 
 A checkpoint holds the heads and the backbone's trainable tensors (JointTrained), the optimizer, the
 scheduler and the step: resumes are exact (loop.py). At the end the new target's features (a forward
@@ -26,6 +28,7 @@ the heads' config.json with both targets' fingerprints. One process only for now
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 import warnings
 from dataclasses import asdict
@@ -61,6 +64,9 @@ def trainable_backbone(original, cfg):
     projections (the rest frozen), or every weight with cfg.full_finetune. `original` is left as it was."""
     model = copy.deepcopy(original).float().eval()
     model.requires_grad_(cfg.full_finetune)
+    if not cfg.keep_activations:  # each decoder layer's activations are recomputed in the backward pass
+        for layer in getattr(model.get_decoder(), "layers", []):
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if cfg.full_finetune:
         return model, None
     from peft import LoraConfig, get_peft_model
@@ -168,10 +174,10 @@ def heads_warmup(cfg, total: int) -> int:
 
 
 def backbone_lambda(cfg, total: int, hw: int):
-    """The backbone's learning-rate factor: 0 during the heads' warm-up, then a linear warm-up of
-    cfg.warmup steps of its own under the heads' schedule."""
-    base = lr_lambda(cfg, total)
-    return lambda step: 0.0 if step < hw else base(step) * min(1.0, (step - hw + 1) / (cfg.warmup + 1))
+    """The backbone's learning-rate factor: 0 during the heads' warm-up, then the heads' schedule (warm-up,
+    decay) over the steps that remain."""
+    base = lr_lambda(cfg, total - hw)
+    return lambda step: 0.0 if step < hw else base(step - hw)
 
 
 # ---- the trainer (called by medusa.train_medusa after its checks) ----
@@ -222,6 +228,8 @@ def train_joint(cfg, original, heads: MedusaHeads, data: ShardData, total: int, 
                "data_tokens": data.n_tokens, "accuracies": None, "drift": None, "target": None, "model": None}
     if step < total:
         return summary
+    for layer in getattr(backbone.get_decoder(), "layers", []):
+        layer.__dict__.pop("forward", None)  # recomputation off again
     new = (peft_model.merge_and_unload() if peft_model is not None else backbone).eval().requires_grad_(False)
     save_target(new, original, out / "target")
     heads.eval()
