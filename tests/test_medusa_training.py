@@ -223,3 +223,19 @@ def test_train_medusa_cli(tiny, tiny_data, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(medusa, "materialize", lambda *a, **k: pytest.fail("the target was loaded"))
     assert main(args) == 0  # a finished run: reported before the target loads
     assert "already finished (step 2/2)" in capsys.readouterr().out
+
+
+def test_init_from_starts_at_those_heads_and_refuses_other_shapes(trained_medusa, tiny, tiny_data, tmp_path):
+    src = Path(trained_medusa[1]) / "heads"
+    base = load_medusa(src)
+    kw = dict(data=str(tiny_data), steps=1, batch_size=4, lr=0.0, warmup=0, init_from=str(src),
+              num_heads=base.num_heads, num_layers=base.num_layers, lm_head=base.lm_head_kind,
+              draft_vocab=0 if base.d2t is None else base.draft_vocab_size)
+    r = train_medusa(MedusaTrainConfig(out=str(tmp_path / "w"), **kw), tiny, progress=False)
+    after = load_medusa(tmp_path / "w" / "heads")
+    for k, v in base.state_dict().items():  # lr 0: the run ends where it started, the given heads
+        assert torch.equal(after.state_dict()[k], v), k
+    assert r["accuracies"] == base.meta["accuracies"]  # same heads, same held-in rows
+    with pytest.raises(SpecdecError, match="--init-from .* has num_heads="):
+        train_medusa(MedusaTrainConfig(out=str(tmp_path / "x"), **(kw | {"num_heads": base.num_heads + 1})), tiny,
+                     progress=False)

@@ -67,6 +67,7 @@ class MedusaTrainConfig:
     seed: int = 0
     stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
     ship_to: str = ""  # also write an fp16 copy here
+    init_from: str = ""  # start from these heads (their shape, LM head, vocabulary): e.g. Medusa-2 from Medusa-1
     # Medusa-2 (--joint): L = KL(p_original || p_new) + lambda0 * the heads' loss, the backbone trained too
     joint: bool = False
     lambda0: float = 0.2  # the heads' loss weight (Medusa's medusa_heads_coefficient in its Medusa-2 recipe)
@@ -116,7 +117,7 @@ RULES = {
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                "weight_decay", "clip", "num_heads", "num_layers", "lm_head", "draft_vocab", "decay", "seed", "joint",
-               "lambda0", "backbone_lr", "heads_warmup", "full_finetune", "lora_rank", "lora_alpha")
+               "init_from", "lambda0", "backbone_lr", "heads_warmup", "full_finetune", "lora_rank", "lora_alpha")
 
 
 # ---- the trainer ----
@@ -124,6 +125,19 @@ RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup
 def finished_heads(cfg: MedusaTrainConfig) -> tuple[Path, int] | None:
     """(cfg.out/heads, its step count) when this run is complete; else None (see loop.finished_run)."""
     return finished_run(cfg, MedusaTrainConfig, RESUME_KEYS, "heads")
+
+
+def warm_start(cfg: MedusaTrainConfig, hidden: int, vocab: int, lm_cpu: torch.Tensor) -> MedusaHeads:
+    """The --init-from heads, checked against the run's flags (shape, LM head kind, draft vocabulary)."""
+    heads = load_medusa(cfg.init_from, hidden, vocab, target_lm_head=lm_cpu).train()
+    have = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "lm_head": heads.lm_head_kind,
+            "draft_vocab": 0 if heads.d2t is None else heads.draft_vocab_size}
+    for k, v in have.items():
+        if getattr(cfg, k) != v:
+            flag = "--" + k.replace("_", "-")
+            raise SpecdecError(f"--init-from {cfg.init_from} has {k}={v}: pass {flag} {v}, not {getattr(cfg, k)}")
+    heads.meta = {}
+    return heads
 
 
 def train_medusa(cfg: MedusaTrainConfig, target_model, accelerator=None, progress: bool = True) -> dict:
@@ -151,13 +165,16 @@ def train_medusa(cfg: MedusaTrainConfig, target_model, accelerator=None, progres
     data, total = load_data(cfg, resume, fp, hidden, world, acc.is_main_process)
 
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
-    draft_ids = None
-    if cfg.draft_vocab:
-        eos = getattr(target_model.config, "eos_token_id", None)
-        always = set([eos] if isinstance(eos, int) else (eos or []))
-        draft_ids = build_draft_vocab(data.token_counts(vocab), cfg.draft_vocab, always)
-    heads.init_lm_heads(lm_cpu, draft_ids)
+    if cfg.init_from:
+        heads = warm_start(cfg, hidden, vocab, lm_cpu)
+    else:
+        heads = MedusaHeads(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
+        draft_ids = None
+        if cfg.draft_vocab:
+            eos = getattr(target_model.config, "eos_token_id", None)
+            always = set([eos] if isinstance(eos, int) else (eos or []))
+            draft_ids = build_draft_vocab(data.token_counts(vocab), cfg.draft_vocab, always)
+        heads.init_lm_heads(lm_cpu, draft_ids)
     n_data = data.n_tokens
     meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
                                        "config": asdict(cfg) | {"stop_after": 0, "ship_to": ""}}}
