@@ -116,7 +116,8 @@ def _verify_typical(tree: DraftTree, probs: torch.Tensor, generator: torch.Gener
     entropy = -(probs * logp).sum(-1)
     thresh = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.delta * torch.exp(-entropy))
     par, toks = tree.parents.tolist(), tree.tokens.tolist()
-    ok = (probs[torch.tensor(par) + 1, tree.tokens] > thresh[torch.tensor(par) + 1]).tolist() if len(tree) else []
+    rows = tree.parents.to(probs.device) + 1  # each node's token is judged at its parent's row
+    ok = (probs[rows, tree.tokens.to(probs.device)] > thresh[rows]).tolist()
     depth, best = [0] * len(tree), -1
     for i, p in enumerate(par):  # topological order: a parent's verdict is known before its children
         live = ok[i] and (p < 0 or depth[p] > 0)

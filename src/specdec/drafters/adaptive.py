@@ -158,23 +158,40 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     return Costs(target_s, draft_s, min(follow[1:]), min(look[1:]))
 
 
+def cost_file(key: dict, prefix: str = "") -> Path:
+    """Where a cost measurement for exactly this key is cached (one file per key digest)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{prefix}{digest}.json"
+
+
+def read_cost_file(path: Path, key: dict) -> dict | None:
+    """The cached record if it was measured for this key; None if missing or damaged (measured again)."""
+    try:
+        rec = json.loads(path.read_text())
+        return rec if isinstance(rec, dict) and rec.get("key") == key else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_cost_file(path: Path, key: dict, **fields) -> None:
+    atomic_write_text(path, json.dumps({"key": key, **fields, "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                                       indent=1) + "\n")
+
+
 def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
                lookup: int, recalibrate: bool = False) -> tuple[Costs, Path, bool]:
     """(costs, cache file, measured now?): this machine's cached measurement for exactly this key, else a
     new one (written atomically)."""
     key = cost_key(runner, head_dir, menu, lookup)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "costs" / f"{digest}.json"
-    if not recalibrate and path.is_file():
+    path = cost_file(key)
+    rec = None if recalibrate else read_cost_file(path, key)
+    if rec is not None:
         try:
-            rec = json.loads(path.read_text())
-            if rec.get("key") == key:
-                return Costs.from_json(rec["costs"]), path, False
-        except (OSError, ValueError, KeyError, TypeError):
+            return Costs.from_json(rec["costs"]), path, False
+        except (KeyError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again
     costs = measure_costs(runner, drafter, menu, lookup)
-    atomic_write_text(path, json.dumps({"key": key, "costs": costs.to_json(),
-                                        "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
+    write_cost_file(path, key, costs=costs.to_json())
     return costs, path, True
 
 

@@ -16,23 +16,20 @@ opt-in) lives in verify.py with the other acceptance rules.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 import os
 import time
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, field_validator
 
-from specdec.drafters.adaptive import cost_key
+from specdec.drafters.adaptive import cost_file, cost_key, read_cost_file, write_cost_file
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.eagle import draft_weights
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
-from specdec.files import atomic_write_text, cache_dir
 from specdec.heads.medusa import MedusaRunner
 from specdec.heads.medusa_formats import import_medusa
 from specdec.machine import forward_costs
@@ -154,15 +151,13 @@ def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, r
     # the full path: trained heads all sit in dirs named "heads", and their draft costs differ
     key = cost_key(target_runner, head_dir, [], 0) | {"medusa_sizes": list(SIZES),
                                                       "heads_path": os.path.realpath(head_dir)}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "costs" / f"medusa-{digest}.json"
-    if not recalibrate and path.is_file():
+    path = cost_file(key, "medusa-")
+    rec = None if recalibrate else read_cost_file(path, key)
+    if rec is not None:
         try:
-            rec = json.loads(path.read_text())
-            if rec.get("key") == key:
-                return {"target_s": {int(n): t for n, t in rec["target_s"].items()}, "draft_s": rec["draft_s"]}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+            return {"target_s": {int(n): t for n, t in rec["target_s"].items()}, "draft_s": rec["draft_s"]}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # a damaged cache entry is measured again
     target_s = forward_costs(target_runner, [1 + n for n in (0, *SIZES)], reps=3, ctx=384, stat=min)
     f = torch.randn(drafter_runner.hidden_size)
     ts = []
@@ -170,10 +165,8 @@ def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, r
         t = time.perf_counter()
         drafter_runner.logits(f)
         ts.append(time.perf_counter() - t)
-    rec = {"key": key, "target_s": {str(n): t for n, t in target_s.items()}, "draft_s": min(ts[2:]),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
-    return {"target_s": target_s, "draft_s": rec["draft_s"]}
+    write_cost_file(path, key, target_s={str(n): t for n, t in target_s.items()}, draft_s=min(ts[2:]))
+    return {"target_s": target_s, "draft_s": min(ts[2:])}
 
 
 # ---- registration ----
@@ -183,8 +176,8 @@ class MedusaOptions(Options):
     heads: str | None = option(None, "Medusa heads dir: ours (`specdec train medusa`), FasterDecoding's or vLLM's "
                                "layout; required: none ship yet",
                                aliases=("head",), shown="required")
-    tree: str = option("sparse", "sparse (from the heads' measured accuracies) or dense (every rank < topk, "
-                       "level by level)")
+    tree: Literal["sparse", "dense"] = option(
+        "sparse", "sparse (from the heads' measured accuracies) or dense (every rank < topk, level by level)")
     tree_size: int | None = option(None, "nodes in the tree (default: the most tokens per second under "
                                    "this machine's measured forward costs)", ge=1, le=64, shown="measured")
     topk: int = option(3, "dense tree: ranks per head", ge=1, le=MAX_RANK)
@@ -202,13 +195,6 @@ class MedusaOptions(Options):
         if v is None:
             raise ValueError("must be given: no Medusa heads ship for any target yet; pass heads=<dir> "
                              "(train them with `specdec train medusa`)")
-        return v
-
-    @field_validator("tree")
-    @classmethod
-    def _kind(cls, v: str) -> str:
-        if v not in ("sparse", "dense"):
-            raise ValueError(f"must be sparse or dense, got {v!r}")
         return v
 
     @field_validator("choices")
