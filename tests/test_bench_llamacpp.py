@@ -148,7 +148,7 @@ def test_peers_run_the_whole_harness_outside_the_audit(models, fake, tmp_path):
     assert meth[q4]["weights"]["type"] == "Q4_1" and meth[f32]["weights"]["type"] == "F32"
     assert meth[f32]["weights"]["source"].endswith("target.Q8_0.gguf")
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## Not audited: agreement with our vanilla" in md
+    assert "## Agreement with our vanilla" in md
     assert f"| `{q4}` | Q4_1 | `{fake.q4}` | 0/{n} (0%) | {DIVERGE_AT:.1f} (earliest {DIVERGE_AT}) |" in md
     assert f"| `{f32}` | F32 (same weights) |" in md and "Losslessness audit: **PASS**" in md
 

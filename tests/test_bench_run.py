@@ -7,7 +7,7 @@ import string
 import pytest
 import torch
 
-from specdec.bench.audit import audit, first_divergence
+from specdec.bench.audit import audit, audit_groups, first_divergence
 from specdec.bench.data import Question
 from specdec.bench.methods import parse_methods
 from specdec.bench.report import PLOTS
@@ -162,6 +162,8 @@ def test_compare_and_report_rebuild(result, tmp_path, capsys):
     (["--methods", "vanilla,warp9"], "unknown method 'warp9'"),
     (["--categories", "poetry"], "unknown category 'poetry'"),
     (["--methods", "sps:gamma"], "expected key=value"),
+    (["--methods", "pld:weights=int3"], "weights"),
+    (["--methods", "hf:weights=int8"], "only our methods take it"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, argv, msg):
     q = tmp_path / "q.jsonl"
@@ -244,3 +246,50 @@ def test_specbench_answer_files_recompute_our_speed(result):
     for c in (x["choices"][0] for x in files["sps_gamma=3"]):
         assert sum(c["decoding_steps"]) == len(c["accept_lengths"]) + len(c["turns"])  # + one prefill per turn
         assert sum(c["accept_lengths"]) + len(c["turns"]) >= sum(c["new_tokens"])  # the last step may be cut
+
+
+def test_a_method_on_its_own_weights_is_audited_against_the_vanilla_of_that_precision(models):
+    target, tok, _ = models
+    specs = parse_methods("vanilla,pld:num_tokens=3,pld:num_tokens=3:weights=int8", False)
+    assert [s.label for s in specs][:3] == ["vanilla", "hf", "vanilla:weights=int8"]  # its reference, added
+    cfg = BenchConfig(specs, max_new_tokens=12, warmup=0, progress=False, threads=1)
+    res = run_bench(cfg, QS, target, tok)
+    aud, run = res["audit"], res["run"]
+    assert aud["ok"], aud["mismatches"]
+    assert aud["references"] == {"pld:num_tokens=3": "vanilla", "hf": "vanilla",
+                                 "pld:num_tokens=3:weights=int8": "vanilla:weights=int8"}
+    prec = {m["label"]: m.get("precision") for m in run["methods"]}
+    assert prec["vanilla"] == "fp32" and prec["pld:num_tokens=3:weights=int8"] == "int8"
+    assert run["floors"]["int8"]["weight_mb"] < run["floors"]["fp32"]["weight_mb"] / 2
+    by = {(r["method"], r["question_id"], r["turn"]): r["tokens"] for r in res["records"]}
+    for (m, q, t), toks in by.items():  # the int8 method emits exactly the int8 vanilla's tokens
+        if m == "pld:num_tokens=3:weights=int8":
+            assert toks == by[("vanilla:weights=int8", q, t)]
+    # the int8 target's agreement with the fp32 one is reported, not audited
+    assert set(aud["agreement"]) >= {"vanilla:weights=int8", "pld:num_tokens=3:weights=int8"}
+
+
+def test_audit_groups_hold_each_method_to_its_own_reference(models):
+    target, _, _ = models
+    prompt = [3, 4, 5]
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    other = ref[:2] + [(ref[2] + 1) % 50] + ref[3:]  # "another precision's" text, leaving ref at token 2
+    wrong = other[:4] + [(other[4] + 1) % 50] + other[5:]
+    recs = [{"method": m, "question_id": "q", "turn": 0, "repeat": 0, "tokens": t}
+            for m, t in [("vanilla", ref), ("a", ref), ("v8", other), ("b", other)]]
+
+    def logits8(ids):  # a stand-in target for the other precision: its argmax is `other`, clearly
+        out = torch.zeros(target.config.vocab_size)
+        out[other[len(ids) - len(prompt)]] = 10.0
+        return out
+
+    groups = {"vanilla": (["a"], target), "v8": (["b"], logits8)}
+    aud = audit_groups(recs, {("q", 0): prompt}, groups)
+    assert aud["ok"] and aud["checked"] == 2 and aud["references"] == {"a": "vanilla", "b": "v8"}
+    assert aud["agreement"]["b"]["first_divergence_min"] == 2  # reported against the main reference
+    recs[3]["tokens"] = wrong
+    aud = audit_groups(recs, {("q", 0): prompt}, groups)
+    assert not aud["ok"] and aud["bugs"] == 1
+    bad = aud["mismatches"][0]
+    assert (bad["method"], bad["reference"], bad["position"]) == ("b", "v8", 4)

@@ -4,9 +4,13 @@ Methods in `exclude` (peers on another engine, e.g. llama.cpp, maybe on other we
 that; their agreement with the reference is reported instead (share of identical outputs, where the
 others first diverge).
 
-On a mismatch, one reference forward of the target (the stock HF module) over prompt + common prefix
-tells a numerical tie (the two tokens' logits within `tol`: fp reassociation may flip the argmax)
-from a bug (the method chose a token the target clearly ranks lower).
+On a mismatch, one reference forward of the target (the stock HF module, or the runner of the precision
+the method ran at) over prompt + common prefix tells a numerical tie (the two tokens' logits within
+`tol`: fp reassociation may flip the argmax) from a bug (the method chose a token the target clearly
+ranks lower).
+
+Methods on another weight precision (`weights=` of one method) are audited against the vanilla of
+their own precision: losslessness is relative to the target that ran.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ def first_divergence(ref: list[int], got: list[int]) -> int | None:
 
 @torch.inference_mode()
 def logit_gap(model, ids: list[int], a: int | None, b: int | None, tol: float = TIE_TOL) -> dict:
-    """Target logits after `ids`: top-2 gap, and the gap between the two tokens that diverged."""
-    dev = next(model.parameters()).device
-    logits = model(torch.tensor([ids], device=dev)).logits[0, -1].float()
+    """Target logits after `ids`: top-2 gap, and the gap between the two tokens that diverged. model: an
+    HF causal LM, or a function ids -> the last position's logits."""
+    if isinstance(model, torch.nn.Module):
+        logits = model(torch.tensor([ids], device=next(model.parameters()).device)).logits[0, -1].float()
+    else:
+        logits = model(ids).float()
     top = torch.topk(logits, 2)
     (l1, l2), (t1, t2) = top.values.tolist(), top.indices.tolist()
     out = {"top2_tokens": [t1, t2], "top2_logits": [l1, l2], "top2_gap": l1 - l2, "argmax": t1}
@@ -95,3 +102,30 @@ def audit(records: list[dict], prompts: dict, model, reference: str = "vanilla",
     return {"reference": reference, "checked": checked, "mismatches": mismatches, "ties": len(mismatches) - len(bugs),
             "bugs": len(bugs), "ok": not bugs, "tol": tol, "not_audited": sorted(exclude),
             "agreement": agreement(records, reference, sorted(exclude))}
+
+
+def audit_groups(records: list[dict], prompts: dict, groups: dict, tol: float = TIE_TOL, exclude=()) -> dict:
+    """One audit per weight precision. groups: reference label -> (the labels audited against it, the target
+    judging ties: an HF model or ids -> logits); the first group's reference is the main one (e.g. fp32
+    `vanilla`). Labels in `exclude` (peers, lossy methods) and those of the other groups get their agreement
+    with the main reference reported: for another precision, its token agreement with the main target."""
+    refs = list(groups)
+    main = refs[0]
+    runs, others = [], set()
+    for ref, (members, target) in groups.items():
+        keep = set(members) | {ref}
+        recs = [r for r in records if r["method"] in keep and r["method"] not in exclude]
+        runs.append(audit(recs, prompts, target, ref, tol))
+        if ref != main:
+            others |= keep
+    out = dict(runs[0])
+    for a, ref in zip(runs[1:], refs[1:]):
+        out["checked"] += a["checked"]
+        out["mismatches"] = out["mismatches"] + [{**m, "reference": ref} for m in a["mismatches"]]
+        out["ties"] += a["ties"]
+        out["bugs"] += a["bugs"]
+        out["ok"] = out["ok"] and a["ok"]
+    out["references"] = {m: ref for ref, (members, _) in groups.items() for m in members if m not in exclude}
+    out["not_audited"] = sorted(exclude)
+    out["agreement"] = agreement(records, main, sorted(set(exclude) | others))
+    return out

@@ -90,7 +90,7 @@ def cmd_bench(args) -> int:
     # everything a user can get wrong is checked before the (slow) model load
     sp = SamplingParams.parse(flag_values(args, SamplingParams))
     rt = Runtime.parse(flag_values(args, Runtime))
-    specs = parse_methods(args.methods, has_draft=args.draft is not None)
+    specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     qs = load_questions(args.dataset, args.questions, cats, None if args.quick or args.per_category else args.limit)
     if args.per_category is not None:
@@ -130,14 +130,19 @@ def cmd_bench(args) -> int:
     fl = run["floor"]
     print(f"memory floor: {fl['weight_mb']:.0f} MB of weights per forward at {fl['bandwidth_gb_s']:.1f} GB/s = "
           f"{fl['ms_per_forward']:.1f} ms, at most {fl['forwards_per_s']:.1f} forwards/s")
+    for w, f in run.get("floors", {}).items():
+        if f != fl:
+            print(f"memory floor at {w} weights: {f['weight_mb']:.0f} MB per forward = {f['ms_per_forward']:.1f} ms")
     print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s} {'of floor':>8s}")
     weights = {m["label"]: m.get("weights") or {} for m in run["methods"]}
     lossy = {m["label"] for m in run["methods"] if m.get("lossy")}
+    precision = {m["label"]: m.get("precision") for m in run["methods"]}
     for m, cells in summary.items():
         c = cells[OVERALL]
         tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
-        share = c["tokens_per_s"] / (fl["forwards_per_s"] * max(c.get("tau") or 1, 1))
-        share_s = "-" if weights.get(m, {}).get("type", "F32") != "F32" else f"{share:.2f}"  # the floor: fp32 bytes
+        mfl = run.get("floors", {}).get(precision.get(m), fl)  # our methods: the floor of their own precision
+        share = c["tokens_per_s"] / (mfl["forwards_per_s"] * max(c.get("tau") or 1, 1))
+        share_s = "-" if weights.get(m, {}).get("type", "F32") != "F32" else f"{share:.2f}"  # peers: fp32 bytes
         print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share_s:>8s}"
               + ("  LOSSY (typical acceptance)" if m in lossy else ""))
     other = run["contention"].get("other_cpu_frac")
@@ -149,7 +154,12 @@ def cmd_bench(args) -> int:
     for m, a in aud.get("agreement", {}).items():  # other engines and lossy methods: agreement reported
         fd = a["first_divergence_mean"]
         div = "" if fd is None else f", the others first diverge at token {fd:.1f} on average"
-        what = "LOSSY, not audited" if m in lossy else f"{weights.get(m, {}).get('type', '?')} weights, not audited"
+        if m in aud.get("references", {}):  # ours on another precision: audited against its own vanilla
+            what = f"{precision.get(m)} weights, audited against `{aud['references'][m]}`"
+        elif precision.get(m):  # the vanilla of another precision: the reference of its group
+            what = f"{precision[m]} weights, the reference of that precision"
+        else:
+            what = "LOSSY, not audited" if m in lossy else f"{weights.get(m, {}).get('type', '?')} weights, not audited"
         print(f"  {m} ({what}): {a['identical']}/{a['compared']} outputs identical to vanilla{div}")
     print(f"report: {out / 'report.md'}")
     return 0 if aud["ok"] else 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from specdec.bench import llamacpp
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
+from specdec.target.loading import Runtime
 
 HF_PEERS = ("hf", "hf-pld", "hf-assisted")
 PEERS = HF_PEERS + llamacpp.NAMES
@@ -33,6 +34,17 @@ class MethodSpec:
     @property
     def is_peer(self) -> bool:
         return self.name in PEERS
+
+    @property
+    def weights(self) -> str | None:
+        """Our methods' own `weights=` option: the target's linear precision for this method alone (None:
+        the run's `--weights`). Decoding is lossless relative to that precision's target."""
+        return None if self.is_peer else self.opts.get("weights")
+
+    @property
+    def decoder_opts(self) -> dict:
+        """The options the method itself takes (everything but `weights`)."""
+        return {k: v for k, v in self.opts.items() if k != "weights"}
 
     @property
     def lossy(self) -> bool:
@@ -77,16 +89,25 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
         if k in opts:
             raise SpecdecError(f"option {k!r} given twice in method {text!r}")
         opts[k] = _value(v.strip())
+    if "weights" in opts:
+        if name not in registry.names():
+            raise SpecdecError(f"option 'weights' in method {text!r}: only our methods take it (llama.cpp peers "
+                               "choose their weights with gguf=, hf runs the model as loaded)")
+        Runtime(weights=str(opts["weights"]))  # one line naming the parameter, before any model loads
+        opts["weights"] = str(opts["weights"])
     if check and name in registry.names():
-        registry.parse(name, opts)  # a bad option fails here, not after the model loads
+        registry.parse(name, {k: v for k, v in opts.items() if k != "weights"})  # fails here, not after loading
     if check and name in llamacpp.NAMES:
         llamacpp.check(name, opts, text)  # the package, the options, the weights file
     return MethodSpec(name, opts, text)
 
 
-def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | None = None) -> list[MethodSpec]:
+def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | None = None,
+                  weights: str | None = None) -> list[MethodSpec]:
     """The methods to time. The two baseline candidates (hf and our vanilla) are always included,
-    since the speedup baseline is the faster of them in the same run (DESIGN.md §1)."""
+    since the speedup baseline is the faster of them in the same run (DESIGN.md §1). A method on its own
+    `weights=` gets the vanilla of that precision too: the reference its outputs are audited against.
+    `weights`: the run's default precision (--weights)."""
     if text is None or not text.strip():
         ours = our_methods() if known is None else known
         names = ["vanilla", "hf"] + [m for m in ("pld",) if m in ours] + ["hf-pld"]
@@ -100,6 +121,11 @@ def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | No
         raise SpecdecError(f"method {dup[0]!r} is listed twice")
     bases = [next((s for s in specs if s.label == b), MethodSpec(b, {}, b)) for b in ("vanilla", "hf")]
     specs = bases + [s for s in specs if s not in bases]
+    have = {s.weights or weights for s in specs if s.name == "vanilla"}
+    for w in dict.fromkeys(s.weights for s in specs if s.weights is not None and s.weights != weights):
+        if w not in have:
+            specs.insert(specs.index(bases[-1]) + 1, MethodSpec("vanilla", {"weights": w}, f"vanilla:weights={w}"))
+            have.add(w)
     if any(s.name == "hf-assisted" for s in specs) and not has_draft:
         raise SpecdecError("method 'hf-assisted' needs a draft model: pass --draft")
     return specs

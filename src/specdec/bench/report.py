@@ -45,6 +45,21 @@ def _metric_table(summary, run, methods, fn) -> str:
     return _table(["category"] + [f"`{m}`" for m in methods], rows)
 
 
+def _floor_table(summary, run, methods) -> str:
+    """tok/s as a share of τ × forwards/s at the floor of the method's own weight precision."""
+    floors, default = run.get("floors") or {}, run["floor"]
+    prec = {m["label"]: m.get("precision") for m in run["methods"]}
+    rows = []
+    for c in _cats(summary, run):
+        row = [f"**{c}**" if c == OVERALL else c]
+        for m in methods:
+            cell, fl = summary[m].get(c), floors.get(prec.get(m), default)
+            limit = fl["forwards_per_s"] * max(cell.get("tau") or 1, 1) if cell else None
+            row.append(_f(cell["tokens_per_s"] / limit) if cell else "—")
+        rows.append(row)
+    return _table(["category"] + [f"`{m}`" for m in methods], rows)
+
+
 def _mean_size(hist: dict) -> float:
     n = sum(hist.values())
     return sum(int(k) * v for k, v in hist.items()) / n if n else 0.0
@@ -111,9 +126,14 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                f"plain decoding can reach at most {fl['forwards_per_s']:.1f} tok/s. A method emitting τ tokens per "
                "forward can reach at most τ × that; the table gives each method's tok/s as a share of its own "
                "limit (1.00 = every forward at the floor; drafting and overhead make up the rest).", "",
-               _metric_table(summary, run, ours, lambda c: _f(c["tokens_per_s"] / (fl["forwards_per_s"]
-                                                                                    * max(c.get("tau") or 1, 1))))
-               if ours else "", ""]
+               _floor_table(summary, run, ours) if ours else "", ""]
+        precs = {m["label"]: m.get("precision") for m in run["methods"]}
+        extra = {w: f for w, f in (run.get("floors") or {}).items() if f != fl}
+        if extra:
+            md += ["Methods on other weights (`weights=`) are measured against their own floor: "
+                   + "; ".join(f"{w}: {f['weight_mb']:.0f} MB, {f['ms_per_forward']:.1f} ms per forward "
+                               f"({', '.join(f'`{m}`' for m in ours if precs.get(m) == w)})"
+                               for w, f in extra.items()) + ".", ""]
     sized = [m for m in ours if summary[m][OVERALL].get("tree_size_histogram")]
     if sized:
         md += ["## Draft sizes", "",
@@ -204,14 +224,20 @@ def _agreement(run: dict, audit: dict) -> list[str]:
             continue
         if m.get("lossy"):
             w = {"type": "ours, LOSSY (typical acceptance)", "gguf": "—"}
+        elif m["label"] in (audit.get("references") or {}):  # ours on other weights: audited on its own vanilla
+            w = {"type": f"ours, {m.get('precision')} (audited against `{audit['references'][m['label']]}`)",
+                 "gguf": "—"}
         ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
         div = "—" if a["first_divergence_mean"] is None else \
             f"{a['first_divergence_mean']:.1f} (earliest {a['first_divergence_min']})"
         rows.append([f"`{m['label']}`", w.get("type", "?") + (" (same weights)" if w.get("choice") == "f32" else ""),
                      f"`{w.get('gguf', '?')}`", ident, div])
-    return ["## Not audited: agreement with our vanilla", "",
-            "Not part of the audit: other engines (their kernels; Q4_1 is other weights) and lossy methods "
-            f"(Medusa's typical acceptance accepts tokens the target would not emit). Mode: {audit.get('mode', '')}. "
+    return ["## Agreement with our vanilla", "",
+            f"Against `{audit.get('reference', 'vanilla')}`. Not part of its audit: other engines (their kernels; "
+            "Q4_1 is other weights), lossy methods (Medusa's typical acceptance accepts tokens the target would not "
+            "emit), and our methods on another weight precision (each audited against the vanilla of its own "
+            "precision; here: how often that target's text is the main one's). "
+            f"Mode: {audit.get('mode', '')}. "
             "Identical = the whole output equals our vanilla's; first divergence = mean token index where the "
             "differing outputs first differ.", "",
             _table(["method", "weights", "gguf", "identical outputs", "first divergence"], rows), ""]

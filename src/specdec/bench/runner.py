@@ -22,7 +22,7 @@ import torch
 
 from specdec.api import from_models
 from specdec.bench import metrics, report
-from specdec.bench.audit import TIE_TOL, audit
+from specdec.bench.audit import TIE_TOL, audit_groups
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
 from specdec.bench.peers import build_peer
@@ -57,8 +57,9 @@ class BenchConfig:
 
 
 class OurMethod:
-    def __init__(self, spec: MethodSpec, dec) -> None:
+    def __init__(self, spec: MethodSpec, dec, precision: str) -> None:
         self.spec, self.dec = spec, dec
+        self.precision = precision  # the target's linear weights this method ran (fp32, int8, ...)
         self.gamma = dec.drafter.draft_depth  # draft steps per tree, for the Leviathan analysis
 
     def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
@@ -109,9 +110,11 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
     for spec in cfg.methods:
         if spec.is_peer:
             continue
-        dec = from_models(model, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=cfg.weights,
-                          **spec.opts)
-        built[spec.label] = OurMethod(spec, dec)
+        weights = spec.weights or cfg.weights
+        dec = from_models(model, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=weights,
+                          **spec.decoder_opts)
+        own = precision_name(next(model.parameters()).dtype)
+        built[spec.label] = OurMethod(spec, dec, getattr(dec.runner, "weights", None) or weights or own)
         if spec.label == "vanilla":
             vanilla = dec
     if vanilla is None:
@@ -221,7 +224,9 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 methods[lab].run(warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens))
 
     # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
-    floor = memory_floor(model, weights=cfg.weights)
+    precisions = {lab: m.precision for lab, m in methods.items() if isinstance(m, OurMethod)}
+    floors = {w: memory_floor(model, weights=w) for w in dict.fromkeys(precisions.values())}
+    floor = floors[precisions["vanilla"]]
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
     meter = ContentionMeter()
     records: list[dict] = []
@@ -284,11 +289,14 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 r = methods[lab].run(prompts[key], 0.0, 0, cfg.max_new_tokens)
                 audit_recs.append({"method": lab, "question_id": key[0], "turn": key[1], "repeat": 0,
                                    "tokens": r["tokens"]})
-    # peers on other weights than our methods' (llama.cpp; hf when --weights differs) are not audited
+    # peers on other weights than our methods' (llama.cpp; hf when --weights differs) are not audited; each
+    # of our methods is audited against the vanilla of its own precision
     own = precision_name(next(model.parameters()).dtype)
     other = (cfg.weights or own) != own
     exclude = {s.label for s in cfg.methods if not s.audited or (s.is_peer and other)}
-    aud = audit(audit_recs, prompts, model, "vanilla", cfg.tie_tol, exclude=exclude)
+    groups = _audit_groups(methods, precisions, model, own)
+    groups["vanilla"][0].extend(lab for lab in labels if lab not in precisions)  # in-process HF peers
+    aud = audit_groups(audit_recs, prompts, groups, cfg.tie_tol, exclude=exclude)
     n_replay = min(cfg.audit_questions, len(prompts))
     aud["mode"] = "timed outputs (T=0)" if cfg.temperature == 0 else f"greedy replay of {n_replay} prompts (T>0 run)"
 
@@ -303,12 +311,13 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         "duration_s": time.time() - started, "timed_s": timed_s,
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("methods", "progress")},
         "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer, "audited": s.audited,
-                     "lossy": s.lossy,
+                     "lossy": s.lossy, **({"precision": precisions[s.label]} if s.label in precisions else {}),
                      **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {})}
                     for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
         "categories": list(dict.fromkeys(q.category for q in questions)),
         "baseline": baseline, "baseline_candidates_total_s": totals, "contention": contention, "floor": floor,
+        "floors": floors,
         "machine": machine_info(), "target": _model_info(model, vanilla.runner),
         "draft": _model_info(draft_model, None) if draft_model is not None else None,
     }
@@ -320,6 +329,33 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         report.write_report(out, run, summary, aud)
         write_answers(out, records, tokenizer, run["target"].get("name_or_path") or run["target"]["model_type"])
     return result
+
+
+def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
+    """reference label -> (our labels on its precision, what judges a tie): `vanilla`'s group first. A tie
+    is judged by the HF model when the precision is the model's own, else by that vanilla's runner."""
+    refs = {}
+    for lab, w in precisions.items():
+        if methods[lab].spec.name == "vanilla" and w not in refs.values():
+            refs[lab] = w
+    refs = {"vanilla": precisions["vanilla"], **{r: w for r, w in refs.items() if r != "vanilla"}}
+    groups = {}
+    for ref, w in refs.items():
+        members = [lab for lab, p in precisions.items() if p == w and lab != ref]
+        groups[ref] = (members, model if w == own else _runner_logits(methods[ref].dec.runner))
+    return groups
+
+
+def _runner_logits(runner):
+    @torch.inference_mode()
+    def logits(ids: list[int]) -> torch.Tensor:
+        runner.reset()
+        try:
+            return runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).logits[-1]
+        finally:
+            runner.reset()
+
+    return logits
 
 
 @torch.inference_mode()
