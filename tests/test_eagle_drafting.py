@@ -123,3 +123,67 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
     counts, sizes = sample_first3(target, drafter, prompt, params)
     assert max(sizes) >= 4
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+@pytest.mark.parametrize("params,draft_vocab", [
+    (SamplingParams(1.0), None), (SamplingParams(0.8, top_k=3), None),
+    (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)))], ids=["T1", "T0.8-topk3", "T1.2-topp-reduced"])
+def test_eagle2_sampled_children_match_vanilla_distribution(params, draft_vocab):
+    """Children drawn without replacement from the draft, each with its q: recursive rejection stays exact."""
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    head = make_head(model, seed=3, draft_vocab=draft_vocab)
+    drafter = drafter_for(model, head, True, depth=3, topk=2, tree_size=5, children="sample")
+    counts, sizes = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], params)
+    assert max(sizes) >= 4
+    assert chi2_pvalue(counts, exact_first3(model, [1, 3, 0, 2], params)) > 1e-3
+
+
+def test_draw_children_is_an_ordered_sample_without_replacement():
+    from specdec.tree import draw_children
+
+    logp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]), -1)
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    lp, tok, q = draw_children(logp.expand(n, -1), 3, g)
+    p = logp.exp()[0]
+    assert (tok[:, 0] != tok[:, 1]).all() and (tok[:, 1] != tok[:, 2]).all() and (tok[:, 0] != tok[:, 2]).all()
+    torch.testing.assert_close(lp, logp.expand(n, -1).gather(-1, tok))
+    # q of the 1st child is p; of the 2nd, p without the 1st, renormalised
+    torch.testing.assert_close(q[:, 0], p.expand(n, -1))
+    first = tok[:, 0]
+    want2 = p.expand(n, -1).scatter(1, first[:, None], 0.0)
+    torch.testing.assert_close(q[:, 1], want2 / want2.sum(-1, keepdim=True))
+    # the draws follow those distributions: the 1st child's marginal, and the 2nd's given the 1st is token 0
+    assert chi2_pvalue(np.bincount(first.numpy(), minlength=5), p.numpy()) > 1e-3
+    given0 = tok[first == 0, 1]
+    assert chi2_pvalue(np.bincount(given0.numpy(), minlength=5)[1:], (p[1:] / p[1:].sum()).numpy()) > 1e-3
+
+
+def test_sampled_children_options_are_checked():
+    from specdec.drafters import registry
+
+    with pytest.raises(SpecdecError, match="children"):
+        registry.parse("eagle2", {"children": "sample", "lookup": 4})
+    with pytest.raises(SpecdecError, match="children"):
+        registry.parse("eagle2", {"children": "beam"})
+
+
+def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
+    """Why build_sampled_tree keeps the expansion's first nodes instead of the top ones by value: pruning a
+    sampled node by its own value changes its distribution away from its q (the chi-square test sees it)."""
+    import specdec.drafters.eagle as eagle_mod
+    import specdec.tree as tree_mod
+
+    def reranked(root, step, depth, topk, size, gen):
+        t = tree_mod.build_sampled_tree(root, step, depth, topk, 10**6, gen)
+        return t.select(torch.argsort(-t.scores, stable=True)[:size].sort().values)
+
+    monkeypatch.setattr(eagle_mod, "build_sampled_tree", reranked)
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    drafter = drafter_for(model, make_head(model, seed=3), True, depth=3, topk=2, tree_size=3, children="sample")
+    counts, _ = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], SamplingParams(1.0))
+    assert chi2_pvalue(counts, exact_first3(model, [1, 3, 0, 2], SamplingParams(1.0))) < 1e-6

@@ -6,7 +6,9 @@ verification the accepted rows are recomputed from the target's features and dra
 The output of the last committed row is f̂_n, whose logits give the root's children. A tree node at
 depth d sits at head position n + d - 1 and reads (its token, the f̂ its parent's row produced).
 Children are deterministic top-k, so the tree carries no q: the verifier treats them as point masses
-(lossless at T > 0).
+(lossless at T > 0). With `children=sample` (T > 0 only) EAGLE-2's children are drawn without
+replacement from the draft distribution instead, and each carries the q it was drawn from
+(tree.build_sampled_tree).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import astuple
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.registry import Method, Options, Target, option, register
@@ -27,7 +29,15 @@ from specdec.heads.runner import HeadRunner
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
 from specdec.target import stream
-from specdec.tree import DraftTree, NodeSlots, StepFn, TreeBudget, build_dynamic_tree, check_choices
+from specdec.tree import (
+    DraftTree,
+    NodeSlots,
+    StepFn,
+    TreeBudget,
+    build_dynamic_tree,
+    build_sampled_tree,
+    check_choices,
+)
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
 
@@ -81,8 +91,13 @@ def _choices_or_error(choices: Sequence[Sequence[int]]) -> list[tuple]:
 
 class EagleDrafter(Drafter):
     def __init__(self, runner: HeadRunner, budget: TreeBudget | None = None,
-                 choices: Sequence[Sequence[int]] | None = None, rank_by: str = "value", rerank: bool = True) -> None:
-        """budget: EAGLE-2's dynamic tree of that size; None: EAGLE-1's static tree of `choices`."""
+                 choices: Sequence[Sequence[int]] | None = None, rank_by: str = "value", rerank: bool = True,
+                 children: str = "topk") -> None:
+        """budget: EAGLE-2's dynamic tree of that size; None: EAGLE-1's static tree of `choices`.
+        children: "topk" (point masses) or "sample" (drawn from the draft at T > 0; EAGLE-2 only)."""
+        if children not in ("topk", "sample") or (children == "sample" and budget is None):
+            raise SpecdecError("children must be 'topk', or 'sample' with a dynamic (EAGLE-2) tree")
+        self.children = children
         if rank_by not in ("value", "confidence"):
             raise SpecdecError("rank_by must be 'value' or 'confidence'")
         self.runner, self.budget = runner, budget
@@ -168,6 +183,11 @@ class EagleDrafter(Drafter):
             return tempered_log_probs(run.logits(g), ctx.params)
 
         root_lp = tempered_log_probs(self.root_logits, ctx.params)
+        if budget is not None and self.children == "sample" and not ctx.params.greedy:
+            tree = build_sampled_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), ctx.generator)
+            run.rollback()
+            return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores,
+                             self._target_probs(tree.draft_probs))
         if budget is not None:
             tree = build_dynamic_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), self.rank_by,
                                       self.rerank)
@@ -175,6 +195,15 @@ class EagleDrafter(Drafter):
             tree = build_static_tree(root_lp, step, self.choices[:ctx.max_nodes])
         run.rollback()
         return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores)
+
+
+    def _target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the draft vocabulary -> over the target's (zero outside the draft vocabulary)."""
+        d2t = self.runner.d2t
+        if d2t is None:
+            return q
+        full = torch.zeros(q.shape[0], self.runner.embed.shape[0], dtype=q.dtype, device=q.device)
+        return full.index_copy_(1, d2t.to(q.device), q)
 
 
 # ---- registration ----
@@ -205,6 +234,16 @@ class Eagle2Options(HeadOptions):
                                    aliases=("tree_tokens", "total_tokens"), shown="tuned, else 10")
     rank_by: Literal["value", "confidence"] = option("value", "expand by path value or by own confidence (ablation)")
     rerank: bool = option(True, "keep the top tree_size nodes by value (false: ablation)")
+    children: Literal["topk", "sample"] = option(
+        "topk", "at T > 0: top-k children (point masses), or children drawn without replacement from the draft "
+                "distribution (SpecInfer-style; the first tree_size nodes of the expansion, no value reranking)")
+
+    @model_validator(mode="after")
+    def _sampled_alone(self):
+        if self.children == "sample" and self.lookup:
+            raise ValueError("children=sample cannot share its tree with a lookup chain (lookup must be 0): "
+                             "a merged tree holds point masses only")
+        return self
 
 
 class FspadOptions(Eagle2Options):
@@ -282,7 +321,8 @@ def build_eagle(target: Target, opts: EagleOptions) -> Drafter:
 
 def build_eagle2(target: Target, opts: Eagle2Options) -> Drafter:
     runner, head_dir = head_runner(target, opts, "eagle2")
-    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank)
+    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
+                           children=opts.children)
     return with_lookup(drafter, opts.lookup or 0)
 
 
@@ -291,7 +331,8 @@ def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
     if (runner.connector, runner.pad) != ("sampler", True):
         raise SpecdecError(f"method 'fspad' needs an FSPAD head (connector=sampler, pad=true); {head_dir} has "
                            f"connector={runner.connector}, pad={str(runner.pad).lower()}: run it with eagle2")
-    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank)
+    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
+                           children=opts.children)
     drafter.name = "fspad"
     return with_lookup(drafter, opts.lookup or 0)
 
