@@ -293,3 +293,32 @@ def test_audit_groups_hold_each_method_to_its_own_reference(models):
     assert not aud["ok"] and aud["bugs"] == 1
     bad = aud["mismatches"][0]
     assert (bad["method"], bad["reference"], bad["position"]) == ("b", "v8", 4)
+
+
+def test_a_peer_failing_on_one_prompt_costs_that_prompt_not_the_run(models, monkeypatch, tmp_path):
+    """llama-cpp-python's prompt lookup once crashed on one MT-bench prompt after 37 minutes of a run."""
+    import specdec.bench.runner as runner_mod
+
+    target, tok, _ = models
+    real = runner_mod.build_peer
+
+    class Flaky:
+        def __init__(self, inner):
+            self.spec, self.inner = inner.spec, inner
+
+        def run(self, ids, temperature, seed, max_new):
+            if tok.decode(ids).count("poem"):
+                raise ValueError("could not broadcast input array")
+            return self.inner.run(ids, temperature, seed, max_new)
+
+    monkeypatch.setattr(runner_mod, "build_peer", lambda spec, *a, **k: Flaky(real(spec, *a, **k)))
+    cfg = BenchConfig(parse_methods("vanilla,pld:num_tokens=3", False), max_new_tokens=6, warmup=0, progress=False,
+                      threads=1)
+    res = run_bench(cfg, QS, target, tok, out_dir=tmp_path / "o")
+    assert {(r["question_id"], r["turn"]) for r in res["records"]} == {("7", 0)}  # q 81 gone for every method
+    (skip,) = res["run"]["skipped"]
+    assert (skip["question_id"], skip["turn"]) == ("81", 0) and "hf failed on it (ValueError" in skip["reason"]
+    assert res["audit"]["ok"] and res["summary"]["pld:num_tokens=3"]["overall"]["n"] == 1
+    raw = (tmp_path / "o" / "raw" / "vanilla.jsonl").read_text().splitlines()
+    assert len(raw) == 1 and json.loads(raw[0])["question_id"] == "7"
+    assert "81/turn 0 (hf failed on it" in (tmp_path / "o" / "report.md").read_text()

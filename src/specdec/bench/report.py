@@ -110,8 +110,8 @@ def render(run: dict, summary: dict, audit: dict) -> str:
         md += [f"> **Warning: other processes used {100 * other:.0f}% of the CPUs during the timed run.** "
                "These timings measure that contention as much as the methods; rerun on an idle machine.", ""]
     if run.get("skipped"):
-        md += [f"Skipped {len(run['skipped'])} prompt(s) too long for the context: "
-               + ", ".join(f"{s['question_id']}/turn {s['turn']}" for s in run["skipped"]), ""]
+        md += [f"Skipped {len(run['skipped'])} prompt(s), for every method: "
+               + "; ".join(f"{s['question_id']}/turn {s['turn']} ({s['reason']})" for s in run["skipped"]), ""]
     md += [f"## Speedup vs `{base}`", "",
            "Baseline wall time per token / method wall time per token, totals over the same prompts "
            "(at T = 0 every output is the same, so this is the wall-time ratio); mean ± std over repeats.", "",

@@ -252,22 +252,31 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                     bar.update((len(q.turns) - turn) * cfg.repeats * len(labels))
                     break
                 prompts[(q.question_id, turn)] = ids
-                answer = None
-                for rep in range(cfg.repeats):
-                    k = (qi + turn + rep) % len(labels)
-                    for pos, lab in enumerate(labels[k:] + labels[:k]):
-                        bar.set_postfix_str(f"q={q.question_id} t={turn} {lab}", refresh=False)
-                        r = methods[lab].run(ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens)
-                        rec = {"method": lab, "name": methods[lab].spec.name, "question_id": q.question_id,
-                               "category": q.category, "turn": turn, "repeat": rep, "order": pos,
-                               "prompt_tokens": len(ids), "new_tokens": len(r["tokens"]), **r}
-                        records.append(rec)
-                        if raw_files:
-                            raw_files[lab].write(json.dumps(rec) + "\n")
-                            raw_files[lab].flush()
-                        if lab == "vanilla" and answer is None:
-                            answer = r["tokens"]
-                        bar.update(1)
+                batch: list[dict] = []
+                try:
+                    for rep in range(cfg.repeats):
+                        k = (qi + turn + rep) % len(labels)
+                        for pos, lab in enumerate(labels[k:] + labels[:k]):
+                            bar.set_postfix_str(f"q={q.question_id} t={turn} {lab}", refresh=False)
+                            r = _run_one(methods[lab], ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens)
+                            batch.append({"method": lab, "name": methods[lab].spec.name, "question_id": q.question_id,
+                                          "category": q.category, "turn": turn, "repeat": rep, "order": pos,
+                                          "prompt_tokens": len(ids), "new_tokens": len(r["tokens"]), **r})
+                            bar.update(1)
+                except PeerFailed as e:  # another engine's bug costs this prompt, not the run
+                    del prompts[(q.question_id, turn)]
+                    skipped.append({"question_id": q.question_id, "turn": turn, "prompt_tokens": len(ids),
+                                    "reason": str(e)})
+                    print(f"specdec bench: question {q.question_id} turn {turn} skipped for every method: {e}",
+                          file=sys.stderr)
+                    bar.update((len(q.turns) - turn) * cfg.repeats * len(labels) - len(batch))
+                    break
+                records.extend(batch)
+                for rec in batch:  # a prompt's lines land together: raw/ never holds half a prompt
+                    if raw_files:
+                        raw_files[rec["method"]].write(json.dumps(rec) + "\n")
+                        raw_files[rec["method"]].flush()
+                answer = next(r["tokens"] for r in batch if r["method"] == "vanilla")
                 # MT-bench: the second turn sees the target's own first answer (our vanilla's, so
                 # every method gets the same second-turn prompt)
                 history = msgs + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
@@ -329,6 +338,19 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         report.write_report(out, run, summary, aud)
         write_answers(out, records, tokenizer, run["target"].get("name_or_path") or run["target"]["model_type"])
     return result
+
+
+class PeerFailed(Exception):
+    """A peer (another engine) raised on one prompt."""
+
+
+def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
+    if isinstance(method, OurMethod):
+        return method.run(ids, temperature, seed, max_new)  # our bugs stop the run: they must be seen
+    try:
+        return method.run(ids, temperature, seed, max_new)
+    except Exception as e:  # noqa: BLE001 - any failure of another engine on one prompt
+        raise PeerFailed(f"{method.spec.label} failed on it ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
