@@ -74,15 +74,28 @@ def _cpu_busy_s() -> float | None:
         return None
 
 
+def _pid_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used, from /proc/<pid>/stat; 0 if unreadable."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class ContentionMeter:
     """Share of the usable CPUs that *other* processes used during a timed run: a benchmark that shared
-    the cores with another job measures that job as much as the method."""
+    the cores with another job measures that job as much as the method. `helpers`: pids of the run's own
+    subprocesses (a peer's llama-server), whose work is the run's, not contention."""
 
-    def __init__(self) -> None:
+    def __init__(self, helpers: Sequence[int] = ()) -> None:
+        self.helpers = list(helpers)
+        self.help0 = sum(_pid_cpu_s(p) for p in self.helpers)
         self.busy0, self.own0, self.t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
 
     def result(self) -> dict:
         busy1, own1, wall = _cpu_busy_s(), time.process_time(), time.perf_counter() - self.t0
+        own1 += sum(_pid_cpu_s(p) for p in self.helpers) - self.help0
         ncpu = usable_cpus()
         if self.busy0 is None or busy1 is None or wall <= 0:
             return {"other_cpu_frac": None}

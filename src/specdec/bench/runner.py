@@ -228,7 +228,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     floors = {w: memory_floor(model, weights=w) for w in dict.fromkeys(precisions.values())}
     floor = floors[precisions["vanilla"]]
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
-    meter = ContentionMeter()
+    meter = ContentionMeter([m.proc.pid for m in methods.values() if getattr(m, "proc", None) is not None])
     records: list[dict] = []
     prompts: dict = {}
     skipped: list[dict] = []
