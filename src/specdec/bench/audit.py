@@ -20,6 +20,20 @@ import torch
 TIE_TOL = 1e-4
 
 
+def runner_logits(runner):
+    """ids -> the last position's logits from one of our runners (a target at another weight precision)."""
+
+    @torch.inference_mode()
+    def logits(ids: list[int]) -> torch.Tensor:
+        runner.reset()
+        try:
+            return runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).logits[-1]
+        finally:
+            runner.reset()
+
+    return logits
+
+
 def first_divergence(ref: list[int], got: list[int]) -> int | None:
     """Index of the first differing token, len of the shorter one if one is a prefix, None if equal."""
     for i, (a, b) in enumerate(zip(ref, got)):

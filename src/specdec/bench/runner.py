@@ -22,7 +22,7 @@ import torch
 
 from specdec.api import from_models
 from specdec.bench import metrics, report
-from specdec.bench.audit import TIE_TOL, audit_groups
+from specdec.bench.audit import TIE_TOL, audit_groups, runner_logits
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
 from specdec.bench.peers import build_peer
@@ -364,20 +364,8 @@ def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
     groups = {}
     for ref, w in refs.items():
         members = [lab for lab, p in precisions.items() if p == w and lab != ref]
-        groups[ref] = (members, model if w == own else _runner_logits(methods[ref].dec.runner))
+        groups[ref] = (members, model if w == own else runner_logits(methods[ref].dec.runner))
     return groups
-
-
-def _runner_logits(runner):
-    @torch.inference_mode()
-    def logits(ids: list[int]) -> torch.Tensor:
-        runner.reset()
-        try:
-            return runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).logits[-1]
-        finally:
-            runner.reset()
-
-    return logits
 
 
 @torch.inference_mode()
