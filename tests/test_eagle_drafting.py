@@ -187,3 +187,14 @@ def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
     drafter = drafter_for(model, make_head(model, seed=3), True, depth=3, topk=2, tree_size=3, children="sample")
     counts, _ = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], SamplingParams(1.0))
     assert chi2_pvalue(counts, exact_first3(model, [1, 3, 0, 2], SamplingParams(1.0))) < 1e-6
+
+
+def test_eagle2_samples_children_by_default_unless_a_lookup_chain_shares_the_tree():
+    from specdec.drafters import registry
+    from specdec.drafters.eagle import children
+
+    assert children(registry.parse("eagle2", {})[1]) == "sample"
+    assert children(registry.parse("eagle2", {"lookup": 4})[1]) == "topk"
+    assert children(registry.parse("fspad", {"head": "x", "children": "topk"})[1]) == "topk"
+    with pytest.raises(SpecdecError, match="auto drafts top-k children"):
+        registry.parse("auto", {"children": "sample"})

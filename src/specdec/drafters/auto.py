@@ -9,6 +9,10 @@ requests only (sampled text repeats far less). Without a head: vanilla.
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import field_validator
+
 from specdec.drafters.adaptive import AdaptiveDrafter, load_costs, menu_from_tuning
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
@@ -25,6 +29,15 @@ class AutoOptions(Eagle2Options):
                             "false: the static tuned tree (explicit depth/topk/tree_size also pin it)")
     recalibrate: bool = option(False, "re-measure this machine's costs (else cached per machine, threads, torch, "
                                "target and head)")
+    children: Literal["topk", "sample"] | None = option(None, "top-k children only: the controller reranks "
+                                                           "its trees by value", shown="topk")
+
+    @field_validator("children")
+    @classmethod
+    def _topk_only(cls, v: str | None) -> str | None:
+        if v == "sample":  # its controller prices value-reranked trees: sampled ones cannot be reranked
+            raise ValueError("auto drafts top-k children; for sampled children use eagle2:children=sample")
+        return v
 
 
 def build_auto(target: Target, opts: AutoOptions) -> Drafter:

@@ -234,9 +234,11 @@ class Eagle2Options(HeadOptions):
                                    aliases=("tree_tokens", "total_tokens"), shown="tuned, else 10")
     rank_by: Literal["value", "confidence"] = option("value", "expand by path value or by own confidence (ablation)")
     rerank: bool = option(True, "keep the top tree_size nodes by value (false: ablation)")
-    children: Literal["topk", "sample"] = option(
-        "topk", "at T > 0: top-k children (point masses), or children drawn without replacement from the draft "
-                "distribution (SpecInfer-style; the first tree_size nodes of the expansion, no value reranking)")
+    children: Literal["topk", "sample"] | None = option(
+        None, "at T > 0: top-k children (point masses), or children drawn without replacement from the draft "
+              "distribution (SpecInfer-style; the first tree_size nodes of the expansion, no value reranking); "
+              "default: sample, the faster at T = 1 (docs/benchmarks.md), topk when a lookup chain shares the tree",
+        shown="sample; topk with lookup")
 
     @model_validator(mode="after")
     def _sampled_alone(self):
@@ -314,6 +316,12 @@ def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None =
     return TreeBudget(pick("depth"), pick("topk"), pick("tree_size"))
 
 
+def children(opts: Eagle2Options) -> str:
+    """Sampled children unless asked otherwise or a lookup chain shares the tree (a merged tree holds point
+    masses only). At T = 0 both are the same top-k tree."""
+    return opts.children or ("topk" if opts.lookup else "sample")
+
+
 def build_eagle(target: Target, opts: EagleOptions) -> Drafter:
     runner, _ = head_runner(target, opts, "eagle")
     return with_lookup(EagleDrafter(runner, choices=opts.choices), opts.lookup or 0)
@@ -322,7 +330,7 @@ def build_eagle(target: Target, opts: EagleOptions) -> Drafter:
 def build_eagle2(target: Target, opts: Eagle2Options) -> Drafter:
     runner, head_dir = head_runner(target, opts, "eagle2")
     drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
-                           children=opts.children)
+                           children=children(opts))
     return with_lookup(drafter, opts.lookup or 0)
 
 
@@ -332,7 +340,7 @@ def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
         raise SpecdecError(f"method 'fspad' needs an FSPAD head (connector=sampler, pad=true); {head_dir} has "
                            f"connector={runner.connector}, pad={str(runner.pad).lower()}: run it with eagle2")
     drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
-                           children=opts.children)
+                           children=children(opts))
     drafter.name = "fspad"
     return with_lookup(drafter, opts.lookup or 0)
 
