@@ -146,7 +146,8 @@ def test_draw_children_is_an_ordered_sample_without_replacement():
     logp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]), -1)
     g = torch.Generator().manual_seed(0)
     n = 20000
-    lp, tok, q = draw_children(logp.expand(n, -1), 3, g)
+    lp, tok, q, ok = draw_children(logp.expand(n, -1), 3, g)
+    assert ok.all()
     p = logp.exp()[0]
     assert (tok[:, 0] != tok[:, 1]).all() and (tok[:, 1] != tok[:, 2]).all() and (tok[:, 0] != tok[:, 2]).all()
     torch.testing.assert_close(lp, logp.expand(n, -1).gather(-1, tok))
@@ -159,6 +160,10 @@ def test_draw_children_is_an_ordered_sample_without_replacement():
     assert chi2_pvalue(np.bincount(first.numpy(), minlength=5), p.numpy()) > 1e-3
     given0 = tok[first == 0, 1]
     assert chi2_pvalue(np.bincount(given0.numpy(), minlength=5)[1:], (p[1:] / p[1:].sum()).numpy()) > 1e-3
+    # a support of one token (a tiny temperature): one child, no NaN q for the others
+    one = torch.log_softmax(torch.tensor([[0.0, float("-inf"), float("-inf")]]), -1)
+    _, tok, q, ok = draw_children(one, 3, g)
+    assert ok.tolist() == [[True, False, False]] and tok[0, 0] == 0 and not q[ok].isnan().any()
 
 
 def test_sampled_children_options_are_checked():

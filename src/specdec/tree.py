@@ -238,7 +238,8 @@ def draw_children(logp: torch.Tensor, k: int, generator: torch.Generator | None)
     """k children per row of logp [R, V], drawn without replacement from softmax(logp) in draw order
     (Gumbel-top-k: the k largest logp + Gumbel noise are an ordered sample without replacement), and
     the q each was drawn from: softmax(logp) without its elder siblings, renormalised (what the verifier's
-    recursive rejection needs). Returns (logp of the drawn tokens [R, k], tokens [R, k], q [R, k, V])."""
+    recursive rejection needs). Returns (logp of the drawn tokens [R, k], tokens [R, k], q [R, k, V],
+    ok [R, k]); ok is False past a row's support (a tiny temperature leaves one token), where no draw exists."""
     logp = logp.float()
     k = min(k, logp.shape[-1])
     u = torch.rand(logp.shape, generator=generator, device=logp.device).clamp_(min=1e-30)
@@ -248,7 +249,10 @@ def draw_children(logp: torch.Tensor, k: int, generator: torch.Generator | None)
         drawn[:, j] = drawn[:, j - 1]
         drawn[:, j].scatter_(1, tok[:, j - 1 : j], True)
     q = logp.exp().unsqueeze(1).masked_fill(drawn, 0.0)
-    return logp.gather(-1, tok), tok, q / q.sum(-1, keepdim=True)
+    mass = q.sum(-1, keepdim=True)
+    q = q / mass.clamp_min(torch.finfo(q.dtype).tiny)
+    ok = (mass[..., 0] > 0) & (q.gather(-1, tok.unsqueeze(-1))[..., 0] > 0)
+    return logp.gather(-1, tok), tok, q, ok
 
 
 def build_sampled_tree(
@@ -257,31 +261,33 @@ def build_sampled_tree(
 ) -> DraftTree:
     """EAGLE-2's expansion with sampled children (T > 0): at each depth the top-k nodes of the newest
     layer by value V are expanded, best first, and each gets k children drawn without replacement from
-    the draft distribution; the draft is the first tree_size nodes in that order.
+    the draft distribution (fewer where its support is smaller); the draft is the first tree_size nodes
+    in that order.
 
     Why no value reranking: a node kept or pruned by its own sampled value is no longer distributed as
     the q the verifier divides by. Here whether a node exists, and where, is settled before it is drawn
-    (by its parent's rank), so recursive rejection against each child's q stays exact."""
-    lp, tok, q = draw_children(root_logprobs[None], topk, generator)
-    tokens, parents, logv, qs = [tok[0]], [torch.full_like(tok[0], -1)], [lp[0]], [q[0]]
-    frontier_ids = torch.arange(tok.shape[1], device=tok.device)
-    frontier_v, n = lp[0], tok.shape[1]
+    (by its parent's rank and its q's support), so recursive rejection against each child's q stays exact."""
+    lp, tok, q, ok = draw_children(root_logprobs[None], topk, generator)
+    tokens, parents, logv, qs = [tok[ok]], [torch.full_like(tok[ok], -1)], [lp[ok]], [q[ok]]
+    n = tokens[0].numel()
+    frontier_ids, frontier_v = torch.arange(n, device=tok.device), logv[0]
     for _ in range(1, depth):
-        if n >= tree_size:
+        if n >= tree_size or frontier_v.numel() == 0:
             break
         best = torch.topk(frontier_v, min(topk, frontier_v.numel())).indices  # by value, best first
         sel = frontier_ids[best]
         order = torch.argsort(sel)  # the step takes the new nodes in index order (topological)
         rows = step(sel[order], torch.cat(tokens), torch.cat(parents))[torch.argsort(order)]
-        lp, tok, q = draw_children(rows, topk, generator)
-        k = tok.shape[1]
-        tokens.append(tok.reshape(-1))
-        parents.append(sel.repeat_interleave(k))
-        logv.append((torch.cat(logv)[sel].unsqueeze(1) + lp).reshape(-1))
-        qs.append(q.reshape(-1, q.shape[-1]))
-        frontier_ids = torch.arange(n, n + sel.numel() * k, device=tok.device)
+        lp, tok, q, ok = draw_children(rows, topk, generator)
+        v = torch.cat(logv)[sel].unsqueeze(1) + lp
+        # boolean indexing flattens row by row: best parent first, each parent's children in draw order
+        tokens.append(tok[ok])
+        parents.append(sel.unsqueeze(1).expand_as(tok)[ok])
+        logv.append(v[ok])
+        qs.append(q[ok])
+        frontier_ids = torch.arange(n, n + tokens[-1].numel(), device=tok.device)
         frontier_v = logv[-1]
-        n += sel.numel() * k
+        n += tokens[-1].numel()
     m = min(tree_size, n)
     return DraftTree(torch.cat(tokens)[:m], torch.cat(parents)[:m], torch.cat(logv)[:m], torch.cat(qs)[:m])
 
