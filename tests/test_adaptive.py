@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from specdec.drafters.adaptive import AdaptiveDrafter, Choice, Controller, Costs, load_costs, matched, menu_from_tuning
+from specdec.drafters.adaptive import AdaptiveDrafter, Choice, Controller, matched, menu_from_tuning
 from specdec.drafters.base import NoDrafter
+from specdec.drafters.costs import Costs, load_costs
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
@@ -95,9 +96,11 @@ def test_matched_follows_emitted_tokens_through_the_tree():
 
 # ---- losslessness with the size changing every step ----
 
-def adaptive_for(model, head, slope, lookup=0, sampled_scale=1.0):
-    eagle = drafter_for(model, head, True, depth=3, topk=3, tree_size=8)
-    return AdaptiveDrafter(eagle, MENU, costs(slope), lookup, sampled_scale=sampled_scale)
+def adaptive_for(model, head, slope, lookup=0, sampled_scale=1.0, sampled=None):
+    eagle = drafter_for(model, head, True, depth=3, topk=3, tree_size=8, children="sample" if sampled else "topk")
+    c = costs(slope)
+    c.sampled_s = {b: 0.05 * b.tree_size / 4 for b, _ in sampled or []}
+    return AdaptiveDrafter(eagle, MENU, c, lookup, sampled_scale=sampled_scale, sampled=sampled)
 
 
 def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
@@ -130,6 +133,43 @@ def test_adaptive_sampling_matches_the_target_distribution(params):
     counts, sizes = sample_first3(target, drafter, prompt, params)
     assert 0 in sizes and max(sizes) >= 4  # both vanilla steps and trees among the first tokens
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+SAMPLED_MENU = [(TreeBudget(1, 1, 1), 0.4), (TreeBudget(2, 2, 3), 0.7), (TreeBudget(2, 3, 6), 1.0)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
+                         ids=["T1", "T0.8-topk3-topp0.9"])
+def test_adaptive_sampled_children_match_the_target_distribution(params):
+    """Sampled requests draft children drawn from the head (sized from the sampled menu), a chain alone
+    or nothing, chosen step by step: the first three tokens still follow the target's exact joint."""
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    drafter = adaptive_for(model, make_head(model, seed=3), 0.15, lookup=3, sampled=SAMPLED_MENU)
+    seen = []
+    orig = drafter.eagle.propose
+    drafter.eagle.propose = lambda ctx, b=None: seen.append(t := orig(ctx, b)) or t
+    target = LeanRunner(model)
+    prompt = [1, 3, 0, 2, 1, 3, 0]
+    counts, sizes = sample_first3(target, drafter, prompt, params)
+    assert 0 in sizes and len(set(sizes)) >= 3  # vanilla steps and trees of several sizes
+    assert seen and all(t.draft_probs is not None for t in seen if len(t))  # the trees were sampled ones
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+def test_a_sampled_request_never_merges_a_sampled_tree_with_the_chain():
+    c = costs(0.01)
+    c.sampled_s = {b: 0.01 for b, _ in SAMPLED_MENU}
+    ctrl = Controller(SAMPLED_MENU, c, 1.0, {3: 50.0}, draft_s=c.sampled_s, union=False)
+    assert ctrl.choose(6, 100, ngram=3) == Choice(None, True)  # a sure chain: alone, never joined
+    both = Controller(MENU, c, 1.0, {3: 50.0})
+    assert both.choose(6, 100, ngram=3).chain and both.choose(6, 100, ngram=3).budget is not None
+    cheap = Controller(SAMPLED_MENU, c, 2.0, {}, draft_s=c.sampled_s, union=False)
+    assert cheap.choose(0, 100) == Choice(TreeBudget(2, 3, 6), False)  # priced by the sampled table and costs
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with pytest.raises(ValueError, match="children='sample'"):  # a top-k drafter cannot serve a sampled menu
+        AdaptiveDrafter(drafter_for(model, make_head(model, seed=3), True), MENU, c, 0, sampled=SAMPLED_MENU)
 
 
 def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
@@ -174,7 +214,7 @@ def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
 # ---- costs measured here, cached per machine ----
 
 def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch):
-    from specdec.drafters import adaptive
+    from specdec.drafters import costs as costs_mod
     from specdec.heads.io import load_head
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -183,8 +223,8 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
     target = LeanRunner(tiny)
     eagle = drafter_for(tiny, head, True)
     calls = []
-    real = adaptive.measure_costs
-    monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = costs_mod.measure_costs
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
     c1, path, fresh = load_costs(target, eagle, "h", MENU, 6)
     assert fresh and path.is_file() and len(calls) == 1
     assert set(c1.draft_s) == {B4, B8} and c1.target(1) > 0 and c1.target(33) >= c1.target(1)

@@ -173,11 +173,66 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
         from_models(tiny, None, "eagle2", head=str(head))
 
 
+def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tmp_path, monkeypatch):
+    from specdec.drafters.adaptive import AdaptiveDrafter
+    from specdec.tune.sampled import sampled_acceptance
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    head = tmp_path / "head"
+    shutil.copytree(trained[1] / "head", head)
+    dec = from_models(tiny, None, "eagle2", head=str(head))  # children=sample at T > 0 by default
+    budgets = [Config(1, 1, 1), Config(2, 2, 3), Config(3, 2, 6)]
+    rows = sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, tokens=24, budgets=budgets)
+    assert [(r["depth"], r["topk"], r["tree_size"]) for r in rows] == [astuple(b) for b in budgets]
+    assert all(r["tau"] >= 1 for r in rows) and rows[-1]["tau"] > 1  # a 6-node tree is accepted sometimes
+    assert rows == sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, 24, budgets=budgets)
+    assert astuple(dec.drafter.budget) == (5, 4, 10)  # left as it was
+    topk = from_models(tiny, None, "eagle2", head=str(head), children="topk")
+    with pytest.raises(SpecdecError, match="children='sample'"):
+        sampled_acceptance(topk.drafter, topk.runner, PROMPTS[:1], topk.eos_ids, budgets=budgets)
+
+    greedy_rows = [{**asdict(b), "tau": 1.5} for b in budgets]
+    save_tuning({"depth": 2, "topk": 2, "tree_size": 3, "acceptance": greedy_rows}, tuning_path(head))
+    assert load_acceptance(head, sampled=True) == []  # not measured: auto's sampled requests draft top-k
+    a = from_models(tiny, None, "auto", head=str(head)).drafter
+    assert a.sampled is None and a.eagle.children == "topk"
+    with pytest.raises(SpecdecError, match="no sampled acceptance table"):
+        from_models(tiny, None, "auto", head=str(head), children="sample")
+    save_tuning({"depth": 2, "topk": 2, "tree_size": 3, "acceptance": greedy_rows, "acceptance_sampled": rows},
+                tuning_path(head))
+    assert load_acceptance(head, sampled=True) == rows
+    a = from_models(tiny, None, "auto", head=str(head))
+    d = a.drafter
+    assert isinstance(d, AdaptiveDrafter) and d.eagle.children == "sample"
+    assert {astuple(b) for b, _ in d.sampled} <= {astuple(b) for b in budgets} and set(d.costs.sampled_s) == {
+        b for b, _ in d.sampled}
+    assert from_models(tiny, None, "auto", head=str(head), children="topk").drafter.sampled is None
+    from specdec.drafters.costs import Costs
+
+    # this tiny target's forward costs about what a draft does: price drafting as free to see the trees
+    d.costs = Costs({1: 1.0, 64: 1.0}, dict.fromkeys(d.costs.draft_s, 0.0), 0.0, 0.0,
+                    dict.fromkeys(d.costs.sampled_s, 0.0))
+    trees = []
+    orig = d.eagle.propose
+    d.eagle.propose = lambda ctx, b=None: trees.append(t := orig(ctx, b)) or t
+    for prompt in PROMPTS[:3]:
+        run(a.runner, d, prompt, SamplingParams(1.0, seed=1), 24)
+    assert trees and all(t.draft_probs is not None for t in trees if len(t))  # sampled children
+    trees.clear()
+    want, _ = run(a.runner, NoDrafter(), PROMPTS[1], SamplingParams(), 24)
+    assert run(a.runner, d, PROMPTS[1], SamplingParams(), 24)[0] == want
+    assert trees and all(t.draft_probs is None for t in trees)  # greedy requests: top-k trees
+    with pytest.raises(SpecdecError, match="children=sample"):  # a static tree cannot hold the chain too
+        from_models(tiny, None, "auto", head=str(head), children="sample", lookup=4, adaptive=False)
+
+
 def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):
     assert main(["tune", "--head", str(tmp_path / "nothing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["tune", "--prompts", "0"]) == 2
     assert "--prompts must be" in capsys.readouterr().err
+    assert main(["tune", "--sampled-tokens", "-1"]) == 2
+    assert "--sampled-tokens must be" in capsys.readouterr().err
     for bad in ("4,x", "0,8"):
         assert main(["tune", "--lookups", bad]) == 2
         assert "--lookups must be" in capsys.readouterr().err

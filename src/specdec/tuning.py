@@ -51,15 +51,16 @@ def load_tuning(head_dir: str | os.PathLike, auto: bool = False) -> dict | None:
     return None
 
 
-def load_acceptance(head_dir: str | os.PathLike) -> list[dict]:
+def load_acceptance(head_dir: str | os.PathLike, sampled: bool = False) -> list[dict]:
     """The acceptance table tune measured for this head (greedy tau per budget: machine-independent),
-    from the same file load_tuning reads; older files have only their fastest rows (`top`). [] if none."""
+    from the same file load_tuning reads; older files have only their fastest rows (`top`). [] if none.
+    sampled: the T = 1 table of trees with sampled children (`acceptance_sampled`), [] if not measured."""
     for f in dict.fromkeys([tuning_path(head_dir), Path(head_dir).resolve() / "tuning.json"]):
         if not f.is_file():
             continue
         try:
             raw = json.loads(f.read_text())
-            rows = raw.get("acceptance") or raw.get("top") or []
+            rows = raw.get("acceptance_sampled", []) if sampled else raw.get("acceptance") or raw.get("top") or []
             out = [{k: r[k] for k in (*BUDGET_KEYS, "tau")} for r in rows]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SpecdecError(f"{f} is not a valid tuning file ({type(e).__name__}: {e}): "

@@ -2,7 +2,9 @@
 
 With an EAGLE head for the target (the given one, or one shipped in the package): adaptive speculation
 (drafters/adaptive.py) — every step, the EAGLE-2 tree and prompt-lookup chain that maximise expected
-tokens per second under costs measured on this machine, or no draft at all. `adaptive=false` gives the
+tokens per second under costs measured on this machine, or no draft at all; sampled requests draft
+children drawn from the head's distribution where the head's tuning has their acceptance table (tau +0.2
+over top-k children at T = 1). `adaptive=false` gives the
 static choice instead: the tree and chain `specdec tune` chose on its machine, the chain for greedy
 requests only (sampled text repeats far less). Without a head: vanilla.
 """
@@ -11,13 +13,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import model_validator
 
-from specdec.drafters.adaptive import AdaptiveDrafter, load_costs, menu_from_tuning
+from specdec.drafters.adaptive import AdaptiveDrafter, menu_from_tuning
 from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.costs import load_costs
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.drafters.union import with_lookup
+from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.tuning import load_acceptance, load_tuning
 
@@ -29,15 +33,17 @@ class AutoOptions(Eagle2Options):
                             "false: the static tuned tree (explicit depth/topk/tree_size also pin it)")
     recalibrate: bool = option(False, "re-measure this machine's costs (else cached per machine, threads, torch, "
                                "target and head)")
-    children: Literal["topk", "sample"] | None = option(None, "top-k children only: the controller reranks "
-                                                           "its trees by value", shown="topk")
+    children: Literal["topk", "sample"] | None = option(
+        None, "at T > 0: children drawn from the draft (sized from the head's sampled acceptance table, "
+              "`specdec tune`) or top-k children; default: sample where the table exists (adaptive), else topk",
+        shown="sample if tuned; static: topk")
 
-    @field_validator("children")
-    @classmethod
-    def _topk_only(cls, v: str | None) -> str | None:
-        if v == "sample":  # its controller prices value-reranked trees: sampled ones cannot be reranked
-            raise ValueError("auto drafts top-k children; for sampled children use eagle2:children=sample")
-        return v
+    @model_validator(mode="after")
+    def _sampled_alone(self):  # adaptive auto never merges a sampled tree with the chain: lookup is fine
+        if self.children == "sample" and self.lookup and not self.adaptive:
+            raise ValueError("children=sample cannot share its tree with a lookup chain (lookup must be 0 "
+                             "with adaptive=false): a merged tree holds point masses only")
+        return self
 
 
 def build_auto(target: Target, opts: AutoOptions) -> Drafter:
@@ -46,12 +52,22 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     runner, head_dir = head_runner(target, opts, "auto")
     tuned = load_tuning(head_dir, auto=True) or {}
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))
-    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir, tuned), rank_by=opts.rank_by, rerank=opts.rerank)
+    budget = tuned_budget(opts, head_dir, tuned)
     if opts.adaptive and not pinned:
         lookup = opts.lookup if opts.lookup is not None else tuned.get("lookup") or DEFAULT_LOOKUP
         menu = menu_from_tuning(load_acceptance(head_dir))
-        costs, _, _ = load_costs(target.runner, drafter, head_dir, menu, lookup, opts.recalibrate)
-        return AdaptiveDrafter(drafter, menu, costs, lookup)
+        rows = load_acceptance(head_dir, sampled=True) if opts.children != "topk" else []
+        if opts.children == "sample" and not rows:
+            raise SpecdecError(f"children=sample: {head_dir} has no sampled acceptance table to size its trees "
+                               "from; run `specdec tune`, or use children=topk")
+        sampled = menu_from_tuning(rows) if rows else None
+        drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
+                               children="sample" if sampled else "topk")
+        costs, _, _ = load_costs(target.runner, drafter, head_dir, menu, lookup, opts.recalibrate, sampled or ())
+        return AdaptiveDrafter(drafter, menu, costs, lookup, sampled=sampled)
+    if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
+        raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
+    drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank, children=opts.children or "topk")
     if opts.lookup is not None:  # asked for: every request, greedy or sampled
         return with_lookup(drafter, opts.lookup)
     return with_lookup(drafter, tuned.get("lookup", 0), greedy_only=True)

@@ -25,8 +25,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field, field_validator
 
-from specdec.drafters.adaptive import cost_file, cost_key, read_cost_file, write_cost_file
 from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.costs import cost_file, cost_key, read_cost_file, write_cost_file
 from specdec.drafters.eagle import draft_weights
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError

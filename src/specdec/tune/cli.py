@@ -14,6 +14,7 @@ from specdec.heads.shipped import find_shipped_head
 from specdec.machine import cpu_name
 from specdec.options import add_flags, flag_values
 from specdec.target.loading import Runtime, load_model
+from specdec.tune.sampled import sampled_acceptance
 from specdec.tune.search import LOOKUPS, SIZES, tune
 from specdec.tuning import save_tuning, tuning_path
 
@@ -44,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="table rows to print")
     p.add_argument("--lookups", default=",".join(map(str, LOOKUPS)),
                    help="prompt-lookup chain lengths to try joined with the tree, for `auto` ('' = none)")
+    p.add_argument("--sampled-tokens", type=int, default=128,
+                   help="tokens sampled per prompt (T = 1) to measure each tree's acceptance with sampled "
+                        "children, which adaptive `auto` drafts for sampled requests (0: skip; ~2 min)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -53,6 +57,8 @@ def cmd_tune(args) -> int:
         raise SpecdecError(f"--prompts must be 1-{len(CALIBRATION_PROMPTS)}, got {args.prompts}")
     if args.tokens < 2 + max(SIZES):
         raise SpecdecError(f"--tokens must be >= {2 + max(SIZES)} (room to time the largest tree), got {args.tokens}")
+    if args.sampled_tokens < 0:
+        raise SpecdecError(f"--sampled-tokens must be >= 0, got {args.sampled_tokens}")
     if args.head is not None and not os.path.isdir(args.head):
         raise SpecdecError(f"EAGLE head {args.head!r} is not a directory")
     try:
@@ -77,6 +83,11 @@ def cmd_tune(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)
     log(f"tuning {head} on {cpu_name()}, {torch.get_num_threads()} threads")
     rec = tune(dec, prompts, args.tokens, log=log, lookups=lookups)
+    if args.sampled_tokens:
+        rec["acceptance_sampled"] = sampled_acceptance(dec.drafter, dec.runner, prompts, dec.eos_ids,
+                                                       args.sampled_tokens, log=log)
+        rec["acceptance_sampled_calibration"] = {"prompts": len(prompts), "tokens": args.sampled_tokens,
+                                                 "temperature": 1.0, "seeds": f"0-{len(prompts) - 1}"}
     rec["head"] = str(Path(head).resolve())
     out = save_tuning(rec, args.out or tuning_path(head))
     print(f"{'depth':>5} {'topk':>4} {'size':>4} {'tau':>6} {'draft ms':>9} {'target ms':>9} {'tok/s':>7}")

@@ -1,0 +1,169 @@
+"""The cost model of adaptive speculation: what a step costs on this machine (machine-dependent, unlike
+the acceptance model that ships with a head). Measured in ~2.5 s at first use and cached per CPU, cores,
+threads, torch, target, precision and head; `recalibrate` re-measures."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.drafters.base import DecodeContext
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.files import atomic_write_text, cache_dir
+from specdec.machine import cpu_name, forward_costs, usable_cpus
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeBudget
+from specdec.verify import Verdict
+
+# forward sizes timed besides 1 + each menu tree's size; others are interpolated. Not assumed monotone:
+# measured on an AMD EPYC (SmolLM2, 2 threads), t(2) = 37 ms > t(5) = 32 ms > t(1) = 30 ms
+ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
+
+
+@dataclass
+class Costs:
+    """Seconds, measured on this machine: target forwards by row count, each budget's propose() (top-k
+    children; `sampled_s`: children drawn at T > 0), the head's catch-up, one lookup."""
+
+    target_s: dict[int, float]
+    draft_s: dict[TreeBudget, float]
+    follow_s: float
+    lookup_s: float
+    sampled_s: dict[TreeBudget, float] = field(default_factory=dict)
+
+    def target(self, n: int) -> float:
+        """t(n), linear between the measured sizes (and beyond the last, along the last segment)."""
+        if n in self.target_s:
+            return self.target_s[n]
+        xs = self.sizes
+        lo = max([x for x in xs if x < n], default=xs[0])
+        hi = min([x for x in xs if x > n], default=xs[-1])
+        if hi == lo:
+            lo, hi = xs[-2], xs[-1]
+        t0, t1 = self.target_s[lo], self.target_s[hi]
+        return t0 + (t1 - t0) * (n - lo) / (hi - lo)
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:  # sorted once: target() runs for every option of every step
+        return sorted(self.target_s)
+
+    def to_json(self) -> dict:
+        return {"target_ms": {str(n): round(t * 1e3, 4) for n, t in self.target_s.items()},
+                "draft_ms": [[b.depth, b.topk, b.tree_size, round(t * 1e3, 4)] for b, t in self.draft_s.items()],
+                "follow_ms": round(self.follow_s * 1e3, 4), "lookup_ms": round(self.lookup_s * 1e3, 4),
+                "sampled_draft_ms": [[b.depth, b.topk, b.tree_size, round(t * 1e3, 4)]
+                                     for b, t in self.sampled_s.items()]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Costs:
+        return cls({int(n): t / 1e3 for n, t in d["target_ms"].items()},
+                   {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d["draft_ms"]}, d["follow_ms"] / 1e3,
+                   d["lookup_ms"] / 1e3, {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d.get("sampled_draft_ms", [])})
+
+
+def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]], lookup: int,
+             sampled: list[tuple[TreeBudget, float]] = ()) -> dict:
+    cfg = getattr(runner, "config", None)
+    return {"cpu": cpu_name(), "usable_cpus": usable_cpus(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "target": str(getattr(cfg, "_name_or_path", "")),
+            "target_shape": [getattr(cfg, "hidden_size", 0), getattr(cfg, "num_hidden_layers", 0),
+                             getattr(runner, "vocab_size", 0)],
+            "dtype": str(runner.dtype), "weights": getattr(runner, "weights", ""), "device": str(runner.device),
+            "kernel": getattr(runner, "decode_kernel", ""),
+            "kernel_build": getattr(runner, "kernel_build", ""), "head": Path(head_dir).name if head_dir else "",
+            "menu": [list(b.__dict__.values()) for b, _ in menu],
+            "lookup": lookup, **({"sampled": [list(b.__dict__.values()) for b, _ in sampled]} if sampled else {})}
+
+
+@torch.inference_mode()
+def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, float]], lookup: int,
+                  reps: int = 3, ctx_len: int = 384, sampled: list[tuple[TreeBudget, float]] = ()) -> Costs:
+    """~2.5 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
+    tree + chain, then each budget's propose() (the `sampled` menu's with children drawn at T = 1, which
+    needs a drafter with children="sample") and the head's catch-up, at a ctx_len-token context."""
+    top = max(b.tree_size for b, _ in menu) + lookup + 1
+    trees = {1 + b.tree_size for b, _ in [*menu, *sampled]}
+    sizes = sorted({n for n in ANCHORS if n < top} | trees | {top})
+    target_s = forward_costs(runner, sizes, reps, ctx=ctx_len, stat=min)  # min: the least disturbed repetition
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
+    runner.reset()
+    feats = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).features
+    runner.reset()
+    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, feats[:ctx_len])
+    drafter.begin(ctx)
+    draft_s = {b: _time_propose(drafter, ctx, b, reps) for b, _ in menu}
+    hot = DecodeContext(ctx.tokens, SamplingParams(1.0), torch.Generator().manual_seed(0), ctx_len, ctx.features)
+    sampled_s = {b: _time_propose(drafter, hot, b, reps) for b, _ in sampled}
+    follow = []
+    for i in range(reps + 1):  # a typical step: one accepted token + the bonus
+        ctx.tokens += ids[ctx_len + 1 + 2 * i:ctx_len + 3 + 2 * i]
+        ctx.features = feats[ctx_len + 2 * i:ctx_len + 2 + 2 * i]
+        drafter.accept(ctx, Verdict([0], ctx.tokens[-2:], ctx.tokens[-1]))
+        t = time.perf_counter()
+        drafter.sync(ctx)
+        follow.append(time.perf_counter() - t)
+    pld = PromptLookupDrafter(chain_len=max(lookup, 1))
+    look = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        pld.propose(ctx)
+        look.append(time.perf_counter() - t)
+    drafter.runner.reset()  # every request begins afresh anyway
+    return Costs(target_s, draft_s, min(follow[1:]), min(look[1:]), sampled_s)
+
+
+def _time_propose(drafter: EagleDrafter, ctx: DecodeContext, b: TreeBudget, reps: int) -> float:
+    ts = []
+    for _ in range(reps + 2):
+        t = time.perf_counter()
+        drafter.propose(ctx, b)
+        ts.append(time.perf_counter() - t)
+    return min(ts[1:])
+
+
+def cost_file(key: dict, prefix: str = "") -> Path:
+    """Where a cost measurement for exactly this key is cached (one file per key digest)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{prefix}{digest}.json"
+
+
+def read_cost_file(path: Path, key: dict) -> dict | None:
+    """The cached record if it was measured for this key; None if missing or damaged (measured again)."""
+    try:
+        rec = json.loads(path.read_text())
+        return rec if isinstance(rec, dict) and rec.get("key") == key else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_cost_file(path: Path, key: dict, **fields) -> None:
+    atomic_write_text(path, json.dumps({"key": key, **fields, "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                                       indent=1) + "\n")
+
+
+def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
+               lookup: int, recalibrate: bool = False,
+               sampled: list[tuple[TreeBudget, float]] = ()) -> tuple[Costs, Path, bool]:
+    """(costs, cache file, measured now?): this machine's cached measurement for exactly this key, else a
+    new one (written atomically)."""
+    key = cost_key(runner, head_dir, menu, lookup, sampled)
+    path = cost_file(key)
+    rec = None if recalibrate else read_cost_file(path, key)
+    if rec is not None:
+        try:
+            return Costs.from_json(rec["costs"]), path, False
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged cache entry is measured again
+    costs = measure_costs(runner, drafter, menu, lookup, sampled=sampled)
+    write_cost_file(path, key, costs=costs.to_json())
+    return costs, path, True
+
+

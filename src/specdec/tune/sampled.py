@@ -1,0 +1,53 @@
+"""The sampled half of the acceptance model: tau at T = 1 of EAGLE-2 trees whose children are drawn from the
+draft (`children=sample`), per budget, on the calibration prompts.
+
+Why measured by decoding and not by replay: a sampled tree's acceptance depends on the draws, and the text
+it is checked against is itself sampled, so there is no single continuation to replay. Every budget runs on
+the same prompts and seeds (common random numbers), so the differences between budgets are less noisy than
+each tau. Machine-independent like the greedy table: it ships with the head next to it in tuning.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+
+from specdec.drafters.eagle import EagleDrafter
+from specdec.engine import Stats, decode
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeBudget
+
+# trees whose first tree_size nodes of a sampled expansion differ in shape: chains (topk 1), bushes at
+# depth 1, and mixes; topk <= 3 because a sampled node's later children are rarely accepted
+SAMPLED_CANDIDATES = tuple(TreeBudget(*b) for b in (
+    (1, 1, 1), (2, 1, 2), (1, 2, 2), (3, 1, 3), (2, 2, 3), (1, 3, 3), (2, 2, 4), (2, 3, 4), (3, 2, 4),
+    (3, 2, 6), (2, 3, 6), (3, 3, 6), (3, 3, 8)))
+
+
+def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int]], eos_ids: set[int],
+                       tokens: int = 128, temperature: float = 1.0, seed: int = 0,
+                       budgets: Sequence[TreeBudget] = SAMPLED_CANDIDATES,
+                       log: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """[{depth, topk, tree_size, tau}] per budget: emitted tokens per target forward, pooled over the prompts,
+    each prompt sampled with seed + its index."""
+    if drafter.children != "sample":
+        raise SpecdecError("sampled acceptance needs an EAGLE-2 drafter with children='sample'")
+    rows = []
+    own = drafter.budget
+    try:
+        for b in budgets:
+            drafter.budget = b
+            forwards = emitted = 0
+            for i, prompt in enumerate(prompts):
+                stats = Stats()
+                params = SamplingParams(temperature, seed=seed + i)
+                for _ in decode(runner, drafter, prompt, params, tokens, eos_ids, stats):
+                    pass
+                forwards += len(stats.accept_lengths)
+                emitted += sum(stats.accept_lengths)
+            rows.append({**asdict(b), "tau": round(emitted / max(forwards, 1), 4)})
+            log(f"sampled children, T={temperature}, {b}: tau {rows[-1]['tau']:.3f}")
+    finally:
+        drafter.budget = own
+    return rows
