@@ -21,7 +21,9 @@ from specdec.api import from_models
 from specdec.bench.data import MT_BENCH_CATEGORIES, load_questions
 from specdec.target.loading import load_model
 
-METHODS = {"vanilla": {}, "static": {"adaptive": False}, "adaptive": {}}
+# static: the shipped tuned tree (top-k children); adaptive-topk: adaptive sizing without sampled children at
+# T > 0 (isolates what the sampled children add); adaptive: `auto` as it ships
+METHODS = {"vanilla": {}, "static": {"adaptive": False}, "adaptive-topk": {"children": "topk"}, "adaptive": {}}
 
 
 def main() -> None:
@@ -31,9 +33,12 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--recalibrate", action="store_true", help="re-measure the adaptive drafter's costs first")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"any of {', '.join(METHODS)} (vanilla, static "
+                    "and adaptive always run)")
     ap.add_argument("--out", default=None, help="write every generation's numbers here (jsonl)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    methods = {m: METHODS[m] for m in dict.fromkeys(["vanilla", "static", "adaptive", *args.methods.split(",")])}
     model, tok, _ = load_model(None, "cpu")
     qs, seen = [], Counter()
     for q in load_questions("spec_bench"):  # Spec-Bench's six tasks: MT-bench's 8 categories count as one
@@ -42,13 +47,16 @@ def main() -> None:
             seen[task] += 1
             qs.append((task, q))
     t = time.perf_counter()
-    decs = {m: from_models(model, tok, "auto" if m != "vanilla" else "vanilla", **kw) for m, kw in METHODS.items()}
-    if args.recalibrate:
-        decs["adaptive"] = from_models(model, tok, "auto", recalibrate=True)
+    decs = {m: from_models(model, tok, "auto" if m != "vanilla" else "vanilla",
+                           **kw, **({"recalibrate": True} if args.recalibrate and m.startswith("adaptive") else {}))
+            for m, kw in methods.items()}
     print(f"decoders built in {time.perf_counter() - t:.1f} s; threads {torch.get_num_threads()}")
     ad = decs["adaptive"].drafter
     print("adaptive menu (budget, greedy expected accepted):", [(tuple(b.__dict__.values()), round(g, 3))
                                                               for b, g in ad.menu])
+    if ad.sampled:
+        print("adaptive sampled menu (budget, T=1 expected accepted):",
+              [(tuple(b.__dict__.values()), round(g, 3)) for b, g in ad.sampled])
     print("costs:", json.dumps(ad.costs.to_json()))
     for d in decs.values():
         d.generate("Hello", max_new_tokens=8)  # warm-up
@@ -59,7 +67,9 @@ def main() -> None:
         sizes = Counter()
         same = []
         for i, (task, q) in enumerate(qs):
-            order = list(METHODS)[i % 3:] + list(METHODS)[:i % 3]  # rotate who goes first
+            run = [m for m in methods if temp > 0 or m != "adaptive-topk"]  # children matter at T > 0 only
+            k = i % len(run)
+            order = run[k:] + run[:k]  # rotate who goes first
             res = {}
             for m in order:
                 g = decs[m].generate([{"role": "user", "content": q.turns[0]}], max_new_tokens=args.max_new_tokens,
@@ -75,21 +85,23 @@ def main() -> None:
                                           "sizes": g.stats.tree_sizes}))
             sizes.update(res["adaptive"].stats.tree_sizes)
             if temp == 0:
-                same.append(res["adaptive"].token_ids == res["vanilla"].token_ids == res["static"].token_ids)
+                same.append(all(r.token_ids == res["vanilla"].token_ids for r in res.values()))
         cats = sorted({c for _, c in tot if c != "overall"}) + ["overall"]
         print(f"\nT = {temp}: tok/s ratio to vanilla (all new tokens / total time), {len(qs)} prompts, "
               f"{args.max_new_tokens} new tokens")
-        print(f"{'category':16s} {'vanilla tok/s':>14s} {'static':>8s} {'adaptive':>9s} {'adaptive/static':>16s}")
+        others = [m for m in methods if m != "vanilla" and (m, "overall") in tot]
+        print(f"{'category':16s} {'vanilla tok/s':>14s} " + " ".join(f"{m:>14s}" for m in others)
+              + f" {'adaptive/static':>16s}")
         for c in cats:
-            v = tot[("vanilla", c)][0] / tot[("vanilla", c)][1]
-            s = tot[("static", c)][0] / tot[("static", c)][1]
-            a = tot[("adaptive", c)][0] / tot[("adaptive", c)][1]
-            print(f"{c:16s} {v:14.1f} {s / v:7.2f}x {a / v:8.2f}x {a / s:15.2f}x")
+            rate = {m: tot[(m, c)][0] / tot[(m, c)][1] for m in ["vanilla", *others]}
+            v = rate["vanilla"]
+            print(f"{c:16s} {v:14.1f} " + " ".join(f"{rate[m] / v:13.2f}x" for m in others)
+                  + f" {rate['adaptive'] / rate['static']:15.2f}x")
         n = sum(sizes.values())
-        print(f"tau: static {sum(tau['static']) / len(qs):.2f}, adaptive {sum(tau['adaptive']) / len(qs):.2f}; "
+        print("tau: " + ", ".join(f"{m} {sum(tau[m]) / len(qs):.2f}" for m in others) + "; "
               f"adaptive steps without a draft {100 * sizes[0] / n:.1f}%; sizes {dict(sorted(sizes.items()))}")
         if same:
-            print(f"greedy outputs identical across the three: {sum(same)}/{len(same)}")
+            print(f"greedy outputs identical across all methods: {sum(same)}/{len(same)}")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(records) + "\n")

@@ -86,6 +86,8 @@ def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
     assert set(menu) == {TreeBudget(4, 3, 4), TreeBudget(2, 3, 4), TreeBudget(4, 3, 8), TreeBudget(2, 3, 8)}
     assert menu[TreeBudget(4, 3, 8)] == pytest.approx(0.4 + 0.03 + 0.16)
     assert menu_from_tuning([])  # no table: a safe default menu
+    noisy = [{"depth": 2, "topk": 2, "tree_size": 3, "tau": 1.66}, {"depth": 3, "topk": 2, "tree_size": 6, "tau": 1.55}]
+    assert dict(menu_from_tuning(noisy))[TreeBudget(3, 2, 6)] == pytest.approx(0.66)  # never below a smaller tree
 
 
 def test_matched_follows_emitted_tokens_through_the_tree():

@@ -40,7 +40,7 @@ LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
 def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
     """(budget, greedy expected accepted tokens = tau - 1) per tree size, from tune's acceptance table
     (tuning.load_acceptance): for each size the best tau at depth <= 4 and the best at depth 2 (cheaper
-    to draft)."""
+    to draft), never below a smaller size's best."""
     best: dict[tuple[int, bool], tuple[float, TreeBudget]] = {}
     for r in rows:
         b = TreeBudget(r["depth"], r["topk"], r["tree_size"])
@@ -50,10 +50,13 @@ def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
             key = (b.tree_size, shallow)
             if key not in best or r["tau"] > best[key][0]:
                 best[key] = (r["tau"], b)
-    menu = {b: tau - 1 for tau, b in best.values()}
-    if not menu:
-        menu = {TreeBudget(2, 3, 4): 0.9, TreeBudget(3, 4, 8): 1.1}
-    return sorted(menu.items(), key=lambda x: (x[0].tree_size, x[0].depth))
+    if not best:
+        return [(TreeBudget(2, 3, 4), 0.9), (TreeBudget(3, 4, 8), 1.1)]
+    # a larger tree accepts at least what the best smaller one does: a sampled table's lower estimate is noise
+    menu = {b: max([tau - 1] + [t - 1 for t, s in best.values() if s.tree_size < b.tree_size])
+            for tau, b in best.values()}
+    menu = list(menu.items())  # a budget both the best and the best shallow one of its size is listed once
+    return sorted(menu, key=lambda x: (x[0].tree_size, x[0].depth))
 
 
 @dataclass(frozen=True)
