@@ -123,6 +123,19 @@ def test_shipped_eagle_head_greedy_equals_vanilla(smol, method):
     assert mean_tau_if_lossless(model, vanilla, spec) > 1.5  # a trained head (measured ~1.8), not a stub (~1.1)
 
 
+def test_shipped_medusa_heads_greedy_equal_vanilla(smol):
+    """The Medusa-1 heads shipped for SmolLM2 (fp16, the target's LM-head rows): found by fingerprint,
+    lossless, and accepting something with a 6-node sparse tree (measured tau ~1.5 on MT-bench)."""
+    from specdec.heads.shipped import find_shipped_head
+
+    model, tok, _ = smol
+    assert find_shipped_head(model, "medusa").name == "smollm2-135m-instruct-medusa"
+    assert find_shipped_head(model).name == "smollm2-135m-instruct-eagle"  # the EAGLE head stays the default
+    spec = from_models(model, tok, "medusa", tree_size=6)
+    assert spec.drafter.name == "medusa"
+    assert mean_tau_if_lossless(model, from_models(model, tok), spec) > 1.2  # untrained heads accept ~nothing
+
+
 def test_int8_target_auto_equals_int8_vanilla_exactly(smol):
     """A reduced-precision target is a different model: auto must reproduce *its* greedy text."""
     model, tok, _ = smol

@@ -32,6 +32,7 @@ from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
 from specdec.heads.medusa_formats import import_medusa
+from specdec.heads.shipped import find_shipped_head
 from specdec.machine import forward_costs
 from specdec.sampling import tempered_log_probs
 from specdec.tree import DraftTree, check_choices
@@ -172,10 +173,9 @@ def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, r
 # ---- registration ----
 
 class MedusaOptions(Options):
-    model_config = Options.model_config | {"validate_default": True}
     heads: str | None = option(None, "Medusa heads dir: ours (`specdec train medusa`), FasterDecoding's or vLLM's "
-                               "layout; required: none ship yet",
-                               aliases=("head",), shown="required")
+                               "layout (default: the Medusa-1 heads shipped for this target)",
+                               aliases=("head",), shown="shipped")
     tree: Literal["sparse", "dense"] = option(
         "sparse", "sparse (from the heads' measured accuracies) or dense (every rank < topk, level by level)")
     tree_size: int | None = option(None, "nodes in the tree (default: the most tokens per second under "
@@ -188,14 +188,6 @@ class MedusaOptions(Options):
     epsilon: float = option(0.09, "typical acceptance: the probability threshold", gt=0, le=1)
     delta: float = option(0.3, "typical acceptance: the entropy-scaled threshold", gt=0, le=1)
     recalibrate: bool = option(False, "re-measure this machine's forward costs for the tree size")
-
-    @field_validator("heads")
-    @classmethod
-    def _given(cls, v: str | None) -> str | None:
-        if v is None:
-            raise ValueError("must be given: no Medusa heads ship for any target yet; pass heads=<dir> "
-                             "(train them with `specdec train medusa`)")
-        return v
 
     @field_validator("choices")
     @classmethod
@@ -220,6 +212,11 @@ def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
 
 
 def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
+    heads_dir = opts.heads or find_shipped_head(target.model, "medusa")
+    if heads_dir is None:
+        raise SpecdecError("method 'medusa' needs Medusa heads for this model: pass heads=<dir> (train them with "
+                           "`specdec train medusa`; heads ship for SmolLM2-135M-Instruct only)")
+    opts = opts.model_copy(update={"heads": str(heads_dir)})
     runner, meta = medusa_runner(target, opts.heads)
     acc = meta.get("accuracies")
     k = runner.num_heads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SHIPPED_DIR = Path(__file__).parent  # where smollm2-135m-instruct-eagle/ lives
+SHIPPED_DIR = Path(__file__).parent  # where smollm2-135m-instruct-eagle/ and -medusa/ live
 
 
 def target_fingerprint(model) -> dict:
@@ -25,13 +25,14 @@ def fingerprint_matches(a: dict, b: dict) -> bool:
     return x is not None and y is not None and abs(x - y) <= 1e-2 * max(abs(x), abs(y))
 
 
-def find_shipped_head(model) -> Path | None:
+def find_shipped_head(model, kind: str = "eagle") -> Path | None:
+    """The shipped head dir of this kind ("eagle" or "medusa") trained on this target, else None."""
     fp = target_fingerprint(model)
     for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
         try:
             meta = json.loads(cfg.read_text()).get("specdec", {})
         except (OSError, ValueError):
             continue
-        if meta.get("kind") == "eagle" and fingerprint_matches(meta.get("target", {}), fp):
+        if meta.get("kind") == kind and fingerprint_matches(meta.get("target", {}), fp):
             return cfg.parent
     return None
