@@ -49,7 +49,7 @@ def test_low_acceptance_stops_drafting_and_a_later_try_follows():
     c = Controller(MENU, costs(0.1), 1.0, PRIOR)
     assert c.choose(0, 100).budget == B4
     for _ in range(4):  # the text turned hard: nothing accepted
-        c.step()
+        c.step(tree_observed=True)
         c.observe_tree(0, 0.9)
     assert c.scale < 0.5 and c.choose(0, 100).vanilla
     steps = 0
@@ -59,11 +59,24 @@ def test_low_acceptance_stops_drafting_and_a_later_try_follows():
     assert 3 <= steps <= 40 and c.choose(0, 100).budget == B4
 
 
+def test_steady_acceptance_is_read_as_it_is_not_pulled_toward_the_prior():
+    """Text accepting half the table's tokens, step after step: the estimate settles at 0.5, and the
+    controller stops drafting where half the gain does not pay (the prior pull once read it as ~0.66)."""
+    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    for _ in range(60):
+        b = c.choose(0, 100).budget or B4
+        c.step(tree_observed=True)
+        c.observe_tree(0.5 * c.gain[b], c.gain[b])
+    assert c.scale == pytest.approx(0.5, abs=0.01)
+    # at t(5) = 1.4 t(1): 1 + 0.9 * 0.5 = 1.45 tokens for 1.46 s does not pay; 1 + 0.9 * 0.66 = 1.59 did
+    assert c.choose(0, 100).vanilla
+
+
 def test_high_acceptance_grows_the_tree_and_a_good_chain_is_used():
     c = Controller(MENU, costs(0.06), 1.0, PRIOR)
     assert c.choose(0, 100) == Choice(B4, False)
     for _ in range(6):
-        c.step()
+        c.step(tree_observed=True)
         c.observe_tree(3, 1.3)
     assert c.choose(0, 100) == Choice(B8, False)
     assert not c.choose(8, 100, ngram=1).chain  # a 1-gram match is a poor bet a priori

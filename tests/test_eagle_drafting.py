@@ -201,5 +201,6 @@ def test_eagle2_samples_children_by_default_unless_a_lookup_chain_shares_the_tre
     assert children(registry.parse("eagle2", {})[1]) == "sample"
     assert children(registry.parse("eagle2", {"lookup": 4})[1]) == "topk"
     assert children(registry.parse("fspad", {"head": "x", "children": "topk"})[1]) == "topk"
-    with pytest.raises(SpecdecError, match="auto drafts top-k children"):
-        registry.parse("auto", {"children": "sample"})
+    assert registry.parse("auto", {"children": "sample", "lookup": 4})[1].children == "sample"  # never merged
+    with pytest.raises(SpecdecError, match="children=sample cannot share its tree with a lookup chain"):
+        registry.parse("auto", {"children": "sample", "lookup": 4, "adaptive": False})  # static: merged

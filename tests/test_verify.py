@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams, probs_from_logits, sample
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
@@ -97,6 +97,14 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def test_inverse_cdf_sample_follows_the_weights_and_never_draws_a_zero():
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 5.5, 0.0])  # unnormalised; zeros inside and at both ends
+    g = torch.Generator().manual_seed(0)
+    counts = np.bincount([sample(w, g) for _ in range(20000)], minlength=len(w))
+    assert chi2_pvalue(counts, (w / w.sum()).numpy()) > 1e-3  # also asserts no zero-weight token was drawn
+    assert sample(torch.tensor([0.0, 0.0, 2.0, 0.0]), g) == 2
 
 
 SETTINGS = [

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams, probs_from_logits, sample
 from specdec.tree import DraftTree
 
 
@@ -105,7 +105,7 @@ def _verify_stochastic(tree: DraftTree, probs: torch.Tensor, generator: torch.Ge
         path.append(accepted)
         row = accepted + 1
         p = probs[row]
-    bonus = int(torch.multinomial(p, 1, generator=generator).item())
+    bonus = sample(p, generator)
     return Verdict(path, [toks[i] for i in path] + [bonus], bonus)
 
 
@@ -130,5 +130,5 @@ def _verify_typical(tree: DraftTree, probs: torch.Tensor, generator: torch.Gener
         best = par[best]
     path.reverse()
     row = path[-1] + 1 if path else 0
-    bonus = int(torch.multinomial(probs[row], 1, generator=generator).item())
+    bonus = sample(probs[row], generator)
     return Verdict(path, [toks[i] for i in path] + [bonus], bonus)

@@ -133,11 +133,16 @@ class Controller:
         # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
         return next(o for o in options if rate[o] >= best * 0.995)
 
-    def step(self) -> None:
-        """Every step decays the evidence toward the priors, observed or not."""
+    def step(self, tree_observed: bool = False) -> None:
+        """Every step decays the evidence. A step that verified no head tree also pulls the tree estimate
+        toward its prior (so a stretch of plain steps ends with a try); one that did adds its observation
+        instead. Why not both: a pull on every step weighs the prior like ~30% of the evidence, so a
+        stretch of text accepting half the table's tokens read as 0.66 of it and kept drafting at a loss."""
         d, w = self.decay, self.weight
-        self.num = d * self.num + (1 - d) * w * self.scale_prior
-        self.den = d * self.den + (1 - d) * w
+        self.num, self.den = d * self.num, d * self.den
+        if not tree_observed:
+            self.num += (1 - d) * w * self.scale_prior
+            self.den += (1 - d) * w
         for n, s in self.chain.items():
             p = self.chain_prior[n]
             s[0], s[1], s[2] = d * s[0] + (1 - d) * p, d * s[1] + (1 - d) * p / 2, d * s[2] + (1 - d)
@@ -224,9 +229,10 @@ class AdaptiveDrafter(Drafter):
             return
         choice, eagle_tree, expected, chain, ngram = self.last
         ctrl, new = self.ctrl, verdict.tokens
-        ctrl.step()
+        observed = eagle_tree is not None and len(eagle_tree) > 0
+        ctrl.step(observed)
         t = None
-        if eagle_tree is not None and len(eagle_tree):
+        if observed:
             t = matched(eagle_tree, new)
             ctrl.observe_tree(t, expected)
         if chain is not None:
