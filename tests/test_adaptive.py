@@ -103,6 +103,41 @@ def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
     assert dict(menu_from_tuning(noisy))[TreeBudget(3, 2, 6)] == pytest.approx(0.66)  # never below a smaller tree
 
 
+def test_an_unverified_chain_is_followed_until_it_stops_matching(tiny, trained):
+    """A chain the controller did not verify is scored on the tokens emitted after it (what it would have
+    matched), so a chain priced out by its prior is taken up once the text repeats."""
+    from specdec.drafters.base import DecodeContext
+    from specdec.heads.io import load_head
+    from specdec.verify import Verdict
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    d = AdaptiveDrafter(drafter_for(tiny, head, True), MENU, costs(0.3), lookup=6)
+    d.eagle.begin = d.eagle.accept = lambda *a: None  # the head plays no part here
+    ctx = DecodeContext([40, 41], SamplingParams(), None, 1)
+    d.begin(ctx)
+    assert not d.ctrl.choose(6, 100, ngram=3).chain  # t(7) = 2.8 t(1): the 3-gram prior (1.5 tokens) does not pay
+    chain = DraftTree(torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([-1, 0, 1, 2, 3, 4]))
+
+    def vanilla_step(tok, with_chain):
+        d.last = (Choice(None, False), None, 0.0, chain if with_chain else None, 3)
+        ctx.tokens.append(tok)
+        d.accept(ctx, Verdict([], [tok], tok))
+
+    for _ in range(3):  # the text repeats the chain, one plain step at a time
+        for i, tok in enumerate([1, 2, 3, 4, 5, 6]):
+            vanilla_step(tok, i == 0)
+            assert len(d.pending) == (i < 5)  # followed until it matched whole
+    assert d.ctrl.chain_mean(3)[0] > 3 and d.ctrl.choose(6, 100, ngram=3).chain
+    vanilla_step(1, True)
+    vanilla_step(9, False)  # stops matching after one token: scored 1
+    assert not d.pending
+    before = d.ctrl.chain_mean(3)[0]
+    for _ in range(30):
+        vanilla_step(1, True)
+        vanilla_step(9, False)
+    assert d.ctrl.chain_mean(3)[0] < min(before, 1.5)
+
+
 def test_matched_follows_emitted_tokens_through_the_tree():
     t = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]))
     assert matched(t, [5, 7, 8, 1]) == 3 and matched(t, [6, 9]) == 1 and matched(t, [9]) == 0

@@ -35,6 +35,7 @@ PRIOR_WEIGHT = 2.0  # the prior counts as this many expected accepted tokens
 SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, alpha_1 0.35 at T=1 vs 0.64 greedy
 # prior matched tokens of a lookup chain by the n-gram length it matched (greedy; sampled: half)
 LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
+MAX_PENDING = 8  # unverified chains followed at once (each ends within its length)
 
 
 def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
@@ -194,6 +195,7 @@ class AdaptiveDrafter(Drafter):
             self.name = "eagle2 adaptive"
         self.ctrl: Controller | None = None
         self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
+        self.pending: list[tuple] = []
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
@@ -204,6 +206,7 @@ class AdaptiveDrafter(Drafter):
             self.ctrl = Controller(self.sampled, self.costs, 1.0, prior, draft_s=self.costs.sampled_s, union=False)
         self.choices = Counter()
         self.last = None
+        self.pending: list[tuple] = []  # unverified chains still matching: (tokens, n-gram, start, tree matched)
         self.eagle.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
@@ -236,8 +239,24 @@ class AdaptiveDrafter(Drafter):
             t = matched(eagle_tree, new)
             ctrl.observe_tree(t, expected)
         if chain is not None:
-            m = float(matched(chain, new))
-            if not choice.chain and m == len(new):  # matched all emitted, unverified: at least that many
-                m = max(m, ctrl.chain_mean(ngram)[0])
-            ctrl.observe_chain(ngram, m, None if t is None else max(0.0, m - t))
+            m = matched(chain, new)
+            if not choice.chain and m == len(new) < len(chain):
+                # unverified and still matching: follow it over the next steps' tokens (what it would have
+                # matched, learnt for free: a chain the controller never verifies is still priced right)
+                self.pending.append((chain.tokens.tolist(), ngram, len(ctx.tokens) - len(new), t))
+            else:
+                ctrl.observe_chain(ngram, float(m), None if t is None else max(0.0, m - t))
+        self._follow_pending(ctx)
         self.last = None
+
+    def _follow_pending(self, ctx: DecodeContext) -> None:
+        keep = []
+        for i, (toks, ngram, start, t) in enumerate(self.pending):
+            seq = ctx.tokens[start:start + len(toks)]
+            m = next((j for j, (a, b) in enumerate(zip(toks, seq)) if a != b), len(seq))
+            # settled: it stopped matching, matched whole, or is among the oldest past MAX_PENDING (m so far)
+            if m < len(seq) or m == len(toks) or len(self.pending) - i > MAX_PENDING:
+                self.ctrl.observe_chain(ngram, float(m), None if t is None else max(0.0, m - t))
+            else:
+                keep.append((toks, ngram, start, t))
+        self.pending = keep
