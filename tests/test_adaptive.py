@@ -29,6 +29,13 @@ def costs(slope: float, draft: float = 0.05) -> Costs:
 
 # ---- the controller ----
 
+def test_a_disturbed_one_row_forward_is_floored_by_the_wider_ones():
+    from specdec.drafters.costs import floor_one_row
+
+    assert floor_one_row({1: 44.0, 2: 32.0, 5: 39.0}) == {1: 32.0, 2: 32.0, 5: 39.0}
+    assert floor_one_row({1: 30.0, 2: 37.0, 5: 32.0}) == {1: 30.0, 2: 37.0, 5: 32.0}  # wider sizes untouched
+
+
 def test_costs_interpolate_between_and_beyond_measured_sizes():
     c = Costs({1: 1.0, 5: 2.0, 9: 4.0}, {}, 0.0, 0.0)
     assert c.target(1) == 1.0 and c.target(3) == pytest.approx(1.5) and c.target(7) == pytest.approx(3.0)
