@@ -34,6 +34,8 @@ def test_a_disturbed_one_row_forward_is_floored_by_the_wider_ones():
 
     assert floor_one_row({1: 44.0, 2: 32.0, 5: 39.0}) == {1: 32.0, 2: 32.0, 5: 39.0}
     assert floor_one_row({1: 30.0, 2: 37.0, 5: 32.0}) == {1: 30.0, 2: 37.0, 5: 32.0}  # wider sizes untouched
+    cached = Costs({1: 44.0, 2: 32.0, 5: 39.0}, {}, 0.0, 0.0).to_json()  # as an older cache file holds it
+    assert Costs.from_json(cached | {"target_ms": {"1": 44.0, "2": 32.0, "5": 39.0}}).target(1) == pytest.approx(0.032)
 
 
 def test_costs_interpolate_between_and_beyond_measured_sizes():

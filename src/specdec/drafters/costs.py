@@ -38,6 +38,9 @@ class Costs:
     lookup_s: float
     sampled_s: dict[TreeBudget, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:  # here, so that a measurement cached before the floor gets it too
+        self.target_s = floor_one_row(self.target_s)
+
     def target(self, n: int) -> float:
         """t(n), linear between the measured sizes (and beyond the last, along the last segment)."""
         if n in self.target_s:
@@ -91,7 +94,7 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     top = max(b.tree_size for b, _ in menu) + lookup + 1
     trees = {1 + b.tree_size for b, _ in [*menu, *sampled]}
     sizes = sorted({n for n in ANCHORS if n < top} | trees | {top})
-    target_s = floor_one_row(forward_costs(runner, sizes, reps, ctx=ctx_len, stat=min))  # min: least disturbed
+    target_s = forward_costs(runner, sizes, reps, ctx=ctx_len, stat=min)  # min: the least disturbed repetition
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
     runner.reset()
