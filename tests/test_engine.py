@@ -5,8 +5,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specdec.drafters.base import NoDrafter
+from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
@@ -207,3 +209,32 @@ def test_prompt_lookup_sampling_matches_vanilla_distribution():
     counts, sizes = sample_first3(LeanRunner(model), PromptLookupDrafter(chain_len=3), prompt, params)
     assert max(sizes) == 3
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.lists(st.integers(1, 5), min_size=1, max_size=8))
+def test_prompt_lookup_index_finds_what_a_full_scan_finds(tokens, grow):
+    """The incremental n-gram index proposes exactly what a scan of the whole context proposes (the
+    latest earlier occurrence of the longest matching suffix), as the context grows step by step."""
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    def scan(toks, k, max_ngram=3):
+        for n in range(min(max_ngram, len(toks) - 1), 0, -1):
+            hits = [e for e in range(n, len(toks)) if toks[e - n:e] == toks[-n:]]
+            if hits:
+                return n, toks[hits[-1]:hits[-1] + k]
+        return 0, []
+
+    d = PromptLookupDrafter(chain_len=4)
+    ctx = DecodeContext(tokens[:1], SamplingParams(), None, 1, None)
+    ctx.max_nodes = 9
+    cut = 1
+    for g in grow + [len(tokens)]:
+        cut = min(len(tokens), cut + g)
+        ctx.tokens.extend(tokens[len(ctx.tokens):cut])
+        tree = d.propose(ctx)
+        assert (d.last_ngram, tree.tokens.tolist()) == scan(ctx.tokens, 4)
+    other = DecodeContext(list(reversed(ctx.tokens)), SamplingParams(), None, 1, None)  # a new request's list
+    other.max_nodes = 9
+    tree = d.propose(other)
+    assert (d.last_ngram, tree.tokens.tolist()) == scan(other.tokens, 4)

@@ -106,7 +106,7 @@ class ContentionMeter:
 
 @torch.inference_mode()
 def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200,
-                  stat=statistics.median) -> dict[int, float]:
+                  stat=statistics.median, warmup: int = 2) -> dict[int, float]:
     """Seconds (median, or `stat`) of a target forward over N new tokens (a chain mask, as a tree would use) after
     `ctx` cached tokens. Sizes are interleaved per repetition so drift on a busy machine hits all alike."""
     runner.reset()
@@ -114,14 +114,14 @@ def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200,
     runner.forward(torch.randint(0, v, (ctx,)), logits_rows=slice(-1, None))
     runner.commit(range(ctx))
     ts: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(reps + 2):
+    for rep in range(reps + warmup):
         for n in sizes:
             xs = torch.randint(0, v, (n,))
             mask = chain_mask(ctx, n) if n > 1 else None
             t = time.perf_counter()
             runner.forward(xs, None, mask)
             runner.rollback()
-            if rep >= 2:  # warm-up
+            if rep >= warmup:
                 ts[n].append(time.perf_counter() - t)
     runner.reset()
     return {n: stat(x) for n, x in ts.items()}

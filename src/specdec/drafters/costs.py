@@ -1,5 +1,5 @@
 """The cost model of adaptive speculation: what a step costs on this machine (machine-dependent, unlike
-the acceptance model that ships with a head). Measured in ~2.5 s at first use and cached per CPU, cores,
+the acceptance model that ships with a head). Measured in ~3 s at first use and cached per CPU, cores,
 threads, torch, target, precision and head; `recalibrate` re-measures."""
 
 from __future__ import annotations
@@ -88,39 +88,43 @@ def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
 @torch.inference_mode()
 def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, float]], lookup: int,
                   reps: int = 3, ctx_len: int = 384, sampled: list[tuple[TreeBudget, float]] = ()) -> Costs:
-    """~2.5 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
+    """~3 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
     tree + chain, then each budget's propose() (the `sampled` menu's with children drawn at T = 1, which
-    needs a drafter with children="sample") and the head's catch-up, at a ctx_len-token context."""
+    needs a drafter with children="sample") and the head's catch-up as decoding leaves the caches, at a
+    ctx_len-token context."""
     top = max(b.tree_size for b, _ in menu) + lookup + 1
     trees = {1 + b.tree_size for b, _ in [*menu, *sampled]}
     sizes = sorted({n for n in ANCHORS if n < top} | trees | {top})
-    target_s = forward_costs(runner, sizes, reps, ctx=ctx_len, stat=min)  # min: the least disturbed repetition
+    target_s = forward_costs(runner, sizes, 2, ctx=ctx_len, stat=min, warmup=1)  # min: the least disturbed repetition
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
     runner.reset()
     feats = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).features
     runner.reset()
+
     ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, feats[:ctx_len])
     drafter.begin(ctx)
-    draft_s = {b: _time_propose(drafter, ctx, b, reps) for b, _ in menu}
+    draft_s = {b: _time_warm(lambda: drafter.propose(ctx, b), reps) for b, _ in menu}
     hot = DecodeContext(ctx.tokens, SamplingParams(1.0), torch.Generator().manual_seed(0), ctx_len, ctx.features)
-    sampled_s = {b: _time_propose(drafter, hot, b, reps) for b, _ in sampled}
+    sampled_s = {b: _time_warm(lambda: drafter.propose(hot, b), reps) for b, _ in sampled}
+    # follow_s: what a drafted step costs beyond its tree's warm propose(): the head reading the step's
+    # rows, and the head's weights back in the caches after the target forward evicted them (a
+    # back-to-back probe missed that: 0.85 ms of a 2.7 ms step, SmolLM2 head on an EPYC)
+    b0 = menu[0][0]
     follow = []
-    for i in range(reps + 1):  # a typical step: one accepted token + the bonus
+    for i in range(reps):  # a typical step: one accepted token + the bonus
         ctx.tokens += ids[ctx_len + 1 + 2 * i:ctx_len + 3 + 2 * i]
         ctx.features = feats[ctx_len + 2 * i:ctx_len + 2 + 2 * i]
         drafter.accept(ctx, Verdict([0], ctx.tokens[-2:], ctx.tokens[-1]))
+        runner.forward(torch.tensor(ids[:1]), logits_rows=slice(-1, None))  # as before every draft
+        runner.reset()
         t = time.perf_counter()
-        drafter.sync(ctx)
-        follow.append(time.perf_counter() - t)
+        drafter.propose(ctx, b0)  # reads the new rows first
+        follow.append(time.perf_counter() - t - draft_s[b0])
     pld = PromptLookupDrafter(chain_len=max(lookup, 1))
-    look = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        pld.propose(ctx)
-        look.append(time.perf_counter() - t)
+    look = _time_warm(lambda: pld.propose(ctx), reps)
     drafter.runner.reset()  # every request begins afresh anyway
-    return Costs(target_s, draft_s, min(follow[1:]), min(look[1:]), sampled_s)
+    return Costs(target_s, draft_s, max(0.0, min(follow)), look, sampled_s)
 
 
 def floor_one_row(target_s: dict[int, float]) -> dict[int, float]:
@@ -130,11 +134,12 @@ def floor_one_row(target_s: dict[int, float]) -> dict[int, float]:
     return {**target_s, 1: min(target_s.values())} if 1 in target_s else target_s
 
 
-def _time_propose(drafter: EagleDrafter, ctx: DecodeContext, b: TreeBudget, reps: int) -> float:
+def _time_warm(fn, reps: int) -> float:
+    """The least disturbed of reps timings of fn, after one untimed call."""
     ts = []
-    for _ in range(reps + 2):
+    for _ in range(reps + 1):
         t = time.perf_counter()
-        drafter.propose(ctx, b)
+        fn()
         ts.append(time.perf_counter() - t)
     return min(ts[1:])
 

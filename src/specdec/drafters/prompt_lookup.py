@@ -4,9 +4,7 @@ summaries, RAG)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.registry import Method, Options, option, register
@@ -30,17 +28,52 @@ class PromptLookupDrafter(Drafter):
         # a deterministic chain: q is a point mass, so the verifier stays exact at any temperature
         self.last_ngram = 0
         k = min(self.chain_len, ctx.max_nodes)
-        toks = np.asarray(ctx.tokens)
+        toks = ctx.tokens
+        if k < 1:
+            return DraftTree.empty()
+        index = self._index(toks)
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
-            windows = sliding_window_view(toks[:-1], n)  # excludes the suffix matching itself
-            hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
-            if hits.size and k > 0:
-                start = int(hits[-1]) + n
-                follow = toks[start:start + k]
-                if follow.size:
-                    self.last_ngram = n
-                    return DraftTree.chain(torch.from_numpy(follow.astype(np.int64)))
+            end = index.latest(toks[-n:])
+            if end is not None:
+                self.last_ngram = n
+                return DraftTree.chain(torch.tensor(toks[end:end + k], dtype=torch.long))
         return DraftTree.empty()
+
+    def _index(self, toks: list[int]) -> NgramIndex:
+        idx = getattr(self, "_idx", None)
+        if idx is None or not idx.follows(toks):
+            idx = self._idx = NgramIndex(self.max_ngram)
+        idx.extend(toks)
+        return idx
+
+
+class NgramIndex:
+    """Where each n-gram (n <= max_ngram) of a growing token list last occurred, updated by the new
+    tokens only. Why: a numpy scan of the whole context cost ~0.3 ms a step at 1k tokens (2% of a
+    SmolLM2 forward, paid on plain steps too); this is O(new tokens). The suffix itself is never
+    indexed: an n-gram counts once a token follows it (the chain copies that token on)."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.ends: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]  # [n][n-gram] -> end index
+        self.src: list[int] | None = None
+        self.done = 0  # n-grams ending before this index are indexed (ends in [1, len) of the list)
+        self.last = None  # the token at done - 1 when indexed (a list edited in place is re-indexed)
+
+    def follows(self, toks: list[int]) -> bool:
+        """Whether toks is the list this index was built on, only appended to since."""
+        return toks is self.src and len(toks) >= self.done and (self.done == 0 or toks[self.done - 1] == self.last)
+
+    def extend(self, toks: list[int]) -> None:
+        self.src = toks
+        for e in range(max(self.done, 1), len(toks)):
+            for n in range(1, min(e, len(self.ends) - 1) + 1):
+                self.ends[n][tuple(toks[e - n:e])] = e
+        self.done = max(self.done, len(toks))
+        self.last = toks[self.done - 1] if self.done else None
+
+    def latest(self, ngram: list[int]) -> int | None:
+        """The index just past the latest earlier occurrence of ngram (not the list's own suffix)."""
+        return self.ends[len(ngram)].get(tuple(ngram))
 
 
 class LookupOptions(Options):
