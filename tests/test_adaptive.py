@@ -8,7 +8,7 @@ import torch
 
 from specdec.drafters.adaptive import AdaptiveDrafter, Choice, Controller, matched, menu_from_tuning
 from specdec.drafters.base import NoDrafter
-from specdec.drafters.costs import Costs, load_costs
+from specdec.drafters.costs import Costs, StepClock, load_costs
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
@@ -300,6 +300,39 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
     path.write_text("{ not json")  # a damaged entry is measured again
     _, _, fresh = load_costs(target, eagle, "h", MENU, 6)
     assert fresh and json.loads(path.read_text())["key"]["threads"] == 2
+
+
+def test_step_clock_flags_forwards_far_from_their_price():
+    near, slow, fast = StepClock(min_steps=10), StepClock(min_steps=10), StepClock(min_steps=10)
+    for _ in range(9):
+        for c, seen in ((near, 1.2), (slow, 2.0), (fast, 0.4)):
+            c.observe(seen, 1.0)
+    assert not any(c.drifted for c in (near, slow, fast))  # too few steps to tell
+    for c, seen in ((near, 1.2), (slow, 2.0), (fast, 0.4)):
+        c.observe(seen, 1.0)
+    assert not near.drifted and slow.drifted and fast.drifted
+
+
+def test_costs_are_measured_again_between_requests_when_the_forwards_drift(tiny, trained):
+    """Costs priced far off the observed forwards (as if cached under another process's load) are
+    re-measured before the next request, never within one (its text must not depend on timing)."""
+    from specdec.heads.io import load_head
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    d = adaptive_for(tiny, head, 0.1)  # t(1) priced at 1 s: the tiny model's forwards take ~1 ms
+    fresh, remeasured = costs(0.1), []
+    d.remeasure = lambda: remeasured.append(1) or fresh
+    d.clock = StepClock(min_steps=20)
+    want, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 40)
+    got, stats = run(target, d, PROMPTS[0], SamplingParams(), 40)
+    assert got == want and not remeasured and d.clock.steps >= stats.target_forwards - 1 >= 20
+    assert d.clock.drifted
+    got, _ = run(target, d, PROMPTS[0], SamplingParams(), 40)
+    assert got == want and remeasured == [1] and d.costs is fresh and d.remeasured == 1
+    d.remeasure = None  # without a way to measure, the costs stay as given
+    run(target, d, PROMPTS[0], SamplingParams(), 40)
+    assert d.costs is fresh
 
 
 def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_path, monkeypatch):

@@ -144,6 +144,7 @@ def decode(
     try:
         with lease.hold():
             stats.wait_time += _clock(dev) - t0
+            drafter.prepare()
             out = _prefill(runner, prompt_ids)
             first = verify(DraftTree.empty(), out.logits, params, gen).bonus
             ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features)
@@ -183,6 +184,7 @@ def decode(
                 t2 = _clock(dev)
                 stats.draft_time += t1 - t
                 stats.verify_time += t2 - t1
+                ctx.verify_s = t2 - t1
                 stats.record(tree, verdict.path)
                 if on_verify is not None:
                     on_verify(tree, verdict)

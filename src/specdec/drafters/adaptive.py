@@ -19,12 +19,13 @@ sampled) and a seeded sampled request gives the same text every time on this mac
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import Costs
+from specdec.drafters.costs import Costs, StepClock
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.tree import DraftTree, TreeBudget
@@ -185,6 +186,10 @@ class AdaptiveDrafter(Drafter):
     sampled: list[tuple[TreeBudget, float]] | None = None
     name: str = "eagle2+pld adaptive"
     choices: Counter = field(default_factory=Counter)  # this request's choices (bench, tests)
+    # new costs for this machine (drafters/costs.load_costs, re-measured), called before a request when
+    # the clock finds the priced forwards off the observed ones; None: costs stay as given
+    remeasure: Callable[[], Costs] | None = None
+    clock: StepClock = field(default_factory=StepClock)
 
     def __post_init__(self) -> None:
         self.pld = PromptLookupDrafter(chain_len=self.lookup) if self.lookup else None
@@ -196,6 +201,16 @@ class AdaptiveDrafter(Drafter):
         self.ctrl: Controller | None = None
         self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
         self.pending: list[tuple] = []
+        self.rows = 0  # rows of the forward verifying the last proposal (0: none pending)
+        self.remeasured = 0
+
+    def prepare(self) -> None:
+        """Costs stay fixed within a request (a seeded sampled request repeats its text), and are
+        re-measured between requests once the observed forwards drift from them (another load)."""
+        if self.remeasure is not None and self.clock.drifted:
+            self.costs = self.remeasure()
+            self.clock = StepClock(self.clock.drift, self.clock.min_steps, self.clock.decay)
+            self.remeasured += 1
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
@@ -206,6 +221,7 @@ class AdaptiveDrafter(Drafter):
             self.ctrl = Controller(self.sampled, self.costs, 1.0, prior, draft_s=self.costs.sampled_s, union=False)
         self.choices = Counter()
         self.last = None
+        self.rows = 0
         self.pending: list[tuple] = []  # unverified chains still matching: (tokens, n-gram, start, tree matched)
         self.eagle.begin(ctx)
 
@@ -224,9 +240,13 @@ class AdaptiveDrafter(Drafter):
         if choice.chain and ctx.max_nodes > len(tree):
             tree = tree.union(chain.select(torch.arange(min(len(chain), ctx.max_nodes - len(tree)))))
         self.last = (choice, eagle_tree, expected, chain if len(chain) else None, ngram)
+        self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows, for the clock
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
+        if self.rows:
+            self.clock.observe(ctx.verify_s, self.costs.target(self.rows))
+            self.rows = 0
         self.eagle.accept(ctx, verdict)
         if self.last is None:
             return

@@ -23,11 +23,16 @@ class DecodeContext:
     prompt_len: int  # tokens prefilled at begin() (after a resume: the prompt and all emitted but the root)
     features: torch.Tensor | None = None  # target features of the rows committed by the last forward
     max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
+    verify_s: float = 0.0  # seconds the last step's target forward + verification took (at accept())
 
 
 class Drafter(ABC):
     name: str = "drafter"
     draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
+
+    def prepare(self) -> None:
+        """Before a request's prefill, with the target held: a drafter may use the target runner here
+        (its cache is rebuilt right after), e.g. to re-measure costs."""
 
     def begin(self, ctx: DecodeContext) -> None:
         """A new generation, or a resumed one (another request used the drafter meanwhile): drop all

@@ -127,6 +127,30 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     return Costs(target_s, draft_s, max(0.0, min(follow)), look, sampled_s)
 
 
+class StepClock:
+    """How the priced target forwards compare with the ones observed, over the last ~100 steps of all
+    requests. Why: costs are cached per machine, not per load: measured while another process ran (t(1)
+    35 ms, flat to t(3)), they priced drafting as free on the idle machine (t(1) 15 ms) for good."""
+
+    def __init__(self, drift: float = 1.5, min_steps: int = 64, decay: float = 0.99) -> None:
+        self.drift, self.min_steps, self.decay = drift, min_steps, decay
+        self.seen = self.priced = 0.0
+        self.steps = 0
+
+    def observe(self, seconds: float, priced: float) -> None:
+        self.seen = self.decay * self.seen + seconds
+        self.priced = self.decay * self.priced + priced
+        self.steps += 1
+
+    @property
+    def drifted(self) -> bool:
+        """Enough steps ran and they took more than `drift` times, or less than 1/drift of, their price."""
+        if self.steps < self.min_steps or self.priced <= 0:
+            return False
+        r = self.seen / self.priced
+        return not 1 / self.drift <= r <= self.drift
+
+
 def floor_one_row(target_s: dict[int, float]) -> dict[int, float]:
     """t(1) no dearer than any wider forward: a one-row forward never does more work, and under another
     process's load a disturbed t(1) (measured 44 ms beside t(2) = 32 ms) priced every draft as nearly free.
