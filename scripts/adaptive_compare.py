@@ -102,6 +102,10 @@ def main() -> None:
               f"adaptive steps without a draft {100 * sizes[0] / n:.1f}%; sizes {dict(sorted(sizes.items()))}")
         if same:
             print(f"greedy outputs identical across all methods: {sum(same)}/{len(same)}")
+    for m in methods:  # a load change since the costs were measured (costs.StepClock) re-measures them
+        d = decs[m].drafter
+        if getattr(d, "remeasured", 0):
+            print(f"{m}: costs re-measured {d.remeasured}x between requests; now {json.dumps(d.costs.to_json())}")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(records) + "\n")

@@ -141,6 +141,15 @@ def arg_type(kind: type, *, ge: float | None = None, gt: float | None = None,
     return parse
 
 
+def checked(name: str, value, rule: Callable[[str], Any]):
+    """`rule` (an arg_type) applied to an API value: a SpecdecError naming the CLI flag."""
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        return rule(text)
+    except argparse.ArgumentTypeError as e:
+        raise SpecdecError(f"--{name.replace('_', '-')} {e}") from None
+
+
 @functools.cache
 def _adapter(ann: Any) -> TypeAdapter:
     return TypeAdapter(ann)

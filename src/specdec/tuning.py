@@ -25,51 +25,53 @@ def tuning_path(head_dir: str | os.PathLike) -> Path:
     return head_dir / "tuning.json"
 
 
-def load_tuning(head_dir: str | os.PathLike, auto: bool = False) -> dict | None:
-    """{depth, topk, tree_size} for this head: this machine's own `specdec tune` result if there is
-    one, else the tuning.json shipped next to the head, else None. auto: the choice for `auto`, which
-    adds `lookup` (0 in files written before tune measured lookup chains)."""
+def _read(head_dir: str | os.PathLike, parse):
+    """parse(raw json) of the first tuning file found for this head (this machine's, then the shipped
+    one), or None; a file that does not parse is one clear error, never a silent default."""
     for f in dict.fromkeys([tuning_path(head_dir), Path(head_dir).resolve() / "tuning.json"]):
         if not f.is_file():
             continue
         try:
-            raw = json.loads(f.read_text())
-            src = raw["auto"] if auto and "auto" in raw else raw
-            src = {_LEGACY.get(k, k): v for k, v in src.items()}
-            vals = {k: src[k] for k in BUDGET_KEYS}
-            lookup = src.get("lookup", 0) if auto else None
+            return parse(json.loads(f.read_text()), f)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            if isinstance(e, SpecdecError):
+                raise
             raise SpecdecError(f"{f} is not a valid tuning file ({type(e).__name__}: {e}): "
                                "re-run `specdec tune` or delete it") from None
+    return None
+
+
+def load_tuning(head_dir: str | os.PathLike, auto: bool = False) -> dict | None:
+    """{depth, topk, tree_size} for this head: this machine's own `specdec tune` result if there is
+    one, else the tuning.json shipped next to the head, else None. auto: the choice for `auto`, which
+    adds `lookup` (0 in files written before tune measured lookup chains)."""
+    def parse(raw: dict, f: Path) -> dict:
+        src = raw["auto"] if auto and "auto" in raw else raw
+        src = {_LEGACY.get(k, k): v for k, v in src.items()}
+        vals = {k: src[k] for k in BUDGET_KEYS}
         if not all(type(v) is int and v >= 1 for v in vals.values()):
             raise SpecdecError(f"{f}: depth, topk and tree_size must be integers >= 1, got {vals}")
         if auto:
+            lookup = src.get("lookup", 0)
             if type(lookup) is not int or lookup < 0:
                 raise SpecdecError(f"{f}: lookup must be an integer >= 0, got {lookup!r}")
             vals["lookup"] = lookup
         return vals
-    return None
+    return _read(head_dir, parse)
 
 
 def load_acceptance(head_dir: str | os.PathLike, sampled: bool = False) -> list[dict]:
     """The acceptance table tune measured for this head (greedy tau per budget: machine-independent),
     from the same file load_tuning reads; older files have only their fastest rows (`top`). [] if none.
     sampled: the T = 1 table of trees with sampled children (`acceptance_sampled`), [] if not measured."""
-    for f in dict.fromkeys([tuning_path(head_dir), Path(head_dir).resolve() / "tuning.json"]):
-        if not f.is_file():
-            continue
-        try:
-            raw = json.loads(f.read_text())
-            rows = raw.get("acceptance_sampled", []) if sampled else raw.get("acceptance") or raw.get("top") or []
-            out = [{k: r[k] for k in (*BUDGET_KEYS, "tau")} for r in rows]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SpecdecError(f"{f} is not a valid tuning file ({type(e).__name__}: {e}): "
-                               "re-run `specdec tune` or delete it") from None
+    def parse(raw: dict, f: Path) -> list[dict]:
+        rows = raw.get("acceptance_sampled", []) if sampled else raw.get("acceptance") or raw.get("top") or []
+        out = [{k: r[k] for k in (*BUDGET_KEYS, "tau")} for r in rows]
         if not all(type(r[k]) is int and r[k] >= 1 for r in out for k in BUDGET_KEYS) or \
                 not all(isinstance(r["tau"], (int, float)) and r["tau"] >= 1 for r in out):
             raise SpecdecError(f"{f}: acceptance rows need integer depth, topk, tree_size >= 1 and tau >= 1")
         return out
-    return []
+    return _read(head_dir, parse) or []
 
 
 def save_tuning(record: dict, path: str | os.PathLike) -> Path:

@@ -12,8 +12,9 @@ Online, per request, a decaying ratio of observed to expected accepted tokens sc
 gets easier or harder within an answer: lists, repeats, code), and a decaying mean of the lookup
 chain's matched length prices the chain. Without observations both drift back to their priors, so a
 stretch of vanilla steps ends with a try. Both read only verdicts of earlier steps, and the costs are
-fixed for the Decoder: a step's draft never depends on that step's verdict (lossless, greedy and
-sampled) and a seeded sampled request gives the same text every time on this machine.
+fixed within a request: a step's draft never depends on that step's verdict (lossless, greedy and
+sampled) and a seeded sampled request gives the same text every time on this machine. Between requests
+the costs are re-measured if the observed forwards drifted from them (costs.StepClock: another load).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.files import atomic_write_text, data_roots, find_data
 from specdec.heads.shipped import target_fingerprint
-from specdec.options import add_flags, arg_type, flag_values
+from specdec.options import add_flags, arg_type, checked, flag_values
 from specdec.sampling import SamplingParams
 from specdec.target import lean as lean_mod
 from specdec.target.batched import batch_generate
@@ -58,15 +58,6 @@ def source_list(text: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown source {bad[0]!r}; choose from {', '.join(SOURCES)}")
     return items
-
-
-def checked(name: str, value, rule):
-    """`rule` (an argparse type) applied to an API value: a SpecdecError naming the CLI flag."""
-    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-    try:
-        return rule(text)
-    except argparse.ArgumentTypeError as e:
-        raise SpecdecError(f"--{name.replace('_', '-')} {e}") from None
 
 
 def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -19,15 +19,64 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.options import arg_type, checked
 from specdec.training.shards import ShardData, global_batch
 
 SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class LoopConfig:
+    """What every trainer's config has (data, schedule, checkpoints, logging); train.py and medusa.py add
+    their model's fields and may change a default (Medusa: lr 1e-3, clip 1.0)."""
+
+    data: str
+    out: str
+    steps: int = 0  # 0: derived from epochs
+    epochs: float = 1.0
+    batch_size: int = 16  # sequences per optimizer step, over all processes
+    max_len: int = 1024
+    lr: float = 3e-4
+    warmup: int = 100
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
+    ship_to: str = ""  # also write a small copy here (fp16; no LM head rows that stayed the target's)
+    init_from: str = ""  # start from these trained weights (warm start on new data, or Medusa-2 from Medusa-1)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def check_rules(self, rules: dict) -> None:
+        """The CLI's rules for API callers too: a SpecdecError naming the flag, before any work."""
+        for name, rule in rules.items():
+            checked(name, getattr(self, name), rule)
+        if self.schedule not in SCHEDULES:
+            raise SpecdecError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+
+# the argparse types of the shared numeric options (steps 0 = derived from epochs)
+LOOP_RULES = {
+    "steps": arg_type(int, ge=0), "epochs": arg_type(float, gt=0), "batch_size": arg_type(int, ge=1),
+    "max_len": arg_type(int, ge=2), "lr": arg_type(float, ge=0), "warmup": arg_type(int, ge=0),
+    "min_lr_ratio": arg_type(float, ge=0, le=1), "weight_decay": arg_type(float, ge=0),
+    "clip": arg_type(float, ge=0), "save_every": arg_type(int, ge=1), "keep_checkpoints": arg_type(int, ge=1),
+    "log_every": arg_type(int, ge=1), "seed": arg_type(int, ge=0), "stop_after": arg_type(int, ge=0),
+}
 
 
 def lr_lambda(cfg, total: int):

@@ -12,7 +12,7 @@ this config, its flags and the checks before training (data, draft vocabulary, r
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,9 +23,11 @@ from specdec.heads.medusa_io import load_medusa, save_medusa
 from specdec.heads.shipped import target_fingerprint
 from specdec.options import add_flags, arg_type, flag_values
 from specdec.target.loading import Runtime, materialize
-from specdec.training.datagen import checked, one_line_errors
+from specdec.training.datagen import one_line_errors
 from specdec.training.loop import (
+    LOOP_RULES,
     SCHEDULES,
+    LoopConfig,
     add_config_flags,
     finished_run,
     global_sum,
@@ -43,31 +45,14 @@ __all__ = ["MedusaTrainConfig", "train_medusa", "head_accuracies", "held_in", "M
 
 
 @dataclass
-class MedusaTrainConfig:
-    data: str
-    out: str
-    steps: int = 0  # 0: derived from epochs
-    epochs: float = 1.0
-    batch_size: int = 16  # sequences per optimizer step, over all processes
-    max_len: int = 1024
-    lr: float = 1e-3
-    warmup: int = 100
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
+class MedusaTrainConfig(LoopConfig):
+    lr: float = 1e-3  # Medusa's
     clip: float = 1.0
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     lm_head: str = "target"  # target (shared, frozen) | own (one per head, from the target's rows, trained)
     draft_vocab: int = 0  # 0 = the full target vocabulary
     decay: float = 0.8  # head k's loss weight: decay^(k+1)
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
-    ship_to: str = ""  # also write an fp16 copy here
-    init_from: str = ""  # start from these heads (their shape, LM head, vocabulary): e.g. Medusa-2 from Medusa-1
     # Medusa-2 (--joint): L = KL(p_original || p_new) + lambda0 * the heads' loss, the backbone trained too
     joint: bool = False
     lambda0: float = 0.2  # the heads' loss weight (Medusa's medusa_heads_coefficient in its Medusa-2 recipe)
@@ -79,17 +64,9 @@ class MedusaTrainConfig:
     keep_activations: bool = False  # keep the backbone's activations for the backward pass instead of
     # recomputing them: ~10% faster; SmolLM2-135M, batch 4 (~1,350 tokens): peak RSS 9.8 GB instead of 6.9
 
-    @classmethod
-    def from_dict(cls, d: dict) -> MedusaTrainConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
     def check(self) -> None:
         """The CLI's rules for API callers too: a SpecdecError naming the flag, before any work."""
-        for name, rule in RULES.items():
-            checked(name, getattr(self, name), rule)
-        if self.schedule not in SCHEDULES:
-            raise SpecdecError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        self.check_rules(RULES)
         if self.lm_head not in LM_HEADS:
             raise SpecdecError(f"--lm-head must be one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
         if self.full_finetune and not self.joint:
@@ -105,14 +82,10 @@ class MedusaTrainConfig:
 
 
 RULES = {
-    "steps": arg_type(int, ge=0), "epochs": arg_type(float, gt=0), "batch_size": arg_type(int, ge=1),
-    "max_len": arg_type(int, ge=3), "lr": arg_type(float, ge=0), "warmup": arg_type(int, ge=0),
-    "min_lr_ratio": arg_type(float, ge=0, le=1), "weight_decay": arg_type(float, ge=0),
-    "clip": arg_type(float, ge=0), "num_heads": arg_type(int, ge=1, le=16), "num_layers": arg_type(int, ge=1),
-    "draft_vocab": arg_type(int, ge=0), "decay": arg_type(float, gt=0, le=1), "save_every": arg_type(int, ge=1),
-    "keep_checkpoints": arg_type(int, ge=1), "log_every": arg_type(int, ge=1), "seed": arg_type(int, ge=0),
-    "stop_after": arg_type(int, ge=0), "lambda0": arg_type(float, ge=0), "backbone_lr": arg_type(float, ge=0),
-    "heads_warmup": arg_type(int, ge=-1), "lora_rank": arg_type(int, ge=1), "lora_alpha": arg_type(float, gt=0),
+    **LOOP_RULES, "max_len": arg_type(int, ge=3), "num_heads": arg_type(int, ge=1, le=16),
+    "num_layers": arg_type(int, ge=1), "draft_vocab": arg_type(int, ge=0), "decay": arg_type(float, gt=0, le=1),
+    "lambda0": arg_type(float, ge=0), "backbone_lr": arg_type(float, ge=0), "heads_warmup": arg_type(int, ge=-1),
+    "lora_rank": arg_type(int, ge=1), "lora_alpha": arg_type(float, gt=0),
 }
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",

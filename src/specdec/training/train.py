@@ -15,7 +15,7 @@ checks are loop.py's, shared with `train medusa` (medusa.py).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -26,9 +26,11 @@ from specdec.heads.shipped import target_fingerprint
 from specdec.options import add_flags, arg_type, flag_values
 from specdec.target.loading import Runtime, materialize
 from specdec.training import medusa
-from specdec.training.datagen import checked, one_line_errors
+from specdec.training.datagen import one_line_errors
 from specdec.training.loop import (
+    LOOP_RULES,
     SCHEDULES,
+    LoopConfig,
     add_config_flags,
     finished_run,
     global_sum,
@@ -46,47 +48,20 @@ __all__ = ["TrainConfig", "train_eagle", "finished_head", "lr_lambda", "unrolled
 
 
 @dataclass
-class TrainConfig:
-    data: str
-    out: str
-    steps: int = 0  # 0: derived from epochs
-    epochs: float = 1.0
-    batch_size: int = 16  # sequences per optimizer step, over all processes
-    max_len: int = 1024
-    lr: float = 3e-4
-    warmup: int = 100
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
-    clip: float = 0.5
+class TrainConfig(LoopConfig):
     ce_weight: float = 0.1
     noise: float = 0.1  # input features get U(-noise, noise)
     draft_vocab: int = 0  # 0 = the full target vocabulary (frozen target LM head)
     freeze_lm_head: bool = False  # for a reduced head: keep the rows copied from the target
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
-    ship_to: str = ""  # also write a small copy here: fp16, and no LM head rows if they stayed the target's
-    init_from: str = ""  # start from this head's weights and draft vocabulary (warm start on new data)
     unroll: int = 1  # draft steps trained per row: > 1 also trains on the head's own predictions
     layers: int = 0  # decoder layers: 0 = 1 (EAGLE), or as many as --init-from has; more grows that head
     connector: str = "fc"  # fc (EAGLE) | sampler (FSPAD's Feature Sampler)
     pad: bool = False  # FSPAD's Partial Alignment Distillation
     sampler_size: int = 0  # the Feature Sampler's intermediate size: 0 = the target's intermediate_size
 
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
     def check(self) -> None:
         """The CLI's rules for API callers too: a SpecdecError before any work."""
-        for name, rule in RULES.items():
-            checked(name, getattr(self, name), rule)
-        if self.schedule not in SCHEDULES:
-            raise SpecdecError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        self.check_rules(RULES)
         if self.connector not in CONNECTORS:
             raise SpecdecError(f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}")
         if self.sampler_size and self.connector != "sampler":
@@ -99,13 +74,9 @@ class TrainConfig:
 
 # the argparse types of the numeric options (steps 0 = derived from epochs; layers 0 = the default)
 RULES = {
-    "steps": arg_type(int, ge=0), "epochs": arg_type(float, gt=0), "batch_size": arg_type(int, ge=1),
-    "max_len": arg_type(int, ge=2), "lr": arg_type(float, ge=0), "warmup": arg_type(int, ge=0),
-    "min_lr_ratio": arg_type(float, ge=0, le=1), "weight_decay": arg_type(float, ge=0),
-    "clip": arg_type(float, ge=0), "ce_weight": arg_type(float, ge=0), "noise": arg_type(float, ge=0),
-    "draft_vocab": arg_type(int, ge=0), "save_every": arg_type(int, ge=1), "keep_checkpoints": arg_type(int, ge=1),
-    "log_every": arg_type(int, ge=1), "seed": arg_type(int, ge=0), "stop_after": arg_type(int, ge=0),
-    "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0), "sampler_size": arg_type(int, ge=0),
+    **LOOP_RULES, "ce_weight": arg_type(float, ge=0), "noise": arg_type(float, ge=0),
+    "draft_vocab": arg_type(int, ge=0), "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0),
+    "sampler_size": arg_type(int, ge=0),
 }
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
