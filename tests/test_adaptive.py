@@ -311,6 +311,13 @@ def test_step_clock_flags_forwards_far_from_their_price():
     for c, seen in ((near, 1.2), (slow, 2.0), (fast, 0.4)):
         c.observe(seen, 1.0)
     assert not near.drifted and slow.drifted and fast.drifted
+    fresh = StepClock(fresh=True, min_steps=10)  # just measured: a steady bias is the probe's, not a drift
+    for _ in range(50):
+        fresh.observe(3.0, 1.0)
+    assert fresh.ref == pytest.approx(3.0) and not fresh.drifted
+    for _ in range(200):  # the load changed afterwards
+        fresh.observe(1.0, 1.0)
+    assert fresh.drifted
 
 
 def test_costs_are_measured_again_between_requests_when_the_forwards_drift(tiny, trained):
@@ -330,9 +337,13 @@ def test_costs_are_measured_again_between_requests_when_the_forwards_drift(tiny,
     assert d.clock.drifted
     got, _ = run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert got == want and remeasured == [1] and d.costs is fresh and d.remeasured == 1
-    d.remeasure = None  # without a way to measure, the costs stay as given
-    run(target, d, PROMPTS[0], SamplingParams(), 40)
-    assert d.costs is fresh
+    for _ in range(2):  # just measured: the same ratio again is the measurement's, not a new load
+        run(target, d, PROMPTS[0], SamplingParams(), 40)
+    assert remeasured == [1] and d.clock.ref is not None and not d.clock.drifted
+    d.remeasure, d.clock = None, StepClock(min_steps=20)  # without a way to measure, the costs stay as given
+    for _ in range(2):
+        run(target, d, PROMPTS[0], SamplingParams(), 40)
+    assert d.clock.drifted and d.costs is fresh
 
 
 def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_path, monkeypatch):

@@ -210,7 +210,7 @@ class AdaptiveDrafter(Drafter):
         re-measured between requests once the observed forwards drift from them (another load)."""
         if self.remeasure is not None and self.clock.drifted:
             self.costs = self.remeasure()
-            self.clock = StepClock(self.clock.drift, self.clock.min_steps, self.clock.decay)
+            self.clock = StepClock(True, self.clock.drift, self.clock.min_steps, self.clock.decay)
             self.remeasured += 1
 
     def begin(self, ctx: DecodeContext) -> None:

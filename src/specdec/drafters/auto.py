@@ -17,7 +17,7 @@ from pydantic import model_validator
 
 from specdec.drafters.adaptive import AdaptiveDrafter, menu_from_tuning
 from specdec.drafters.base import Drafter, NoDrafter
-from specdec.drafters.costs import load_costs
+from specdec.drafters.costs import StepClock, load_costs
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.drafters.union import with_lookup
@@ -64,9 +64,11 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
                                children="sample" if sampled else "topk")
         def measure(recalibrate: bool = True):
-            return load_costs(target.runner, drafter, head_dir, menu, lookup, recalibrate, sampled or ())[0]
+            return load_costs(target.runner, drafter, head_dir, menu, lookup, recalibrate, sampled or ())
 
-        return AdaptiveDrafter(drafter, menu, measure(opts.recalibrate), lookup, sampled=sampled, remeasure=measure)
+        costs, _, fresh = measure(opts.recalibrate)
+        return AdaptiveDrafter(drafter, menu, costs, lookup, sampled=sampled, remeasure=lambda: measure()[0],
+                               clock=StepClock(fresh))
     if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
         raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
     drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank, children=opts.children or "topk")

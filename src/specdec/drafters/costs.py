@@ -128,26 +128,39 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
 
 
 class StepClock:
-    """How the priced target forwards compare with the ones observed, over the last ~100 steps of all
+    """How the observed target forwards compare with their price, over the last ~100 steps of all
     requests. Why: costs are cached per machine, not per load: measured while another process ran (t(1)
-    35 ms, flat to t(3)), they priced drafting as free on the idle machine (t(1) 15 ms) for good."""
+    35 ms, flat to t(3)), they priced drafting as free on the idle machine (t(1) 15 ms) for good.
 
-    def __init__(self, drift: float = 1.5, min_steps: int = 64, decay: float = 0.99) -> None:
+    The reference ratio is 1 for cached costs (measured at another time). For costs just measured it is
+    the ratio of their first `min_steps` steps: under load a probe's least disturbed repetition sits
+    well below a typical step, and that bias is no drift (judged against 1, a busy machine re-measured
+    every 64 steps, ~10 s each, and ran at 0.7x vanilla)."""
+
+    def __init__(self, fresh: bool = False, drift: float = 1.5, min_steps: int = 64, decay: float = 0.99) -> None:
         self.drift, self.min_steps, self.decay = drift, min_steps, decay
         self.seen = self.priced = 0.0
         self.steps = 0
+        self.ref: float | None = None if fresh else 1.0
+        self.since_ref = 0  # steps observed against the current reference
 
     def observe(self, seconds: float, priced: float) -> None:
         self.seen = self.decay * self.seen + seconds
         self.priced = self.decay * self.priced + priced
         self.steps += 1
+        if self.ref is None:
+            if self.steps >= self.min_steps and self.priced > 0:
+                self.ref = self.seen / self.priced
+        else:
+            self.since_ref += 1
 
     @property
     def drifted(self) -> bool:
-        """Enough steps ran and they took more than `drift` times, or less than 1/drift of, their price."""
-        if self.steps < self.min_steps or self.priced <= 0:
+        """Enough steps ran against the reference, and they took more than `drift` times, or less than
+        1/drift of, its ratio to their price."""
+        if self.ref is None or self.since_ref < self.min_steps or self.priced <= 0:
             return False
-        r = self.seen / self.priced
+        r = self.seen / self.priced / self.ref
         return not 1 / self.drift <= r <= self.drift
 
 
