@@ -337,7 +337,8 @@ def test_costs_are_measured_again_between_requests_when_the_forwards_drift(tiny,
     assert d.clock.drifted
     got, _ = run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert got == want and remeasured == [1] and d.costs is fresh and d.remeasured == 1
-    for _ in range(2):  # just measured: the same ratio again is the measurement's, not a new load
+    assert d.clock.min_steps == 40  # the next re-measure waits twice as long
+    for _ in range(3):  # just measured: the same ratio again is the measurement's, not a new load
         run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert remeasured == [1] and d.clock.ref is not None and not d.clock.drifted
     d.remeasure, d.clock = None, StepClock(min_steps=20)  # without a way to measure, the costs stay as given

@@ -210,7 +210,9 @@ class AdaptiveDrafter(Drafter):
         re-measured between requests once the observed forwards drift from them (another load)."""
         if self.remeasure is not None and self.clock.drifted:
             self.costs = self.remeasure()
-            self.clock = StepClock(True, self.clock.drift, self.clock.min_steps, self.clock.decay)
+            # each re-measure waits twice as long for the next: under a fluctuating load (measured: a busy
+            # loop beside 2 threads) one re-measure costs ~10 s and the next drift comes soon
+            self.clock = StepClock(True, self.clock.drift, 2 * self.clock.min_steps, self.clock.decay)
             self.remeasured += 1
 
     def begin(self, ctx: DecodeContext) -> None:
