@@ -328,15 +328,22 @@ def test_costs_are_measured_again_between_requests_when_the_forwards_drift(tiny,
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     d = adaptive_for(tiny, head, 0.1)  # t(1) priced at 1 s: the tiny model's forwards take ~1 ms
-    fresh, remeasured = costs(0.1), []
+    seeded = SamplingParams(1.0, seed=3)
+    want_seeded, before = run(target, d, PROMPTS[0], seeded, 40)
+    fresh, remeasured = costs(0.6), []  # steep: only plain steps pay
     d.remeasure = lambda: remeasured.append(1) or fresh
     d.clock = StepClock(min_steps=20)
     want, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 40)
     got, stats = run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert got == want and not remeasured and d.clock.steps >= stats.target_forwards - 1 >= 20
     assert d.clock.drifted
-    got, _ = run(target, d, PROMPTS[0], SamplingParams(), 40)
+    got, after = run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert got == want and remeasured == [1] and d.costs is fresh and d.remeasured == 1
+    assert set(after.tree_sizes) == {0}  # greedy requests draft by the new costs
+    # a seeded sampled request drafts by the costs the drafter was built with: the same text after a
+    # re-measure (another thread's load must not change it)
+    got_seeded, again = run(target, d, PROMPTS[0], seeded, 40)
+    assert got_seeded == want_seeded and again.tree_sizes == before.tree_sizes and max(before.tree_sizes) > 0
     assert d.clock.min_steps == 40  # the next re-measure waits twice as long
     for _ in range(3):  # just measured: the same ratio again is the measurement's, not a new load
         run(target, d, PROMPTS[0], SamplingParams(), 40)

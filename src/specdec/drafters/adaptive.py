@@ -13,8 +13,9 @@ gets easier or harder within an answer: lists, repeats, code), and a decaying me
 chain's matched length prices the chain. Without observations both drift back to their priors, so a
 stretch of vanilla steps ends with a try. Both read only verdicts of earlier steps, and the costs are
 fixed within a request: a step's draft never depends on that step's verdict (lossless, greedy and
-sampled) and a seeded sampled request gives the same text every time on this machine. Between requests
-the costs are re-measured if the observed forwards drifted from them (costs.StepClock: another load).
+sampled). Between requests the costs are re-measured if the observed forwards drifted from them
+(costs.StepClock: another load); seeded sampled requests keep drafting with the costs the drafter was
+built with, so a seed gives the same text every time on this machine, alone or beside other threads.
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ class AdaptiveDrafter(Drafter):
         self.pending: list[tuple] = []
         self.rows = 0  # rows of the forward verifying the last proposal (0: none pending)
         self.remeasured = 0
+        self.built_costs = self.costs  # what seeded sampled requests draft with (see begin)
 
     def prepare(self) -> None:
         """Costs stay fixed within a request (a seeded sampled request repeats its text), and are
@@ -218,10 +220,14 @@ class AdaptiveDrafter(Drafter):
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
         prior = {n: p if greedy else p / 2 for n, p in LOOKUP_PRIOR.items()}
+        # a seeded sampled request's text follows its drafts: it drafts with the costs this drafter was
+        # built with (the cache's), never with a re-measure another request's timing triggered, so the
+        # same seed gives the same text alone or beside other threads (greedy text follows no draft)
+        costs = self.built_costs if not greedy and ctx.params.seed is not None else self.costs
         if greedy or self.sampled is None:
-            self.ctrl = Controller(self.menu, self.costs, 1.0 if greedy else self.sampled_scale, prior)
+            self.ctrl = Controller(self.menu, costs, 1.0 if greedy else self.sampled_scale, prior)
         else:
-            self.ctrl = Controller(self.sampled, self.costs, 1.0, prior, draft_s=self.costs.sampled_s, union=False)
+            self.ctrl = Controller(self.sampled, costs, 1.0, prior, draft_s=costs.sampled_s, union=False)
         self.choices = Counter()
         self.last = None
         self.rows = 0
