@@ -210,8 +210,9 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     from specdec.drafters.costs import Costs
 
     # this tiny target's forward costs about what a draft does: price drafting as free to see the trees
-    d.costs = Costs({1: 1.0, 64: 1.0}, dict.fromkeys(d.costs.draft_s, 0.0), 0.0, 0.0,
-                    dict.fromkeys(d.costs.sampled_s, 0.0))
+    # (seeded sampled requests draft with the costs the drafter was built with: set both)
+    d.costs = d.built_costs = Costs({1: 1.0, 64: 1.0}, dict.fromkeys(d.costs.draft_s, 0.0), 0.0, 0.0,
+                                    dict.fromkeys(d.costs.sampled_s, 0.0))
     trees = []
     orig = d.eagle.propose
     d.eagle.propose = lambda ctx, b=None: trees.append(t := orig(ctx, b)) or t
