@@ -58,9 +58,14 @@ class Worker:
         return json.loads(self.p.stdout.readline())
 
 
-def prompts(limit: int) -> list[str]:
-    root = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
-    return [json.loads(x)["turns"][0] for x in root.read_text().splitlines()[:limit]]
+def prompts(limit: int, categories: str = "") -> list[str]:
+    """MT-bench first turns, or with categories the first `limit` Spec-Bench questions of each."""
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not categories:
+        lines = (data / "mt_bench" / "question.jsonl").read_text().splitlines()[:limit]
+        return [json.loads(x)["turns"][0] for x in lines]
+    qs = [json.loads(x) for x in (data / "spec_bench" / "question.jsonl").read_text().splitlines()]
+    return [q["turns"][0] for c in categories.split(",") for q in [q for q in qs if q["category"] == c][:limit]]
 
 
 def main() -> int:
@@ -69,6 +74,8 @@ def main() -> int:
     ap.add_argument("--new", required=True, help="src/ of the changed checkout")
     ap.add_argument("--methods", default="vanilla,pld,eagle,eagle2,auto")
     ap.add_argument("--limit", type=int, default=80)
+    ap.add_argument("--categories", default="", help="Spec-Bench categories (e.g. summarization,rag): --limit "
+                    "questions of each instead of MT-bench")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
@@ -76,7 +83,7 @@ def main() -> int:
     a = ap.parse_args()
     sides = {"old": Worker(a.old, a.threads), "new": Worker(a.new, a.threads)}
     methods = a.methods.split(",")
-    qs = prompts(a.limit)
+    qs = prompts(a.limit, a.categories)
     res = {m: {"old": [], "new": [], "old_s": [], "new_s": [], "mismatch": []} for m in methods}
     for qi, q in enumerate(qs):
         for rep in range(a.repeats):

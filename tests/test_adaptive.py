@@ -54,6 +54,49 @@ def test_choice_follows_the_cost_of_a_wider_forward():
     assert mid.choose(0, 0).vanilla  # no room left in the context
 
 
+def test_a_longer_context_prices_every_row_its_attention():
+    """Each verified row attends over the whole context: t(n) grows by n * slope per cached token, so a
+    tree that pays at a short context is dropped at a long one (long summarization prompts drafted at
+    the short-context price and lost 10% to vanilla)."""
+    c = costs(0.1)
+    c.attend_s, c.ctx = 1e-4, 400
+    assert c.target(5) == c.target(5, 400) == pytest.approx(1.4)
+    assert c.target(5, 1400) == pytest.approx(1.4 + 5 * 0.1) and c.target(1, 1400) == pytest.approx(1.1)
+    assert c.target(5, 0) == pytest.approx(1.4 - 5 * 0.04)  # a short context: less than at the probe's
+    assert c.target(5, -10**9) == pytest.approx(0.25 * 1.4)  # floored, whatever the slope
+    assert Costs.from_json(c.to_json()).target(5, 1400) == pytest.approx(c.target(5, 1400))
+    ctrl = Controller(MENU, c, 1.0, PRIOR)
+    assert ctrl.choose(0, 100, ctx=400) == Choice(B4, False)
+    assert ctrl.choose(0, 100, ctx=4000).vanilla  # t(5) = 1.4 + 1.8 for 1.9 tokens: does not pay
+
+
+def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost():
+    """attention_slope times one forward with and without `extra` cached columns visible: a runner whose
+    forward costs 20 us per visible (row, column) pair reads as 20 us, whatever the rest costs."""
+    import time
+
+    from specdec.machine import attention_slope
+
+    class Fake:
+        vocab_size, device = 50, torch.device("cpu")
+
+        def reset(self):
+            pass
+
+        def commit(self, keep):
+            pass
+
+        def rollback(self):
+            pass
+
+        def forward(self, xs, positions=None, mask=None, logits_rows=None):
+            if mask is not None:
+                time.sleep(0.002 + 20e-6 * int(mask.sum()))
+
+    slope = attention_slope(Fake(), rows=4, ctx=20, extra=50, reps=3)
+    assert slope == pytest.approx(20e-6, rel=0.3)
+
+
 def test_low_acceptance_stops_drafting_and_a_later_try_follows():
     c = Controller(MENU, costs(0.1), 1.0, PRIOR)
     assert c.choose(0, 100).budget == B4
@@ -287,6 +330,7 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
     c1, path, fresh = load_costs(target, eagle, "h", MENU, 6)
     assert fresh and path.is_file() and len(calls) == 1
     assert set(c1.draft_s) == {B4, B8} and c1.target(1) > 0 and c1.target(33) >= c1.target(1)
+    assert c1.ctx > 0 and c1.attend_s >= 0  # the context the sizes were timed at, and the attention slope
     c2, path2, fresh = load_costs(target, eagle, "h", MENU, 6)
     assert not fresh and path2 == path and c2.to_json() == c1.to_json() and len(calls) == 1
     load_costs(target, eagle, "h", MENU, 6, recalibrate=True)

@@ -127,6 +127,31 @@ def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200,
     return {n: stat(x) for n, x in ts.items()}
 
 
+def attention_slope(runner, rows: int, ctx: int, extra: int, reps: int = 3, warmup: int = 1) -> float:
+    """Seconds each forward row adds per cached token it attends to: a forward of `rows` chained rows after
+    ctx + extra cached tokens, timed against the same forward with the `extra` newest of them masked out
+    (interleaved, the least disturbed of `reps` each): the difference is only attention."""
+    runner.reset()
+    g = torch.Generator().manual_seed(1)
+    runner.forward(torch.randint(0, min(runner.vocab_size, 1000), (ctx + extra,), generator=g),
+                   logits_rows=slice(-1, None))
+    runner.commit(range(ctx + extra))
+    full = chain_mask(ctx + extra, rows, runner.device)
+    near = full.clone()
+    near[:, ctx:ctx + extra] = False
+    xs = torch.randint(0, min(runner.vocab_size, 1000), (rows,), generator=g)
+    ts: dict[int, list[float]] = {0: [], 1: []}
+    for rep in range(reps + warmup):
+        for i, mask in enumerate((near, full)):
+            t = time.perf_counter()
+            runner.forward(xs, None, mask)
+            runner.rollback()
+            if rep >= warmup:
+                ts[i].append(time.perf_counter() - t)
+    runner.reset()
+    return max(0.0, (min(ts[1]) - min(ts[0])) / (rows * extra))
+
+
 def stream_bandwidth(mb: int = 512, reps: int = 3) -> float:
     """Bytes per second this process reads from memory with the current torch threads: the best of a
     few sums over a buffer far larger than any cache (what a decode step does to the weights)."""

@@ -104,8 +104,9 @@ class Controller:
         a, e, n = self.chain.get(ngram, (0.0, 0.0, 1.0))
         return a / n, e / n
 
-    def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0) -> tuple[float, float]:
-        """(expected tokens, expected seconds) of one step with this choice."""
+    def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0,
+                 ctx: int | None = None) -> tuple[float, float]:
+        """(expected tokens, expected seconds) of one step with this choice, after ctx cached tokens."""
         c = self.costs
         tree = 0.0
         nodes = 0
@@ -121,9 +122,9 @@ class Controller:
             alone, added = self.chain_mean(ngram)
             extra = min(float(n), added if choice.budget is not None else alone)
             nodes += n
-        return 1.0 + tree + extra, secs + c.target(1 + nodes)
+        return 1.0 + tree + extra, secs + c.target(1 + nodes, ctx)
 
-    def choose(self, chain_len: int, room: int, ngram: int = 0) -> Choice:
+    def choose(self, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None) -> Choice:
         options = [Choice(None, False)]
         if room > 0:
             options += [Choice(b, False) for b, _ in self.menu]
@@ -131,7 +132,7 @@ class Controller:
                 options += [Choice(None, True)] + [Choice(b, True) for b, _ in self.menu if self.union]
         rate = {}
         for o in options:
-            tokens, secs = self.expected(o, chain_len, room, ngram)
+            tokens, secs = self.expected(o, chain_len, room, ngram, ctx)
             rate[o] = tokens / secs
         best = max(rate.values())
         # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
@@ -203,7 +204,7 @@ class AdaptiveDrafter(Drafter):
         self.ctrl: Controller | None = None
         self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
         self.pending: list[tuple] = []
-        self.rows = 0  # rows of the forward verifying the last proposal (0: none pending)
+        self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
         self.remeasured = 0
         self.built_costs = self.costs  # what seeded sampled requests draft with (see begin)
 
@@ -237,7 +238,7 @@ class AdaptiveDrafter(Drafter):
     def propose(self, ctx: DecodeContext) -> DraftTree:
         chain = self.pld.propose(ctx) if self.pld is not None and ctx.max_nodes > 0 else DraftTree.empty()
         ngram = self.pld.last_ngram if len(chain) else 0
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram)
+        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram, len(ctx.tokens))
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
@@ -249,12 +250,13 @@ class AdaptiveDrafter(Drafter):
         if choice.chain and ctx.max_nodes > len(tree):
             tree = tree.union(chain.select(torch.arange(min(len(chain), ctx.max_nodes - len(tree)))))
         self.last = (choice, eagle_tree, expected, chain if len(chain) else None, ngram)
-        self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows, for the clock
+        self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows and context, for the clock
+        self.rows_ctx = len(ctx.tokens)
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows:
-            self.clock.observe(ctx.verify_s, self.costs.target(self.rows))
+            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx))
             self.rows = 0
         self.eagle.accept(ctx, verdict)
         if self.last is None:

@@ -17,7 +17,7 @@ from specdec.drafters.base import DecodeContext
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.files import atomic_write_text, cache_dir
-from specdec.machine import cpu_name, forward_costs, usable_cpus
+from specdec.machine import attention_slope, cpu_name, forward_costs, usable_cpus
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
 from specdec.verify import Verdict
@@ -25,24 +25,41 @@ from specdec.verify import Verdict
 # forward sizes timed besides 1 + each menu tree's size; others are interpolated. Not assumed monotone:
 # measured on an AMD EPYC (SmolLM2, 2 threads), t(2) = 37 ms > t(5) = 32 ms > t(1) = 30 ms
 ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
+# the second context the widest forward is timed at: how fast a row's attention grows with the context
+LONG_CTX = 512  # its prefill is most of the ~1 s this adds
+VERSION = 2  # of the measurement (2: the attention slope); part of the cache key, so older files re-measure
 
 
 @dataclass
 class Costs:
-    """Seconds, measured on this machine: target forwards by row count, each budget's propose() (top-k
-    children; `sampled_s`: children drawn at T > 0), the head's catch-up, one lookup."""
+    """Seconds, measured on this machine: target forwards by row count at a `ctx`-token context, each
+    budget's propose() (top-k children; `sampled_s`: children drawn at T > 0), the head's catch-up, one
+    lookup, and `attend_s`: what each row of a forward adds per cached token.
+
+    Why the slope: every verified row attends over the whole context, so a tree's price grows with it.
+    Measured on an EPYC (SmolLM2, 2 threads): t(9)/t(1) 1.59 at 384 tokens, 2.78 at 2,048; priced at 384,
+    long summarization prompts drafted trees that lost 10% to vanilla."""
 
     target_s: dict[int, float]
     draft_s: dict[TreeBudget, float]
     follow_s: float
     lookup_s: float
     sampled_s: dict[TreeBudget, float] = field(default_factory=dict)
+    attend_s: float = 0.0
+    ctx: int = 0
 
     def __post_init__(self) -> None:  # here, so that a measurement cached before the floor gets it too
         self.target_s = floor_one_row(self.target_s)
 
-    def target(self, n: int) -> float:
-        """t(n), linear between the measured sizes (and beyond the last, along the last segment)."""
+    def target(self, n: int, ctx: int | None = None) -> float:
+        """t(n) after `ctx` cached tokens (None: at the measured context): linear between the measured
+        sizes (beyond the last, along the last segment), plus n rows' attention over the extra tokens."""
+        t = self._rows(n)
+        if ctx is None or not self.attend_s:
+            return t
+        return max(t + n * self.attend_s * (ctx - self.ctx), 0.25 * t)  # the floor: a noisy slope, tiny ctx
+
+    def _rows(self, n: int) -> float:
         if n in self.target_s:
             return self.target_s[n]
         xs = self.sizes
@@ -62,19 +79,21 @@ class Costs:
                 "draft_ms": [[b.depth, b.topk, b.tree_size, round(t * 1e3, 4)] for b, t in self.draft_s.items()],
                 "follow_ms": round(self.follow_s * 1e3, 4), "lookup_ms": round(self.lookup_s * 1e3, 4),
                 "sampled_draft_ms": [[b.depth, b.topk, b.tree_size, round(t * 1e3, 4)]
-                                     for b, t in self.sampled_s.items()]}
+                                     for b, t in self.sampled_s.items()],
+                "attend_us_per_row_token": round(self.attend_s * 1e6, 6), "ctx": self.ctx}
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
         return cls({int(n): t / 1e3 for n, t in d["target_ms"].items()},
                    {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d["draft_ms"]}, d["follow_ms"] / 1e3,
-                   d["lookup_ms"] / 1e3, {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d.get("sampled_draft_ms", [])})
+                   d["lookup_ms"] / 1e3, {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d.get("sampled_draft_ms", [])},
+                   d.get("attend_us_per_row_token", 0.0) / 1e6, d.get("ctx", 0))
 
 
 def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]], lookup: int,
              sampled: list[tuple[TreeBudget, float]] = ()) -> dict:
     cfg = getattr(runner, "config", None)
-    return {"cpu": cpu_name(), "usable_cpus": usable_cpus(), "threads": torch.get_num_threads(),
+    return {"version": VERSION, "cpu": cpu_name(), "usable_cpus": usable_cpus(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "target": str(getattr(cfg, "_name_or_path", "")),
             "target_shape": [getattr(cfg, "hidden_size", 0), getattr(cfg, "num_hidden_layers", 0),
                              getattr(runner, "vocab_size", 0)],
@@ -91,11 +110,13 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     """~3 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
     tree + chain, then each budget's propose() (the `sampled` menu's with children drawn at T = 1, which
     needs a drafter with children="sample") and the head's catch-up as decoding leaves the caches, at a
-    ctx_len-token context."""
+    ctx_len-token context; the widest forward over LONG_CTX more tokens gives the attention slope."""
     top = max(b.tree_size for b, _ in menu) + lookup + 1
     trees = {1 + b.tree_size for b, _ in [*menu, *sampled]}
     sizes = sorted({n for n in ANCHORS if n < top} | trees | {top})
     target_s = forward_costs(runner, sizes, 2, ctx=ctx_len, stat=min, warmup=1)  # min: the least disturbed repetition
+    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
+    attend_s = attention_slope(runner, top, ctx_len, extra) if extra >= 64 else 0.0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
     runner.reset()
@@ -124,7 +145,7 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     pld = PromptLookupDrafter(chain_len=max(lookup, 1))
     look = _time_warm(lambda: pld.propose(ctx), reps)
     drafter.runner.reset()  # every request begins afresh anyway
-    return Costs(target_s, draft_s, max(0.0, min(follow)), look, sampled_s)
+    return Costs(target_s, draft_s, max(0.0, min(follow)), look, sampled_s, attend_s, ctx_len)
 
 
 class StepClock:
