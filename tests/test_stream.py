@@ -144,18 +144,28 @@ def attention_reference(q, kc, vc, visible):
 
 
 @needs_kernel
-@pytest.mark.parametrize("hd", [16, 64, 128])
-def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd):
+@pytest.mark.parametrize("hd,start", [(16, 37), (64, 37), (128, 37), (64, 301)])
+def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd, start):
+    """Each row over exactly its columns, and the same bits alone as beside other rows: the rows of one
+    call share the K/V blocks of the columns all of them see (start 301: several blocks), never arithmetic."""
     ops = stream.kernel()
-    g = torch.Generator().manual_seed(hd)
-    nh, nkv, start, n, cap = 6, 2, 37, 9, 64
+    g = torch.Generator().manual_seed(hd + start)
+    nh, nkv, n = 6, 2, 9
+    cap = start + n + 8
     kc, vc = torch.randn(nkv, cap, hd, generator=g), torch.randn(nkv, cap, hd, generator=g)
     q = torch.randn(n, nh * hd, generator=g) * 3
-    tree = torch.rand(n, start + n, generator=g) < 0.6  # an arbitrary visibility pattern, every row sees itself
-    tree[:, :start] |= torch.arange(start) < 5
-    tree[torch.arange(n), start + torch.arange(n)] = True
+    arbitrary = torch.rand(n, start + n, generator=g) < 0.6  # any visibility pattern, every row sees itself
+    arbitrary[:, :start] |= torch.arange(start) < 5
+    arbitrary[torch.arange(n), start + torch.arange(n)] = True
+    tree = torch.zeros(n, start + n, dtype=torch.bool)  # a draft tree: the cache, then the row's ancestors
+    tree[:, :start] = True
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
+    for i in range(n):
+        j = i
+        while j >= 0:
+            tree[i, start + j], j = True, parents[j]
     chain = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-    for mask, visible in ((tree, tree), (None, chain)):
+    for mask, visible in ((arbitrary, arbitrary), (tree, tree), (None, chain)):
         out = ops.attend(q, kc, vc, start, mask)
         ref = attention_reference(q, kc, vc, visible)
         assert (out - ref).abs().max() < 1e-5

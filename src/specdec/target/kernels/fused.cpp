@@ -12,7 +12,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -144,14 +146,23 @@ inline __m256 hsum8(const float* part) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One query row of one head over its m visible columns `cols`: NB = head_dim / 8 vectors per row.
+// The query rows of one kv head's attention (pairs of a row and a query head of its group), each over its
+// m visible columns: col(c) = c for c < lead, else tail[c - lead]. NB = head_dim / 8 vectors per row.
+struct Pair {
+  const float* q;
+  float* out;
+  int64_t lead, m;
+  const int32_t* tail;
+  float* p;  // m8 scores, then weights
+  float sum;
+};
+
+// 8-lane partial dot products of q (in registers) with K rows k0 .. k0 + cnt (row stride rs), two chains.
 template <int NB>
-void attend_one(const float* qv, const float* kh, const float* vh, int64_t rs, const int32_t* cols, int64_t m,
-                float scale, float* part, float* p, float* out) {
-  __m256 qr[NB];
-  for (int d = 0; d < NB; d++) qr[d] = _mm256_loadu_ps(qv + d * L);
-  for (int64_t c = 0; c < m; c++) {  // 8-lane partial dot products, two chains
-    const float* kr = kh + cols[c] * rs;
+inline void dots(const __m256* qr, const float* kh, int64_t rs, int64_t cnt, const int32_t* cols, int64_t c0,
+                 float* part) {
+  for (int64_t c = 0; c < cnt; c++) {
+    const float* kr = kh + (cols ? cols[c] : c0 + c) * rs;
     __m256 a0 = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kr)), a1 = _mm256_mul_ps(qr[1], _mm256_loadu_ps(kr + L));
     for (int d = 2; d + 1 < NB; d += 2) {
       a0 = _mm256_fmadd_ps(qr[d], _mm256_loadu_ps(kr + d * L), a0);
@@ -159,30 +170,81 @@ void attend_one(const float* qv, const float* kh, const float* vh, int64_t rs, c
     }
     _mm256_storeu_ps(part + c * L, _mm256_add_ps(a0, a1));
   }
-  const int64_t m8 = (m + L - 1) / L * L;
-  std::memset(part + m * L, 0, sizeof(float) * L * (m8 - m));
+}
+
+// Every pair's softmax(q k^T * scale) v over its own columns, in column order. The first `shared` columns
+// (0 .. shared - 1, seen by every pair) are read in blocks of BC rows that stay in L1 while each pair uses
+// them, so a tree's rows and a group's heads read K and V once, not once each. Why it stays exact: each
+// pair's own operations are the same, in the same order, whatever else is in the call (scores in groups
+// of 8 columns from column 0, their max, exp and sum, then v accumulated column by column).
+template <int NB>
+void attend_group(Pair* pairs, int64_t P, int64_t shared, const float* kh, const float* vh, int64_t rs, float scale,
+                  float* part, int32_t* cols, float* obuf) {
+  constexpr int64_t BC = 32;
+  const int64_t s8 = shared / L * L;
   const __m256 sc = _mm256_set1_ps(scale);
-  for (int64_t c = 0; c < m8; c += L) _mm256_storeu_ps(p + c, _mm256_mul_ps(hsum8(part + c * L), sc));
-  float tmax = -INFINITY;
-  for (int64_t c = 0; c < m; c++) tmax = std::max(tmax, p[c]);
-  for (int64_t c = m; c < m8; c++) p[c] = -INFINITY;  // padding columns: exp gives 0
-  const __m256 tv = _mm256_set1_ps(tmax);
-  __m256 sv = _mm256_setzero_ps();
-  for (int64_t c = 0; c < m8; c += L) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + c), tv));
-    _mm256_storeu_ps(p + c, e);
-    sv = _mm256_add_ps(sv, e);
+  __m256 qr[NB];
+  for (int64_t b = 0; b < s8; b += BC) {  // scores over the shared columns
+    const int64_t cnt = std::min(BC, s8 - b);
+    for (int64_t j = 0; j < P; j++) {
+      for (int d = 0; d < NB; d++) qr[d] = _mm256_loadu_ps(pairs[j].q + d * L);
+      dots<NB>(qr, kh, rs, cnt, nullptr, b, part);
+      for (int64_t c = 0; c < cnt; c += L) _mm256_storeu_ps(pairs[j].p + b + c, _mm256_mul_ps(hsum8(part + c * L), sc));
+    }
   }
-  const float sum = hsum(sv);
+  for (int64_t j = 0; j < P; j++) {  // each pair's own columns from s8 on, then its softmax
+    Pair& x = pairs[j];
+    const int64_t m = x.m, m8 = (m + L - 1) / L * L, cnt = m - s8;
+    for (int64_t c = 0; c < cnt; c++) cols[c] = int32_t(s8 + c < x.lead ? s8 + c : x.tail[s8 + c - x.lead]);
+    for (int d = 0; d < NB; d++) qr[d] = _mm256_loadu_ps(x.q + d * L);
+    dots<NB>(qr, kh, rs, cnt, cols, 0, part);
+    std::memset(part + cnt * L, 0, sizeof(float) * L * (m8 - m));
+    for (int64_t c = 0; c < m8 - s8; c += L) _mm256_storeu_ps(x.p + s8 + c, _mm256_mul_ps(hsum8(part + c * L), sc));
+    float* p = x.p;
+    __m256 mv = _mm256_set1_ps(-INFINITY);  // a max is exact in any order
+    for (int64_t c = 0; c + L <= m; c += L) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + c));
+    alignas(32) float mt[L];
+    _mm256_store_ps(mt, mv);
+    float tmax = -INFINITY;
+    for (int k = 0; k < L; k++) tmax = std::max(tmax, mt[k]);
+    for (int64_t c = m / L * L; c < m; c++) tmax = std::max(tmax, p[c]);
+    for (int64_t c = m; c < m8; c++) p[c] = -INFINITY;  // padding columns: exp gives 0
+    const __m256 tv = _mm256_set1_ps(tmax);
+    __m256 sv = _mm256_setzero_ps();
+    for (int64_t c = 0; c < m8; c += L) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + c), tv));
+      _mm256_storeu_ps(p + c, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    x.sum = hsum(sv);
+  }
+  std::memset(obuf, 0, sizeof(float) * P * NB * L);
   __m256 o[NB];
-  for (int d = 0; d < NB; d++) o[d] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < m; c++) {
-    const __m256 pc = _mm256_set1_ps(p[c]);
-    const float* vr = vh + cols[c] * rs;
-    for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + d * L), o[d]);
+  for (int64_t b = 0; b < shared; b += BC) {  // v over the shared columns
+    const int64_t e = std::min(b + BC, shared);
+    for (int64_t j = 0; j < P; j++) {
+      float* oj = obuf + j * NB * L;
+      for (int d = 0; d < NB; d++) o[d] = _mm256_loadu_ps(oj + d * L);
+      for (int64_t c = b; c < e; c++) {
+        const __m256 pc = _mm256_set1_ps(pairs[j].p[c]);
+        const float* vr = vh + c * rs;
+        for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + d * L), o[d]);
+      }
+      for (int d = 0; d < NB; d++) _mm256_storeu_ps(oj + d * L, o[d]);
+    }
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum);
-  for (int d = 0; d < NB; d++) _mm256_storeu_ps(out + d * L, _mm256_mul_ps(o[d], inv));
+  for (int64_t j = 0; j < P; j++) {  // each pair's own columns, then the normalisation
+    const Pair& x = pairs[j];
+    const float* oj = obuf + j * NB * L;
+    for (int d = 0; d < NB; d++) o[d] = _mm256_loadu_ps(oj + d * L);
+    for (int64_t c = shared; c < x.m; c++) {
+      const __m256 pc = _mm256_set1_ps(x.p[c]);
+      const float* vr = vh + (c < x.lead ? c : x.tail[c - x.lead]) * rs;
+      for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + d * L), o[d]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / x.sum);
+    for (int d = 0; d < NB; d++) _mm256_storeu_ps(x.out + d * L, _mm256_mul_ps(o[d], inv));
+  }
 }
 
 }  // namespace
@@ -206,36 +268,50 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
     ms = mask->stride(0);
   }
   TORCH_CHECK(kc.size(1) >= end, "the cache is shorter than the mask");
+  // each row's columns: a leading run 0 .. lead - 1, then the rest (a tree row: the cache, then its ancestors)
+  std::vector<int64_t> lead(n), count(n);
+  std::vector<std::vector<int32_t>> tail(n);
+  for (int64_t i = 0; i < n; i++) {
+    if (!mp) {
+      lead[i] = count[i] = start + i + 1;
+      continue;
+    }
+    const bool* row = mp + i * ms;
+    int64_t j = 0;
+    while (j < end && row[j]) j++;
+    lead[i] = j;
+    for (; j < end; j++)
+      if (row[j]) tail[i].push_back(int32_t(j));
+    count[i] = lead[i] + int64_t(tail[i].size());
+  }
   auto out = torch::empty({n, nh * hd}, q.options());
   const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t hs = kc.stride(0), rs = kc.stride(1);
   const float scale = 1.0f / std::sqrt(float(hd));
-  // tasks: (row, head), so that 2 threads share even one decode row's 9 heads about evenly
+  const int64_t m8max = (end + L - 1) / L * L;
+  // tasks ordered (kv head, row, head of its group): a thread's consecutive tasks share K and V
   const int64_t grain = std::max<int64_t>(1, 32768 / (end * hd));
   at::parallel_for(0, n * nh, grain, [&](int64_t lo, int64_t hi) {
-    const int64_t m8 = (end + L - 1) / L * L;
-    std::vector<float> part(m8 * L), p(m8);
-    std::vector<int32_t> cols(end);
-    int64_t row = -1, m = 0;
-    for (int64_t t = lo; t < hi; t++) {
-      const int64_t i = t / nh, h = t % nh, g = h / group;
-      if (i != row) {  // this row's visible columns
-        row = i, m = 0;
-        if (mp) {
-          for (int64_t j = 0; j < end; j++)
-            if (mp[i * ms + j]) cols[m++] = int32_t(j);
-        } else {
-          for (int64_t j = 0; j <= start + i; j++) cols[m++] = int32_t(j);
-        }
+    constexpr int64_t PMAX = 64;
+    std::vector<float> part((m8max + L) * L), p(PMAX * m8max), obuf(PMAX * hd);
+    std::vector<int32_t> cols(m8max);
+    Pair pairs[PMAX];
+    for (int64_t t = lo; t < hi;) {
+      const int64_t g = t / (n * group);
+      const int64_t stop = std::min({hi, (g + 1) * n * group, t + PMAX});
+      int64_t P = 0, shared = end;
+      for (; t < stop; t++, P++) {
+        const int64_t r = t % (n * group), i = r / group, h = g * group + r % group;
+        pairs[P] = Pair{q.data_ptr<float>() + i * q.stride(0) + h * hd, out.data_ptr<float>() + i * nh * hd + h * hd,
+                        lead[i], count[i], tail[i].data(), p.data() + P * m8max, 0.0f};
+        shared = std::min(shared, lead[i]);
       }
-      const float* qv = q.data_ptr<float>() + i * q.stride(0) + h * hd;
-      float* orow = out.data_ptr<float>() + i * nh * hd + h * hd;
       const float *kh = kp + g * hs, *vh = vp + g * hs;
       switch (hd) {
-        case 16: attend_one<2>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
-        case 32: attend_one<4>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
-        case 64: attend_one<8>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
-        default: attend_one<16>(qv, kh, vh, rs, cols.data(), m, scale, part.data(), p.data(), orow); break;
+        case 16: attend_group<2>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
+        case 32: attend_group<4>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
+        case 64: attend_group<8>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
+        default: attend_group<16>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
       }
     }
   });
