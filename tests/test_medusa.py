@@ -134,16 +134,25 @@ def test_identity_heads_draft_the_targets_own_next_token_at_depth_one(tiny):
     assert torch.allclose(runner.logits(f)[0], tiny.lm_head.weight @ f, atol=1e-4)
 
 
-@pytest.mark.parametrize("tree,params", [("sparse", SamplingParams(1.0)), ("dense", SamplingParams(0.8, top_k=3)),
-                                         ("sparse", SamplingParams(1.2, top_p=0.85))],
-                         ids=["sparse-T1", "dense-T0.8-topk3", "sparse-T1.2-topp0.85"])
-def test_medusa_sampling_matches_vanilla_distribution(tree, params):
+@pytest.mark.parametrize("tree,params,children", [
+    ("sparse", SamplingParams(1.0), "topk"), ("dense", SamplingParams(0.8, top_k=3), "topk"),
+    ("sparse", SamplingParams(1.2, top_p=0.85), "topk"), ("sparse", SamplingParams(1.0), "sample"),
+    ("dense", SamplingParams(0.8, top_k=3), "sample"), ("gap", SamplingParams(1.2, top_p=0.85), "sample"),
+    ("reduced", SamplingParams(1.0), "sample")],
+    ids=["sparse-T1", "dense-T0.8-topk3", "sparse-T1.2-topp0.85", "sampled-sparse-T1", "sampled-dense-T0.8-topk3",
+         "sampled-rank-gap-T1.2-topp0.85", "sampled-reduced-vocab-T1"])
+def test_medusa_sampling_matches_vanilla_distribution(tree, params, children):
+    """Lossless at T > 0 with top-k children (point masses) and with children drawn from the heads
+    (recursive rejection against their q), including a tree whose ranks skip one ({0, 2}: draws 0 and 1)
+    and a reduced draft vocabulary (q is zero outside it)."""
     model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)
-    heads = make_heads(model, 3, seed=3)
-    choices = sparse_choices([[0.5, 0.3], [0.4, 0.3], [0.3]], 5) if tree == "sparse" else dense_choices(3, 2, 6)
-    drafter = MedusaDrafter(MedusaRunner(heads, model.lm_head.weight), choices)
+    heads = make_heads(model, 3, seed=3, vocab=torch.arange(0, SMALL_V, 2) if tree == "reduced" else None)
+    choices = {"sparse": sparse_choices([[0.5, 0.3], [0.4, 0.3], [0.3]], 5), "dense": dense_choices(3, 2, 6),
+               "gap": [(0,), (2,), (0, 0), (0, 2), (2, 1), (0, 0, 0)],
+               "reduced": sparse_choices([[0.5, 0.3], [0.4, 0.3], [0.3]], 5)}[tree]
+    drafter = MedusaDrafter(MedusaRunner(heads, model.lm_head.weight), choices, children=children)
     prompt = [1, 3, 0, 2]
     counts, sizes = sample_first3(LeanRunner(model), drafter, prompt, params)
     assert max(sizes) >= 4  # the engine cuts trees at what 6 tokens can still use
@@ -215,6 +224,8 @@ def test_medusa_options_fail_before_any_model_loads(tiny, tmp_path):
         from_models(tiny, None, "medusa", heads=str(tmp_path / "m"), choices=[[0], [0, 0], [0, 0, 0]])
     with pytest.raises(SpecdecError, match="not a directory"):
         from_models(tiny, None, "medusa", heads=str(tmp_path / "nope"))
+    with pytest.raises(SpecdecError, match="children=sample cannot be combined with typical=true"):
+        from_models(tiny, None, "medusa", heads=str(tmp_path / "nope"), typical=True, children="sample")
 
 
 def test_heads_without_accuracies_fall_back_to_a_dense_tree(tiny, tmp_path):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.costs import cost_file, cost_key, read_cost_file, write_cost_file
@@ -35,7 +35,7 @@ from specdec.heads.medusa_formats import import_medusa
 from specdec.heads.shipped import find_shipped_head
 from specdec.machine import forward_costs
 from specdec.sampling import tempered_log_probs
-from specdec.tree import DraftTree, check_choices
+from specdec.tree import DraftTree, check_choices, draw_children
 from specdec.verify import Typical
 
 MAX_RANK = 10  # top-i accuracies measured per head (Medusa's trees use ranks < 10)
@@ -85,8 +85,11 @@ def dense_choices(num_heads: int, topk: int, n_nodes: int) -> list[tuple[int, ..
 class MedusaDrafter(Drafter):
     name = "medusa"
 
-    def __init__(self, runner: MedusaRunner, choices: Sequence[Sequence[int]], typical: Typical | None = None) -> None:
-        self.runner = runner
+    def __init__(self, runner: MedusaRunner, choices: Sequence[Sequence[int]], typical: Typical | None = None,
+                 children: str = "topk") -> None:
+        if children not in ("topk", "sample") or (children == "sample" and typical is not None):
+            raise SpecdecError("children must be 'topk', or 'sample' without typical acceptance")
+        self.runner, self.children = runner, children
         self.choices = _ordered(choices, runner.num_heads)
         self.top = [1 + max((c[d] for c in self.choices if len(c) > d), default=-1) for d in range(runner.num_heads)]
         self.draft_depth = max(map(len, self.choices))
@@ -106,6 +109,8 @@ class MedusaDrafter(Drafter):
             raise RuntimeError("Medusa drafter used before begin()")
         choices = self.choices[:ctx.max_nodes]
         lp = tempered_log_probs(self.runner.logits(self.feature), ctx.params)  # [K, V']
+        if self.children == "sample" and not ctx.params.greedy:
+            return self._sampled(choices, lp, ctx.generator)
         depth = max(map(len, choices))
         ranked = [torch.topk(lp[d], self.top[d]) for d in range(depth)]
         vals = [r.values.tolist() for r in ranked]
@@ -120,6 +125,43 @@ class MedusaDrafter(Drafter):
             pars.append(p)
             scores.append((scores[p] if p >= 0 else 0.0) + vals[d][i])
         return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(scores))
+
+    def _sampled(self, choices: list[tuple[int, ...]], lp: torch.Tensor, generator) -> DraftTree:
+        """The same tree shape, each node's children drawn without replacement from its depth's head, with
+        the q each was drawn from (the verifier's recursive rejection, as EAGLE-2's sampled children). A
+        Medusa head ignores the path, so every parent at one depth draws afresh from the same distribution.
+        Siblings are the first draws in rank order (ranks {0, 2} take draws 0 and 1: recursive rejection
+        needs consecutive draws), and a node past its head's support is dropped with its subtree. Whether
+        a node exists is settled before anything is drawn: lossless."""
+        kids: dict[tuple, list[int]] = {}
+        for c in choices:
+            kids.setdefault(c[:-1], []).append(c[-1])
+        index: dict[tuple, int] = {(): -1}
+        draws: dict[tuple, tuple] = {}
+        toks, pars, scores, qs = [], [], [], []
+        for c in choices:
+            parent = c[:-1]
+            if parent not in index:
+                continue  # its parent was past the support
+            if parent not in draws:
+                draws[parent] = draw_children(lp[len(parent)][None], len(kids[parent]), generator)
+            v, tok, q, ok = draws[parent]
+            j = sorted(kids[parent]).index(c[-1])
+            if not ok[0, j]:
+                continue
+            p = index[parent]
+            index[c] = len(toks)
+            toks.append(int(tok[0, j]))
+            pars.append(p)
+            scores.append((scores[p] if p >= 0 else 0.0) + float(v[0, j]))
+            qs.append(q[0, j])
+        if not toks:
+            return DraftTree.empty()
+        q = torch.stack(qs)
+        d2t = self.runner.d2t
+        if d2t is not None:  # q over the draft vocabulary -> over the target's (zero elsewhere)
+            q = torch.zeros(q.shape[0], self.runner.vocab_size, dtype=q.dtype).index_copy_(1, d2t.to(q.device), q)
+        return DraftTree(self.runner.to_target(torch.tensor(toks)), torch.tensor(pars), torch.tensor(scores), q)
 
 
 def _ordered(choices: Sequence[Sequence[int]], num_heads: int) -> list[tuple[int, ...]]:
@@ -188,11 +230,21 @@ class MedusaOptions(Options):
     epsilon: float = option(0.09, "typical acceptance: the probability threshold", gt=0, le=1)
     delta: float = option(0.3, "typical acceptance: the entropy-scaled threshold", gt=0, le=1)
     recalibrate: bool = option(False, "re-measure this machine's forward costs for the tree size")
+    children: Literal["topk", "sample"] | None = option(
+        None, "topk: each head's ranked tokens (point masses); sample: at T > 0 each node's children drawn from "
+        "its head without replacement, with their q (the same tree shape; lossless; T = 1: tau 1.18 -> 1.29, "
+        "docs/benchmarks.md)", shown="sample; topk with typical")
 
     @field_validator("choices")
     @classmethod
     def _a_tree(cls, v: list | None) -> list | None:
         return v if v is None else [list(c) for c in check_choices(v)]
+
+    @model_validator(mode="after")
+    def _sampled_children_are_lossless_only(self):
+        if self.typical and self.children == "sample":
+            raise ValueError("children=sample cannot be combined with typical=true (typical acceptance reads no q)")
+        return self
 
 
 def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
@@ -236,7 +288,7 @@ def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
                 size = best_size(acc, costs["target_s"], costs["draft_s"], opts.topk if dense else 0)
         choices = dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
     typical = Typical(opts.epsilon, opts.delta) if opts.typical else None
-    drafter = MedusaDrafter(runner, choices, typical)
+    drafter = MedusaDrafter(runner, choices, typical, opts.children or ("topk" if typical else "sample"))
     drafter.name = "medusa" + (":typical" if typical else "")
     return drafter
 

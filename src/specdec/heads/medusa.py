@@ -121,7 +121,7 @@ class MedusaRunner:
             self.lm = Linear(rows, None, pack, weights)
         else:
             raise SpecdecError("Medusa heads sharing the target's LM head need its weight")
-        self.num_heads, self.hidden_size = k, h
+        self.num_heads, self.hidden_size, self.vocab_size = k, h, heads.vocab_size  # vocab: the target's
         self.d2t = None if heads.d2t is None else heads.d2t.detach().clone()
         self.dtype = heads.blocks[0].layers[0].weight.dtype
 
