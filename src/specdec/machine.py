@@ -104,52 +104,45 @@ class ContentionMeter:
                 "loadavg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
+def _interleaved_times(runner, ctx: int, calls: dict, reps: int, warmup: int) -> dict:
+    """Seconds of each call's forward (key -> (tokens, mask)) after `ctx` random cached tokens, one list per
+    key; calls are interleaved per repetition so drift on a busy machine hits all alike."""
+    runner.reset()
+    runner.forward(torch.randint(0, min(runner.vocab_size, 1000), (ctx,)), logits_rows=slice(-1, None))
+    runner.commit(range(ctx))
+    ts: dict = {k: [] for k in calls}
+    for rep in range(reps + warmup):
+        for k, (xs, mask) in calls.items():
+            t = time.perf_counter()
+            runner.forward(xs, None, mask)
+            runner.rollback()
+            if rep >= warmup:
+                ts[k].append(time.perf_counter() - t)
+    runner.reset()
+    return ts
+
+
 @torch.inference_mode()
 def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200,
                   stat=statistics.median, warmup: int = 2) -> dict[int, float]:
     """Seconds (median, or `stat`) of a target forward over N new tokens (a chain mask, as a tree would use) after
-    `ctx` cached tokens. Sizes are interleaved per repetition so drift on a busy machine hits all alike."""
-    runner.reset()
+    `ctx` cached tokens."""
     v = min(runner.vocab_size, 1000)
-    runner.forward(torch.randint(0, v, (ctx,)), logits_rows=slice(-1, None))
-    runner.commit(range(ctx))
-    ts: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(reps + warmup):
-        for n in sizes:
-            xs = torch.randint(0, v, (n,))
-            mask = chain_mask(ctx, n) if n > 1 else None
-            t = time.perf_counter()
-            runner.forward(xs, None, mask)
-            runner.rollback()
-            if rep >= warmup:
-                ts[n].append(time.perf_counter() - t)
-    runner.reset()
-    return {n: stat(x) for n, x in ts.items()}
+    calls = {n: (torch.randint(0, v, (n,)), chain_mask(ctx, n) if n > 1 else None) for n in sizes}
+    return {n: stat(x) for n, x in _interleaved_times(runner, ctx, calls, reps, warmup).items()}
 
 
+@torch.inference_mode()
 def attention_slope(runner, rows: int, ctx: int, extra: int, reps: int = 3, warmup: int = 1) -> float:
     """Seconds each forward row adds per cached token it attends to: a forward of `rows` chained rows after
     ctx + extra cached tokens, timed against the same forward with the `extra` newest of them masked out
     (interleaved, the least disturbed of `reps` each): the difference is only attention."""
-    runner.reset()
-    g = torch.Generator().manual_seed(1)
-    runner.forward(torch.randint(0, min(runner.vocab_size, 1000), (ctx + extra,), generator=g),
-                   logits_rows=slice(-1, None))
-    runner.commit(range(ctx + extra))
     full = chain_mask(ctx + extra, rows, runner.device)
     near = full.clone()
     near[:, ctx:ctx + extra] = False
-    xs = torch.randint(0, min(runner.vocab_size, 1000), (rows,), generator=g)
-    ts: dict[int, list[float]] = {0: [], 1: []}
-    for rep in range(reps + warmup):
-        for i, mask in enumerate((near, full)):
-            t = time.perf_counter()
-            runner.forward(xs, None, mask)
-            runner.rollback()
-            if rep >= warmup:
-                ts[i].append(time.perf_counter() - t)
-    runner.reset()
-    return max(0.0, (min(ts[1]) - min(ts[0])) / (rows * extra))
+    xs = torch.randint(0, min(runner.vocab_size, 1000), (rows,))
+    ts = _interleaved_times(runner, ctx + extra, {"near": (xs, near), "full": (xs, full)}, reps, warmup)
+    return max(0.0, (min(ts["full"]) - min(ts["near"])) / (rows * extra))
 
 
 def stream_bandwidth(mb: int = 512, reps: int = 3) -> float:
