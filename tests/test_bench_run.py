@@ -13,6 +13,7 @@ from specdec.bench.methods import parse_methods
 from specdec.bench.report import PLOTS
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.cli import main
+from specdec.errors import SpecdecError
 from specdec.machine import weight_bytes_per_token
 from tests.conftest import tiny_model
 from tests.test_engine import noisy_copy
@@ -267,6 +268,39 @@ def test_a_method_on_its_own_weights_is_audited_against_the_vanilla_of_that_prec
             assert toks == by[("vanilla:weights=int8", q, t)]
     # the int8 target's agreement with the fp32 one is reported, not audited
     assert set(aud["agreement"]) >= {"vanilla:weights=int8", "pld:num_tokens=3:weights=int8"}
+
+
+def test_a_method_on_its_own_target_is_audited_against_that_targets_vanilla(models, tmp_path):
+    """target=DIR (e.g. a Medusa-2 run's new target): the method runs on that model, its vanilla is added as
+    its reference, and a wrong tokenizer or a missing directory is one line before any model loads."""
+    target, tok, _ = models
+    other = noisy_copy(target, 0.5)  # a different model on the same tokenizer
+    other.save_pretrained(tmp_path / "new")
+    tok.save_pretrained(tmp_path / "new")
+    d = str((tmp_path / "new").resolve())
+    specs = parse_methods(f"vanilla,pld:num_tokens=3,pld:num_tokens=3:target={tmp_path / 'new'}", False)
+    assert [s.label for s in specs][:3] == ["vanilla", "hf", f"vanilla:target={d}"]
+    cfg = BenchConfig(specs, max_new_tokens=12, warmup=0, progress=False, threads=1)
+    res = run_bench(cfg, QS, target, tok)
+    aud, run = res["audit"], res["run"]
+    mine = f"pld:num_tokens=3:target={tmp_path / 'new'}"
+    assert aud["ok"], aud["mismatches"]
+    assert aud["references"][mine] == f"vanilla:target={d}" and aud["references"]["pld:num_tokens=3"] == "vanilla"
+    assert {m["label"]: m.get("target") for m in run["methods"]}[mine] == d
+    by = {(r["method"], r["question_id"], r["turn"]): r["tokens"] for r in res["records"]}
+    same = [by[(mine, q, t)] == by[(f"vanilla:target={d}", q, t)] for (m, q, t) in by if m == mine]
+    differ = [by[(mine, q, t)] != by[("vanilla", q, t)] for (m, q, t) in by if m == mine]
+    assert all(same) and any(differ)  # the other target's text, not the run model's
+    assert aud["agreement"][f"vanilla:target={d}"]["compared"] > 0  # how far it is from the run's target
+    for bad, msg in ((f"pld:target={tmp_path / 'none'}", "not a model directory"),
+                     (f"hf:target={d}", "only our methods take it")):
+        with pytest.raises(SpecdecError, match=msg):
+            parse_methods(bad, False)
+    tok2 = char_tokenizer()
+    tok2.add_tokens(["<extra>"])
+    tok2.save_pretrained(tmp_path / "new")
+    with pytest.raises(SpecdecError, match="its tokenizer is not the run's"):
+        run_bench(cfg, QS, target, tok)
 
 
 def test_audit_groups_hold_each_method_to_its_own_reference(models):

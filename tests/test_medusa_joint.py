@@ -208,3 +208,25 @@ def test_cli_joint(tiny, tiny_data, tmp_path, capsys):
     assert raw["training"]["heads_warmup"] == 0  # a quarter of 3 steps
     assert main(args) == 0
     assert "already finished (step 3/3)" in capsys.readouterr().out
+
+
+def test_lora_on_the_last_layers_leaves_the_ones_below_as_they_were(tiny, tiny_data, tmp_path):
+    """--lora-layers N: adapters on the last N decoder layers only; the layers below run without a graph
+    (nothing of theirs trains) and the merged target keeps their weights bit for bit."""
+    cfg = MedusaTrainConfig(data=str(tiny_data), out=str(tmp_path / "r"), steps=6, heads_warmup=2, lora_layers=1,
+                            save_every=1000, **KW)
+    model, _ = trainable_backbone(tiny, cfg)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith("model.layers.1.") and "lora_" in n for n in trained)
+    r = train_medusa(cfg, tiny, progress=False)
+    got, orig = load_new(tmp_path / "r").state_dict(), tiny.state_dict()
+    for k in orig:
+        assert torch.equal(got[k], orig[k]) == (not k.startswith("model.layers.1.") or "norm" in k), k
+    assert r["drift"]["kl_per_token"] > 0
+    meta = json.loads((tmp_path / "r" / "heads" / "config.json").read_text())["specdec"]
+    assert meta["training"]["backbone"] == "lora r=16 alpha=32.0 last 1 layers"
+    for bad, msg in (({"lora_layers": 3}, "--lora-layers 3: the target has 2 decoder layers"),
+                     ({"lora_layers": 1, "full_finetune": True}, "--lora-layers limits")):
+        with pytest.raises(SpecdecError, match=msg):
+            train_medusa(MedusaTrainConfig(data=str(tiny_data), out=str(tmp_path / "b"), steps=4, **(KW | bad)),
+                         tiny, progress=False)

@@ -137,6 +137,7 @@ def cmd_bench(args) -> int:
     weights = {m["label"]: m.get("weights") or {} for m in run["methods"]}
     lossy = {m["label"] for m in run["methods"] if m.get("lossy")}
     precision = {m["label"]: m.get("precision") for m in run["methods"]}
+    on = {m["label"]: f" on target {m['target']}" if m.get("target") else "" for m in run["methods"]}
     for m, cells in summary.items():
         c = cells[OVERALL]
         tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
@@ -155,9 +156,9 @@ def cmd_bench(args) -> int:
         fd = a["first_divergence_mean"]
         div = "" if fd is None else f", the others first diverge at token {fd:.1f} on average"
         if m in aud.get("references", {}):  # ours on another precision: audited against its own vanilla
-            what = f"{precision.get(m)} weights, audited against `{aud['references'][m]}`"
-        elif precision.get(m):  # the vanilla of another precision: the reference of its group
-            what = f"{precision[m]} weights, the reference of that precision"
+            what = f"{precision.get(m)} weights{on.get(m, '')}, audited against `{aud['references'][m]}`"
+        elif precision.get(m):  # the vanilla of another precision or target: the reference of its group
+            what = f"{precision[m]} weights{on.get(m, '')}, the reference of that precision and target"
         else:
             what = "LOSSY, not audited" if m in lossy else f"{weights.get(m, {}).get('type', '?')} weights, not audited"
         print(f"  {m} ({what}): {a['identical']}/{a['compared']} outputs identical to vanilla{div}")

@@ -11,6 +11,7 @@ are checked here too, before any model loads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specdec.bench import llamacpp
 from specdec.drafters import registry
@@ -18,6 +19,7 @@ from specdec.errors import SpecdecError
 from specdec.target.loading import Runtime
 
 HF_PEERS = ("hf", "hf-pld", "hf-assisted")
+OWN_TARGET = ("weights", "target")  # options of the bench, not of the method: which target it runs on
 PEERS = HF_PEERS + llamacpp.NAMES
 
 
@@ -42,9 +44,20 @@ class MethodSpec:
         return None if self.is_peer else self.opts.get("weights")
 
     @property
+    def target(self) -> str | None:
+        """Our methods' own `target=` option: another target (an HF dir, e.g. a Medusa-2 run's new target)
+        for this method alone, on the run's tokenizer. Decoding is lossless relative to that target."""
+        return None if self.is_peer else self.opts.get("target")
+
+    @property
+    def reference(self) -> tuple[str | None, str | None]:
+        """What the method is lossless relative to: (weights, target); its audit's vanilla has the same."""
+        return self.weights, self.target
+
+    @property
     def decoder_opts(self) -> dict:
-        """The options the method itself takes (everything but `weights`)."""
-        return {k: v for k, v in self.opts.items() if k != "weights"}
+        """The options the method itself takes (everything but `weights` and `target`)."""
+        return {k: v for k, v in self.opts.items() if k not in OWN_TARGET}
 
     @property
     def lossy(self) -> bool:
@@ -95,18 +108,30 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
                                "choose their weights with gguf=, hf runs the model as loaded)")
         Runtime(weights=str(opts["weights"]))  # one line naming the parameter, before any model loads
         opts["weights"] = str(opts["weights"])
+    if "target" in opts:
+        opts["target"] = _target_dir(name, str(opts["target"]), text)
     if check and name in registry.names():
-        registry.parse(name, {k: v for k, v in opts.items() if k != "weights"})  # fails here, not after loading
+        registry.parse(name, {k: v for k, v in opts.items() if k not in OWN_TARGET})  # fails here, not after loading
     if check and name in llamacpp.NAMES:
         llamacpp.check(name, opts, text)  # the package, the options, the weights file
     return MethodSpec(name, opts, text)
+
+
+def _target_dir(name: str, value: str, text: str) -> str:
+    if name not in registry.names():
+        raise SpecdecError(f"option 'target' in method {text!r}: only our methods take it")
+    d = Path(value).expanduser()
+    if not (d / "config.json").is_file():
+        raise SpecdecError(f"option 'target' in method {text!r}: {d} is not a model directory (no config.json)")
+    return str(d.resolve())
 
 
 def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | None = None,
                   weights: str | None = None) -> list[MethodSpec]:
     """The methods to time. The two baseline candidates (hf and our vanilla) are always included,
     since the speedup baseline is the faster of them in the same run (DESIGN.md §1). A method on its own
-    `weights=` gets the vanilla of that precision too: the reference its outputs are audited against.
+    `weights=` or `target=` gets the vanilla of that precision and target too: the reference its outputs are
+    audited against.
     `weights`: the run's default precision (--weights)."""
     if text is None or not text.strip():
         ours = our_methods() if known is None else known
@@ -121,11 +146,18 @@ def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | No
         raise SpecdecError(f"method {dup[0]!r} is listed twice")
     bases = [next((s for s in specs if s.label == b), MethodSpec(b, {}, b)) for b in ("vanilla", "hf")]
     specs = bases + [s for s in specs if s not in bases]
-    have = {s.weights or weights for s in specs if s.name == "vanilla"}
-    for w in dict.fromkeys(s.weights for s in specs if s.weights is not None and s.weights != weights):
-        if w not in have:
-            specs.insert(specs.index(bases[-1]) + 1, MethodSpec("vanilla", {"weights": w}, f"vanilla:weights={w}"))
-            have.add(w)
+    def ref(s):  # None weights: the run's
+        return s.weights or weights, s.target
+
+    have = {ref(s) for s in specs if s.name == "vanilla"}
+    at = specs.index(bases[-1]) + 1
+    for w, t in dict.fromkeys(ref(s) for s in specs if s.reference != (None, None)):
+        if (w, t) not in have:  # a method on its own weights or target: the vanilla it is audited against
+            opts = ({"weights": w} if w != weights else {}) | ({"target": t} if t else {})
+            label = "vanilla:" + ":".join(f"{k}={v}" for k, v in opts.items())
+            specs.insert(at, MethodSpec("vanilla", opts, label))
+            at += 1
+            have.add((w, t))
     if any(s.name == "hf-assisted" for s in specs) and not has_draft:
         raise SpecdecError("method 'hf-assisted' needs a draft model: pass --draft")
     return specs

@@ -225,7 +225,8 @@ def _agreement(run: dict, audit: dict) -> list[str]:
         if m.get("lossy"):
             w = {"type": "ours, LOSSY (typical acceptance)", "gguf": "—"}
         elif m["label"] in (audit.get("references") or {}):  # ours on other weights: audited on its own vanilla
-            w = {"type": f"ours, {m.get('precision')} (audited against `{audit['references'][m['label']]}`)",
+            w = {"type": f"ours, {m.get('precision')}" + (f" on target {m['target']}" if m.get("target") else "")
+                 + f" (audited against `{audit['references'][m['label']]}`)",
                  "gguf": "—"}
         ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
         div = "—" if a["first_divergence_mean"] is None else \

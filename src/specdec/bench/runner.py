@@ -31,6 +31,7 @@ from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
+from specdec.target.loading import load_model
 from specdec.target.packed import precision_name
 
 
@@ -57,9 +58,10 @@ class BenchConfig:
 
 
 class OurMethod:
-    def __init__(self, spec: MethodSpec, dec, precision: str) -> None:
+    def __init__(self, spec: MethodSpec, dec, precision: str, target: str | None = None) -> None:
         self.spec, self.dec = spec, dec
         self.precision = precision  # the target's linear weights this method ran (fp32, int8, ...)
+        self.target = target  # its own target's dir (None: the run's model)
         self.gamma = dec.drafter.draft_depth  # draft steps per tree, for the Leviathan analysis
 
     def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
@@ -105,16 +107,19 @@ def _calibration(trace) -> list[list]:
 
 def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_tokenizer=None,
                   closers: contextlib.ExitStack | None = None) -> dict:
-    built = {}
+    built, targets = {}, {}
     vanilla = None
     for spec in cfg.methods:
         if spec.is_peer:
             continue
         weights = spec.weights or cfg.weights
-        dec = from_models(model, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=weights,
+        if spec.target is not None and spec.target not in targets:
+            targets[spec.target] = other_target(spec.target, model, tokenizer)
+        m = targets[spec.target] if spec.target is not None else model
+        dec = from_models(m, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=weights,
                           **spec.decoder_opts)
         own = precision_name(next(model.parameters()).dtype)
-        built[spec.label] = OurMethod(spec, dec, getattr(dec.runner, "weights", None) or weights or own)
+        built[spec.label] = OurMethod(spec, dec, getattr(dec.runner, "weights", None) or weights or own, spec.target)
         if spec.label == "vanilla":
             vanilla = dec
     if vanilla is None:
@@ -124,6 +129,15 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
             built[spec.label] = build_peer(spec, model, vanilla.eos_ids, draft_model, threads=torch.get_num_threads(),
                                            n_ctx=vanilla.runner.max_length, closers=closers)
     return {s.label: built[s.label] for s in cfg.methods}
+
+
+def other_target(path: str, model, tokenizer):
+    """A method's own target (`target=`): same device and dtype as the run's model, and the same tokenizer
+    (the prompts are encoded once, with the run's)."""
+    other, tok, _ = load_model(path, next(model.parameters()).device, next(model.parameters()).dtype)
+    if tok.get_vocab() != tokenizer.get_vocab():
+        raise SpecdecError(f"target={path}: its tokenizer is not the run's model's (the prompts are encoded once)")
+    return other
 
 
 def safe_name(label: str) -> str:
@@ -321,6 +335,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("methods", "progress")},
         "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer, "audited": s.audited,
                      "lossy": s.lossy, **({"precision": precisions[s.label]} if s.label in precisions else {}),
+                     **({"target": s.target} if s.target else {}),
                      **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {})}
                     for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
@@ -354,17 +369,19 @@ def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int
 
 
 def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
-    """reference label -> (our labels on its precision, what judges a tie): `vanilla`'s group first. A tie
-    is judged by the HF model when the precision is the model's own, else by that vanilla's runner."""
+    """reference label -> (our labels on its precision and target, what judges a tie): `vanilla`'s group
+    first. A tie is judged by the HF model when the precision and target are the run's own, else by that
+    vanilla's runner."""
+    key = {lab: (w, methods[lab].target) for lab, w in precisions.items()}
     refs = {}
-    for lab, w in precisions.items():
-        if methods[lab].spec.name == "vanilla" and w not in refs.values():
-            refs[lab] = w
-    refs = {"vanilla": precisions["vanilla"], **{r: w for r, w in refs.items() if r != "vanilla"}}
+    for lab, k in key.items():
+        if methods[lab].spec.name == "vanilla" and k not in refs.values():
+            refs[lab] = k
+    refs = {"vanilla": key["vanilla"], **{r: k for r, k in refs.items() if r != "vanilla"}}
     groups = {}
-    for ref, w in refs.items():
-        members = [lab for lab, p in precisions.items() if p == w and lab != ref]
-        groups[ref] = (members, model if w == own else runner_logits(methods[ref].dec.runner))
+    for ref, k in refs.items():
+        members = [lab for lab, kk in key.items() if kk == k and lab != ref]
+        groups[ref] = (members, model if k == (own, None) else runner_logits(methods[ref].dec.runner))
     return groups
 
 

@@ -61,6 +61,8 @@ class MedusaTrainConfig(LoopConfig):
     full_finetune: bool = False  # train every backbone weight instead of LoRA adapters
     lora_rank: int = 16
     lora_alpha: float = 32.0
+    lora_layers: int = 0  # adapters on the last N decoder layers only (0 = all): the layers below run
+    # without a graph, so a step's backward covers N layers (SmolLM2-135M: 30 layers)
     keep_activations: bool = False  # keep the backbone's activations for the backward pass instead of
     # recomputing them: ~10% faster; SmolLM2-135M, batch 4 (~1,350 tokens): peak RSS 9.8 GB instead of 6.9
 
@@ -71,6 +73,8 @@ class MedusaTrainConfig(LoopConfig):
             raise SpecdecError(f"--lm-head must be one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
         if self.full_finetune and not self.joint:
             raise SpecdecError("--full-finetune trains the backbone: it needs --joint")
+        if self.lora_layers and self.full_finetune:
+            raise SpecdecError("--lora-layers limits LoRA's adapters: it does not apply to --full-finetune")
 
     @property
     def kind(self) -> str:
@@ -85,12 +89,13 @@ RULES = {
     **LOOP_RULES, "max_len": arg_type(int, ge=3), "num_heads": arg_type(int, ge=1, le=16),
     "num_layers": arg_type(int, ge=1), "draft_vocab": arg_type(int, ge=0), "decay": arg_type(float, gt=0, le=1),
     "lambda0": arg_type(float, ge=0), "backbone_lr": arg_type(float, ge=0), "heads_warmup": arg_type(int, ge=-1),
-    "lora_rank": arg_type(int, ge=1), "lora_alpha": arg_type(float, gt=0),
+    "lora_rank": arg_type(int, ge=1), "lora_alpha": arg_type(float, gt=0), "lora_layers": arg_type(int, ge=0),
 }
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                "weight_decay", "clip", "num_heads", "num_layers", "lm_head", "draft_vocab", "decay", "seed", "joint",
-               "init_from", "lambda0", "backbone_lr", "heads_warmup", "full_finetune", "lora_rank", "lora_alpha")
+               "init_from", "lambda0", "backbone_lr", "heads_warmup", "full_finetune", "lora_rank", "lora_alpha",
+               "lora_layers")
 
 
 # ---- the trainer ----

@@ -61,11 +61,17 @@ DRIFT_PROMPTS, DRIFT_TOKENS = 16, 32  # held-in prompts and greedy tokens each t
 
 def trainable_backbone(original, cfg):
     """(a copy of `original` to train, its peft wrapper or None): LoRA adapters on its attention and MLP
-    projections (the rest frozen), or every weight with cfg.full_finetune. `original` is left as it was."""
+    projections (of the last cfg.lora_layers decoder layers, or all; the rest frozen), or every weight with
+    cfg.full_finetune. `original` is left as it was."""
     model = copy.deepcopy(original).float().eval()
     model.requires_grad_(cfg.full_finetune)
-    if not cfg.keep_activations:  # each decoder layer's activations are recomputed in the backward pass
-        for layer in getattr(model.get_decoder(), "layers", []):
+    layers = list(getattr(model.get_decoder(), "layers", []))
+    lora_layers = getattr(cfg, "lora_layers", 0)
+    if lora_layers > len(layers):
+        raise SpecdecError(f"--lora-layers {lora_layers}: the target has {len(layers)} decoder layers")
+    trained = layers[-lora_layers:] if lora_layers and not cfg.full_finetune else layers
+    if not cfg.keep_activations:  # each trained layer's activations are recomputed in the backward pass
+        for layer in trained:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if cfg.full_finetune:
         return model, None
@@ -77,8 +83,9 @@ def trainable_backbone(original, cfg):
         raise SpecdecError(f"LoRA: the target has none of the projections {', '.join(LORA_TARGETS)}: "
                            "use --full-finetune")
     torch.manual_seed(cfg.seed)  # LoRA's A matrices start random: the same in every run of these settings
+    only = {"layers_to_transform": list(range(len(layers) - lora_layers, len(layers)))} if lora_layers else {}
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                      bias="none")
+                      bias="none", **only)
     with warnings.catch_warnings():  # peft asks transformers a deprecated question
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         peft_model = get_peft_model(model, lora)
@@ -206,7 +213,8 @@ def train_joint(cfg, original, heads: MedusaHeads, data: ShardData, total: int, 
     start = resume["step"] if resume else 0
     objective = acc.prepare(JointObjective(trained, orig_lm, cfg.weights, cfg.lambda0))
     meta["training"] |= {"heads_warmup": hw, "backbone_lr": backbone_lr,
-                         "backbone": "full" if cfg.full_finetune else f"lora r={cfg.lora_rank} alpha={cfg.lora_alpha}"}
+                         "backbone": "full" if cfg.full_finetune else f"lora r={cfg.lora_rank} alpha={cfg.lora_alpha}"
+                         + (f" last {cfg.lora_layers} layers" if cfg.lora_layers else "")}
     state = {"config": asdict(cfg), "shards": data.names, "head_meta": meta}
 
     def step_fn(step, mine, ids, feats, mask):
