@@ -224,9 +224,11 @@ def _agreement(run: dict, audit: dict) -> list[str]:
             continue
         if m.get("lossy"):
             w = {"type": "ours, LOSSY (typical acceptance)", "gguf": "—"}
-        elif m["label"] in (audit.get("references") or {}):  # ours on other weights: audited on its own vanilla
-            w = {"type": f"ours, {m.get('precision')}" + (f" on target {m['target']}" if m.get("target") else "")
-                 + f" (audited against `{audit['references'][m['label']]}`)",
+        elif m.get("precision"):  # ours on other weights or another target: audited on its own vanilla
+            on = f" on target {m['target']}" if m.get("target") else ""
+            ref = (audit.get("references") or {}).get(m["label"])
+            w = {"type": f"ours, {m['precision']}{on} "
+                 + (f"(audited against `{ref}`)" if ref else "(the reference of that precision and target)"),
                  "gguf": "—"}
         ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
         div = "—" if a["first_divergence_mean"] is None else \
@@ -236,8 +238,8 @@ def _agreement(run: dict, audit: dict) -> list[str]:
     return ["## Agreement with our vanilla", "",
             f"Against `{audit.get('reference', 'vanilla')}`. Not part of its audit: other engines (their kernels; "
             "Q4_1 is other weights), lossy methods (Medusa's typical acceptance accepts tokens the target would not "
-            "emit), and our methods on another weight precision (each audited against the vanilla of its own "
-            "precision; here: how often that target's text is the main one's). "
+            "emit), and our methods on another weight precision or target (each audited against the vanilla of its own "
+            "precision and target; here: how often that target's text is the main one's). "
             f"Mode: {audit.get('mode', '')}. "
             "Identical = the whole output equals our vanilla's; first divergence = mean token index where the "
             "differing outputs first differ.", "",
