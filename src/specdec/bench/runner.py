@@ -31,7 +31,7 @@ from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
-from specdec.target.loading import load_model
+from specdec.target.loading import load_like
 from specdec.target.packed import precision_name
 
 
@@ -114,7 +114,7 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
             continue
         weights = spec.weights or cfg.weights
         if spec.target is not None and spec.target not in targets:
-            targets[spec.target] = other_target(spec.target, model, tokenizer)
+            targets[spec.target] = load_like(spec.target, model, tokenizer)
         m = targets[spec.target] if spec.target is not None else model
         dec = from_models(m, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=weights,
                           **spec.decoder_opts)
@@ -129,15 +129,6 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
             built[spec.label] = build_peer(spec, model, vanilla.eos_ids, draft_model, threads=torch.get_num_threads(),
                                            n_ctx=vanilla.runner.max_length, closers=closers)
     return {s.label: built[s.label] for s in cfg.methods}
-
-
-def other_target(path: str, model, tokenizer):
-    """A method's own target (`target=`): same device and dtype as the run's model, and the same tokenizer
-    (the prompts are encoded once, with the run's)."""
-    other, tok, _ = load_model(path, next(model.parameters()).device, next(model.parameters()).dtype)
-    if tok.get_vocab() != tokenizer.get_vocab():
-        raise SpecdecError(f"target={path}: its tokenizer is not the run's model's (the prompts are encoded once)")
-    return other
 
 
 def safe_name(label: str) -> str:

@@ -182,6 +182,16 @@ def check_same_vocab(target_tok, draft_tok, target_name: str = "target", draft_n
         )
 
 
+def load_like(path, model, tokenizer):
+    """Another target for `tokenizer`'s prompts (bench's `target=`: e.g. a Medusa-2 run's new target): on
+    `model`'s device and dtype, refused unless its tokenizer is `tokenizer`."""
+    p = next(model.parameters())
+    other, tok, _ = load_model(path, p.device, p.dtype)
+    if tok.get_vocab() != tokenizer.get_vocab():
+        raise SpecdecError(f"target={path}: its tokenizer is not the run's model's (the prompts are encoded once)")
+    return other
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     """Every id that ends a generation: the generation config's, the model config's and the tokenizer's."""
     ids: set[int] = set()
