@@ -50,11 +50,6 @@ class MethodSpec:
         return None if self.is_peer else self.opts.get("target")
 
     @property
-    def reference(self) -> tuple[str | None, str | None]:
-        """What the method is lossless relative to: (weights, target); its audit's vanilla has the same."""
-        return self.weights, self.target
-
-    @property
     def decoder_opts(self) -> dict:
         """The options the method itself takes (everything but `weights` and `target`)."""
         return {k: v for k, v in self.opts.items() if k not in OWN_TARGET}
@@ -146,12 +141,12 @@ def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | No
         raise SpecdecError(f"method {dup[0]!r} is listed twice")
     bases = [next((s for s in specs if s.label == b), MethodSpec(b, {}, b)) for b in ("vanilla", "hf")]
     specs = bases + [s for s in specs if s not in bases]
-    def ref(s):  # None weights: the run's
+    def ref(s):  # what a method is lossless relative to: (weights, target); None weights: the run's
         return s.weights or weights, s.target
 
     have = {ref(s) for s in specs if s.name == "vanilla"}
     at = specs.index(bases[-1]) + 1
-    for w, t in dict.fromkeys(ref(s) for s in specs if s.reference != (None, None)):
+    for w, t in dict.fromkeys(ref(s) for s in specs):
         if (w, t) not in have:  # a method on its own weights or target: the vanilla it is audited against
             opts = ({"weights": w} if w != weights else {}) | ({"target": t} if t else {})
             label = "vanilla:" + ":".join(f"{k}={v}" for k, v in opts.items())

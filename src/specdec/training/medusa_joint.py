@@ -66,7 +66,7 @@ def trainable_backbone(original, cfg):
     model = copy.deepcopy(original).float().eval()
     model.requires_grad_(cfg.full_finetune)
     layers = list(getattr(model.get_decoder(), "layers", []))
-    lora_layers = getattr(cfg, "lora_layers", 0)
+    lora_layers = cfg.lora_layers
     if lora_layers > len(layers):
         raise SpecdecError(f"--lora-layers {lora_layers}: the target has {len(layers)} decoder layers")
     trained = layers[-lora_layers:] if lora_layers and not cfg.full_finetune else layers
