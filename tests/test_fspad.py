@@ -305,3 +305,40 @@ def test_pad_drafting_continues_with_f_and_scores_with_f_tilde(tiny):
     for feats_in, _, _ in calls[1:]:
         for row in feats_in:  # every input feature is some earlier row's f, never an f̃
             assert (outs_f == row).all(-1).any() and not (outs_g == row).all(-1).any()
+
+
+def test_fspad_warm_started_from_an_eagle_head_keeps_what_the_eagle_head_learned(tiny, tiny_data, trained, tmp_path):
+    """--init-from an EAGLE head with --connector sampler --pad: the decoder layer and LM head come over
+    unchanged; PAD's doubled down_proj writes the old MLP output twice (f = f̃ = the EAGLE output); the new
+    sampler starts at η = f. Removing an option is refused."""
+    eagle = load_head(trained[1] / "head", 64, 97)
+    pad = eagle.with_variant("fc", True).eval()
+    torch.manual_seed(0)
+    e, f = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
+    with torch.no_grad():
+        ref = eagle.eval()(e, f)[0]
+        f_hat, f_tilde = pad(e, f)
+    assert torch.equal(f_hat, ref) and torch.equal(f_tilde, ref)
+    fspad = eagle.with_variant("sampler", True, 80)
+    assert (fspad.connector, fspad.pad, fspad.sampler_size) == ("sampler", True, 80)
+    with torch.no_grad():
+        assert torch.equal(fspad.sampler(e, f), f)
+    old, new = eagle.state_dict(), fspad.state_dict()
+    for k, v in old.items():
+        if k.startswith("layers.") and "mlp.down_proj" not in k:
+            assert torch.equal(new[k], v), k
+    assert not any(k.startswith("fc.") for k in new)
+    with pytest.raises(SpecdecError, match="only FSPAD's options can be added"):
+        fspad.with_variant("fc", False)
+
+    # through the trainer: at zero learning rate the warm-started FSPAD head is exactly the converted one
+    run = train_eagle(TrainConfig(data=str(tiny_data),
+                                  out=str(tmp_path / "w"), steps=2, batch_size=4, lr=0.0, warmup=0,
+                                  init_from=str(trained[1] / "head"), connector="sampler", pad=True,
+                                  sampler_size=80, log_every=1), tiny, progress=False)
+    got = run["head"].state_dict()
+    for k, v in new.items():
+        if "sampler" not in k or "down_proj" in k:  # gate/up are freshly initialised
+            assert torch.equal(got[k], v), k
+    assert load_head(tmp_path / "w" / "head", 64, 97).connector == "sampler"
+

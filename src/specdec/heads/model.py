@@ -130,6 +130,32 @@ class EagleHead(nn.Module):
             self.layers.append(layer)
         self.config.num_hidden_layers = n_layers
 
+    @torch.no_grad()
+    def with_variant(self, connector: str, pad: bool, sampler_size: int | None = None) -> EagleHead:
+        """This head with FSPAD's options added (a warm start of an FSPAD head from an EAGLE one): every
+        tensor of the same name and shape is kept; a new Feature Sampler starts with down_proj = 0 (η = f);
+        a new PAD down_proj writes the old MLP output twice, so f = f̃ = the old output. Dropping an
+        option is refused: what it learned has no place in the other head."""
+        if (self.connector == "sampler" and connector != "sampler") or (self.pad and not pad):
+            raise SpecdecError(f"cannot turn a head with connector={self.connector}, pad={self.pad} into "
+                               f"connector={connector}, pad={pad}: only FSPAD's options can be added")
+        if self.sampler is not None and sampler_size not in (None, self.sampler_size):
+            raise SpecdecError(f"the head's Feature Sampler has size {self.sampler_size}, not {sampler_size}")
+        sampler_size = sampler_size or self.sampler_size
+        ref = self.layers[0].self_attn.q_proj.weight
+        new = EagleHead(self.config, self.draft_vocab_size, connector=connector, pad=pad,
+                        sampler_size=sampler_size if connector == "sampler" else None).to(ref.device, ref.dtype)
+        mine, theirs = self.state_dict(), new.state_dict()
+        keep = {k: v for k, v in mine.items() if k in theirs and v is not None and theirs[k] is not None
+                and v.shape == theirs[k].shape}
+        new.load_state_dict(keep, strict=False)
+        if new.sampler is not None and self.sampler is None:
+            new.sampler.down_proj.weight.zero_()
+        if pad and not self.pad:
+            new.layers[-1].mlp.down_proj.weight.copy_(self.layers[-1].mlp.down_proj.weight.repeat(2, 1))
+        new.meta = dict(self.meta)
+        return new
+
     def logits(self, hidden: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """Over the draft vocabulary (the full target vocabulary unless reduced)."""
         if self.lm_head is not None:

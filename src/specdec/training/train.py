@@ -124,9 +124,12 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
                                f"not --draft-vocab {cfg.draft_vocab}")
         have = (head.connector, head.pad, head.sampler_size or 0)
-        if have[:2] != (cfg.connector, cfg.pad) or cfg.sampler_size not in (0, have[2]):
+        if head.connector == "fc" and cfg.connector == "sampler" or cfg.pad and not head.pad:
+            head = head.with_variant(cfg.connector, cfg.pad, cfg.sampler_size or None)  # FSPAD from EAGLE
+        elif have[:2] != (cfg.connector, cfg.pad) or cfg.sampler_size not in (0, have[2]):
             raise SpecdecError(f"--init-from {cfg.init_from} has connector={have[0]}, pad={have[1]}, sampler size "
-                               f"{have[2]}: pass the same --connector/--pad/--sampler-size")
+                               f"{have[2]}: pass the same --connector/--pad/--sampler-size (FSPAD's options "
+                               "can be added to a head, not removed)")
         if cfg.layers:
             head.grow(cfg.layers)
     else:
