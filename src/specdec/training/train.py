@@ -123,13 +123,14 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         if cfg.draft_vocab and cfg.draft_vocab != vd:
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
                                f"not --draft-vocab {cfg.draft_vocab}")
-        have = (head.connector, head.pad, head.sampler_size or 0)
-        if head.connector == "fc" and cfg.connector == "sampler" or cfg.pad and not head.pad:
-            head = head.with_variant(cfg.connector, cfg.pad, cfg.sampler_size or None)  # FSPAD from EAGLE
-        elif have[:2] != (cfg.connector, cfg.pad) or cfg.sampler_size not in (0, have[2]):
-            raise SpecdecError(f"--init-from {cfg.init_from} has connector={have[0]}, pad={have[1]}, sampler size "
-                               f"{have[2]}: pass the same --connector/--pad/--sampler-size (FSPAD's options "
-                               "can be added to a head, not removed)")
+        if (head.connector, head.pad) != (cfg.connector, cfg.pad):  # e.g. FSPAD warm-started from EAGLE
+            try:
+                head = head.with_variant(cfg.connector, cfg.pad, cfg.sampler_size or None)
+            except SpecdecError as e:
+                raise SpecdecError(f"--init-from {cfg.init_from}: {e}") from None
+        elif cfg.sampler_size not in (0, head.sampler_size or 0):
+            raise SpecdecError(f"--init-from {cfg.init_from} has sampler size {head.sampler_size}: pass the same "
+                               "--sampler-size")
         if cfg.layers:
             head.grow(cfg.layers)
     else:
