@@ -4,7 +4,8 @@ loss (SmoothL1) against the step, one line per run, read from each run's log.jso
     python scripts/plot_training_curves.py ~/.cache/specdec/runs/ablate-{eagle,eagle-w002,fs,pad,fspad} \\
         --out docs/fspad-training-curves.png [--labels "EAGLE,EAGLE w=0.02,EAGLE+FS,EAGLE+PAD,FSPAD"]
 
-A run is a `specdec train` --out dir (or its log.jsonl). Logged values are means over the steps since the
+A run is a `specdec train` --out dir (or its log.jsonl); with --chain, a run warm-started from another run's
+head continues that run's curve. Logged values are means over the steps since the
 previous line (--log-every), on noisy training batches; --smooth N averages N lines more.
 """
 
@@ -22,6 +23,19 @@ def read_log(run: str) -> list[dict]:
     if not rows:
         raise SystemExit(f"{path}: no log lines")
     return rows
+
+
+def read_chain(run: str) -> list[dict]:
+    """The run's log after the logs of the runs it was warm-started from (`--init-from <run>/head`), its
+    steps counted on from theirs: one curve for a head trained in several legs."""
+    rows = read_log(run)
+    cfg_file = Path(run) / "config.json"
+    parent = Path(json.loads(cfg_file.read_text()).get("init_from") or "") if cfg_file.is_file() else None
+    if parent is None or parent.name != "head" or not (parent.parent / "log.jsonl").is_file():
+        return rows
+    before = read_chain(str(parent.parent))
+    offset = before[-1]["step"]
+    return before + [{**r, "step": r["step"] + offset} for r in rows]
 
 
 def label_of(run: str) -> str:
@@ -50,6 +64,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="run dirs (or log.jsonl files)")
     ap.add_argument("--labels", default=None, help="comma-separated, one per run (default: from each run's config)")
     ap.add_argument("--out", default="training-curves.png")
+    ap.add_argument("--chain", action="store_true",
+                    help="prepend the logs of the runs each run was warm-started from (--init-from <run>/head)")
     ap.add_argument("--smooth", type=int, default=1, help="moving average over this many log lines")
     a = ap.parse_args()
     labels = a.labels.split(",") if a.labels else None
@@ -63,7 +79,7 @@ def main() -> None:
 
     fig, (acc_ax, feat_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for i, run in enumerate(a.runs):
-        rows = read_log(run)
+        rows = read_chain(run) if a.chain else read_log(run)
         name = labels[i] if labels else label_of(run)
         steps = [r["step"] for r in rows]
         acc_ax.plot(steps, smooth([r["top1_acc"] for r in rows], a.smooth), label=name)
