@@ -25,13 +25,18 @@ def read_log(run: str) -> list[dict]:
     return rows
 
 
+def run_config(run: str) -> dict:
+    """The settings the run wrote (<run>/config.json), else {}."""
+    cfg_file = Path(run) / "config.json"
+    return json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+
+
 def read_chain(run: str) -> list[dict]:
     """The run's log after the logs of the runs it was warm-started from (`--init-from <run>/head`), its
     steps counted on from theirs: one curve for a head trained in several legs."""
     rows = read_log(run)
-    cfg_file = Path(run) / "config.json"
-    parent = Path(json.loads(cfg_file.read_text()).get("init_from") or "") if cfg_file.is_file() else None
-    if parent is None or parent.name != "head" or not (parent.parent / "log.jsonl").is_file():
+    parent = Path(run_config(run).get("init_from") or "")
+    if parent.name != "head" or not (parent.parent / "log.jsonl").is_file():
         return rows
     before = read_chain(str(parent.parent))
     offset = before[-1]["step"]
@@ -40,10 +45,9 @@ def read_chain(run: str) -> list[dict]:
 
 def label_of(run: str) -> str:
     """The run's own settings when it wrote them (<run>/config.json), else its directory name."""
-    cfg_file = Path(run) / "config.json"
-    if not cfg_file.is_file():
+    cfg = run_config(run)
+    if not cfg:
         return Path(run).name
-    cfg = json.loads(cfg_file.read_text())
     parts = ["EAGLE"]
     if cfg.get("connector") == "sampler":
         parts.append("FS")
