@@ -185,8 +185,10 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     rows = sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, tokens=24, budgets=budgets)
     assert [(r["depth"], r["topk"], r["tree_size"]) for r in rows] == [astuple(b) for b in budgets]
     assert all(r["tau"] >= 1 for r in rows) and rows[-1]["tau"] > 1  # a 6-node tree is accepted sometimes
-    assert rows == sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, 24, budgets=budgets)
-    assert astuple(dec.drafter.budget) == (5, 4, 10)  # left as it was
+    again = sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, 24, budgets=budgets)
+    assert [r["tau"] for r in rows] == [r["tau"] for r in again]  # seeded: the same draws (timings differ)
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert astuple(dec.drafter.sampled_budget) == astuple(dec.drafter.budget) == (5, 4, 10)  # left as it was
     topk = from_models(tiny, None, "eagle2", head=str(head), children="topk")
     with pytest.raises(SpecdecError, match="children='sample'"):
         sampled_acceptance(topk.drafter, topk.runner, PROMPTS[:1], topk.eos_ids, budgets=budgets)
@@ -200,7 +202,7 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
         from_models(tiny, None, "auto", head=str(head), children="sample")
     save_tuning({"depth": 2, "topk": 2, "tree_size": 3, "acceptance": greedy_rows, "acceptance_sampled": rows},
                 tuning_path(head))
-    assert load_acceptance(head, sampled=True) == rows
+    assert load_acceptance(head, sampled=True) == [{k: r[k] for k in (*TUNED, "tau")} for r in rows]
     a = from_models(tiny, None, "auto", head=str(head))
     d = a.drafter
     assert isinstance(d, AdaptiveDrafter) and d.eagle.children == "sample"
@@ -225,6 +227,36 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     assert trees and all(t.draft_probs is None for t in trees)  # greedy requests: top-k trees
     with pytest.raises(SpecdecError, match="children=sample"):  # a static tree cannot hold the chain too
         from_models(tiny, None, "auto", head=str(head), children="sample", lookup=4, adaptive=False)
+
+
+def test_eagle2_drafts_tunes_sampled_choice_for_sampled_requests(tiny, trained, tmp_path):
+    from specdec.tune.sampled import choose_sampled
+
+    head = tmp_path / "head"
+    shutil.copytree(trained[1] / "head", head)
+    rows = [{"depth": 1, "topk": 2, "tree_size": 2, "tau": 1.4, "tokens_per_second": 50.0},
+            {"depth": 3, "topk": 3, "tree_size": 8, "tau": 1.7, "tokens_per_second": 40.0},
+            {"depth": 2, "topk": 2, "tree_size": 3, "tau": 1.5, "tokens_per_second": 50.0}]
+    assert choose_sampled(rows) == rows[0]  # the fastest; a tie goes to the smaller tree
+    with pytest.raises(SpecdecError, match="no sampled tree was timed"):
+        choose_sampled([{**r, "tokens_per_second": 0.0} for r in rows])
+    save_tuning({"depth": 3, "topk": 3, "tree_size": 8}, tuning_path(head))
+    d = from_models(tiny, None, "eagle2", head=str(head)).drafter
+    assert astuple(d.sampled_budget) == astuple(d.budget) == (3, 3, 8)  # no sampled choice: the tuned one
+    save_tuning({"depth": 3, "topk": 3, "tree_size": 8, "sampled": choose_sampled(rows)}, tuning_path(head))
+    dec = from_models(tiny, None, "eagle2", head=str(head))
+    d = dec.drafter
+    assert (astuple(d.budget), astuple(d.sampled_budget), d.draft_depth) == ((3, 3, 8), (1, 2, 2), 3)
+    sizes = {}
+    for key, params in (("greedy", SamplingParams()), ("sampled", SamplingParams(1.0, seed=0))):
+        sizes[key] = [n for p in PROMPTS[:3] for n in run(dec.runner, d, p, params, 24)[1].tree_sizes]
+    assert max(sizes["greedy"]) > 2 and 0 < max(sizes["sampled"]) <= 2
+    assert run(dec.runner, d, PROMPTS[1], SamplingParams(), 24)[0] == run(dec.runner, NoDrafter(), PROMPTS[1],
+                                                                          SamplingParams(), 24)[0]
+    d = from_models(tiny, None, "eagle2", head=str(head), depth=2, topk=4).drafter  # explicit options win
+    assert (astuple(d.budget), astuple(d.sampled_budget)) == ((2, 4, 8), (2, 4, 2))
+    d = from_models(tiny, None, "eagle2", head=str(head), children="topk").drafter  # top-k: one tree for all
+    assert astuple(d.sampled_budget) == (3, 3, 8)
 
 
 def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):

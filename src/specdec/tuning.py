@@ -41,12 +41,15 @@ def _read(head_dir: str | os.PathLike, parse):
     return None
 
 
-def load_tuning(head_dir: str | os.PathLike, auto: bool = False) -> dict | None:
+def load_tuning(head_dir: str | os.PathLike, auto: bool = False, sampled: bool = False) -> dict | None:
     """{depth, topk, tree_size} for this head: this machine's own `specdec tune` result if there is
     one, else the tuning.json shipped next to the head, else None. auto: the choice for `auto`, which
-    adds `lookup` (0 in files written before tune measured lookup chains)."""
-    def parse(raw: dict, f: Path) -> dict:
-        src = raw["auto"] if auto and "auto" in raw else raw
+    adds `lookup` (0 in files written before tune measured lookup chains). sampled: the choice for
+    sampled requests with sampled children (`sampled`), None in files written before tune made one."""
+    def parse(raw: dict, f: Path) -> dict | None:
+        if sampled and "sampled" not in raw:
+            return None
+        src = raw["sampled"] if sampled else raw["auto"] if auto and "auto" in raw else raw
         src = {_LEGACY.get(k, k): v for k, v in src.items()}
         vals = {k: src[k] for k in BUDGET_KEYS}
         if not all(type(v) is int and v >= 1 for v in vals.values()):

@@ -92,22 +92,27 @@ def _choices_or_error(choices: Sequence[Sequence[int]]) -> list[tuple]:
 class EagleDrafter(Drafter):
     def __init__(self, runner: HeadRunner, budget: TreeBudget | None = None,
                  choices: Sequence[Sequence[int]] | None = None, rank_by: str = "value", rerank: bool = True,
-                 children: str = "topk") -> None:
+                 children: str = "topk", sampled_budget: TreeBudget | None = None) -> None:
         """budget: EAGLE-2's dynamic tree of that size; None: EAGLE-1's static tree of `choices`.
-        children: "topk" (point masses) or "sample" (drawn from the draft at T > 0; EAGLE-2 only)."""
+        children: "topk" (point masses) or "sample" (drawn from the draft at T > 0; EAGLE-2 only).
+        sampled_budget: the tree for sampled requests with sampled children (default: budget); why a second
+        one: a sampled node's later children are rarely accepted, so T > 0 wants smaller trees than T = 0."""
         if children not in ("topk", "sample") or (children == "sample" and budget is None):
             raise SpecdecError("children must be 'topk', or 'sample' with a dynamic (EAGLE-2) tree")
         self.children = children
         if rank_by not in ("value", "confidence"):
             raise SpecdecError("rank_by must be 'value' or 'confidence'")
-        self.runner, self.budget = runner, budget
+        if sampled_budget is not None and children != "sample":
+            raise SpecdecError("sampled_budget needs children='sample'")
+        self.runner, self.budget, self.sampled_budget = runner, budget, sampled_budget or budget
         self.choices = _choices_or_error(choices if choices is not None else DEFAULT_CHOICES)
         vocab = runner.d2t.numel() if runner.d2t is not None else runner.embed.shape[0]
         if budget is None and (top := max(max(c) for c in self.choices)) >= vocab:
             raise SpecdecError(f"choices: rank {top} exceeds the draft vocabulary ({vocab} tokens)")
         self.rank_by, self.rerank = rank_by, rerank
         self.name = "eagle" if budget is None else "eagle2"
-        self.draft_depth = max(map(len, self.choices)) if budget is None else budget.depth
+        self.draft_depth = max(map(len, self.choices)) if budget is None else \
+            max(budget.depth, self.sampled_budget.depth)
         self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row (PAD: its f)
         self.root_logits: torch.Tensor | None = None
         self.pending: list[torch.Tensor] = []
@@ -121,7 +126,7 @@ class EagleDrafter(Drafter):
     def _fits(self, ctx: DecodeContext) -> bool:
         """A head trained with a shorter window than the target's stops drafting where it ends; the
         engine then takes plain target steps (still exact) instead of failing mid-answer."""
-        rows = self.budget.tree_size if self.budget is not None else len(self.choices)
+        rows = len(self.choices) if self.budget is None else max(self.budget.tree_size, self.sampled_budget.tree_size)
         return len(ctx.tokens) + rows <= self.runner.max_length
 
     def begin(self, ctx: DecodeContext) -> None:
@@ -164,7 +169,8 @@ class EagleDrafter(Drafter):
         n = self.runner.length
         if n != len(ctx.tokens) - 1:
             raise RuntimeError("EAGLE drafter out of step with the engine")
-        budget = budget or self.budget
+        sample = self.children == "sample" and not ctx.params.greedy
+        budget = budget or (self.sampled_budget if sample else self.budget)
         slots = NodeSlots()
         hid: dict[int, torch.Tensor] = {}
         depth_of: dict[int, int] = {}
@@ -183,7 +189,7 @@ class EagleDrafter(Drafter):
             return tempered_log_probs(run.logits(g), ctx.params)
 
         root_lp = tempered_log_probs(self.root_logits, ctx.params)
-        if budget is not None and self.children == "sample" and not ctx.params.greedy:
+        if budget is not None and sample:
             tree = build_sampled_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), ctx.generator)
             run.rollback()
             return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores,
@@ -309,9 +315,12 @@ def draft_weights(runner, head) -> str | None:
     return "fp16" if top < 6e4 else weights  # fp16 overflows past 65504
 
 
-def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None = None) -> TreeBudget:
-    """Explicit options win, then the head's tuning.json (`specdec tune`), then DEFAULT_BUDGET."""
-    tuned = tuned if tuned is not None else (load_tuning(head_dir) or {})
+def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None = None,
+                 sampled: bool = False) -> TreeBudget:
+    """Explicit options win, then the head's tuning.json (`specdec tune`), then DEFAULT_BUDGET.
+    sampled: the tree for sampled requests with sampled children (tune's `sampled` choice, else the above)."""
+    if tuned is None:
+        tuned = (sampled and load_tuning(head_dir, sampled=True)) or load_tuning(head_dir) or {}
     pick = lambda k: next(v for v in (getattr(opts, k), tuned.get(k), getattr(DEFAULT_BUDGET, k)) if v is not None)
     return TreeBudget(pick("depth"), pick("topk"), pick("tree_size"))
 
@@ -322,6 +331,13 @@ def children(opts: Eagle2Options) -> str:
     return opts.children or ("topk" if opts.lookup else "sample")
 
 
+def eagle2_drafter(runner: HeadRunner, opts: Eagle2Options, head_dir: str | None) -> EagleDrafter:
+    kids = children(opts)
+    sampled = tuned_budget(opts, head_dir, sampled=True) if kids == "sample" else None
+    return EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
+                        children=kids, sampled_budget=sampled)
+
+
 def build_eagle(target: Target, opts: EagleOptions) -> Drafter:
     runner, _ = head_runner(target, opts, "eagle")
     return with_lookup(EagleDrafter(runner, choices=opts.choices), opts.lookup or 0)
@@ -329,8 +345,7 @@ def build_eagle(target: Target, opts: EagleOptions) -> Drafter:
 
 def build_eagle2(target: Target, opts: Eagle2Options) -> Drafter:
     runner, head_dir = head_runner(target, opts, "eagle2")
-    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
-                           children=children(opts))
+    drafter = eagle2_drafter(runner, opts, head_dir)
     return with_lookup(drafter, opts.lookup or 0)
 
 
@@ -339,8 +354,7 @@ def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
     if (runner.connector, runner.pad) != ("sampler", True):
         raise SpecdecError(f"method 'fspad' needs an FSPAD head (connector=sampler, pad=true); {head_dir} has "
                            f"connector={runner.connector}, pad={str(runner.pad).lower()}: run it with eagle2")
-    drafter = EagleDrafter(runner, tuned_budget(opts, head_dir), rank_by=opts.rank_by, rerank=opts.rerank,
-                           children=children(opts))
+    drafter = eagle2_drafter(runner, opts, head_dir)
     drafter.name = "fspad"
     return with_lookup(drafter, opts.lookup or 0)
 

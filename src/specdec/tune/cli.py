@@ -14,7 +14,7 @@ from specdec.heads.shipped import find_shipped_head
 from specdec.machine import cpu_name
 from specdec.options import add_flags, flag_values
 from specdec.target.loading import Runtime, load_model
-from specdec.tune.sampled import sampled_acceptance
+from specdec.tune.sampled import choose_sampled, sampled_acceptance
 from specdec.tune.search import LOOKUPS, SIZES, tune
 from specdec.tuning import save_tuning, tuning_path
 
@@ -88,6 +88,7 @@ def cmd_tune(args) -> int:
                                                        args.sampled_tokens, log=log)
         rec["acceptance_sampled_calibration"] = {"prompts": len(prompts), "tokens": args.sampled_tokens,
                                                  "temperature": 1.0, "seeds": f"0-{len(prompts) - 1}"}
+        rec["sampled"] = choose_sampled(rec["acceptance_sampled"])
     rec["head"] = str(Path(head).resolve())
     out = save_tuning(rec, args.out or tuning_path(head))
     print(f"{'depth':>5} {'topk':>4} {'size':>4} {'tau':>6} {'draft ms':>9} {'target ms':>9} {'tok/s':>7}")
@@ -104,6 +105,10 @@ def cmd_tune(args) -> int:
               f"~{a['tokens_per_second']:.1f} tok/s expected)")
     else:
         print("auto: eagle2 as chosen (no prompt-lookup chain gained)")
+    if "sampled" in rec:
+        s = rec["sampled"]
+        print(f"sampled requests (children drawn from the draft): depth {s['depth']}, topk {s['topk']}, "
+              f"tree_size {s['tree_size']} (T = 1 tau {s['tau']:.2f}, {s['tokens_per_second']:.1f} tok/s measured)")
     if rec["tokens_per_second"] < rec["vanilla_tokens_per_second"]:
         print("note: no tree beats plain decoding here: the head's acceptance is too low for its cost")
     print(f"written to {out}")

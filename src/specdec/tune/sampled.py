@@ -1,6 +1,9 @@
 """The sampled half of the acceptance model: tau at T = 1 of EAGLE-2 trees whose children are drawn from the
 draft (`children=sample`), per budget, on the calibration prompts.
 
+The fastest of those trees, by the tokens per second of the same decoding (`choose_sampled`), is what
+`eagle2` and `fspad` draft for sampled requests (tune writes it as `sampled`).
+
 Why measured by decoding and not by replay: a sampled tree's acceptance depends on the draws, and the text
 it is checked against is itself sampled, so there is no single continuation to replay. Every budget runs on
 the same prompts and seeds (common random numbers), so the differences between budgets are less noisy than
@@ -29,16 +32,18 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
                        tokens: int = 128, temperature: float = 1.0, seed: int = 0,
                        budgets: Sequence[TreeBudget] = SAMPLED_CANDIDATES,
                        log: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """[{depth, topk, tree_size, tau}] per budget: emitted tokens per target forward, pooled over the prompts,
+    """[{depth, topk, tree_size, tau, tokens_per_second}] per budget: emitted tokens per target forward and
+    new tokens per second of decoding (prefill excluded: the same for every budget), pooled over the prompts,
     each prompt sampled with seed + its index."""
     if drafter.children != "sample":
         raise SpecdecError("sampled acceptance needs an EAGLE-2 drafter with children='sample'")
     rows = []
-    own = drafter.budget
+    own = drafter.sampled_budget
     try:
         for b in budgets:
-            drafter.budget = b
+            drafter.sampled_budget = b
             forwards = emitted = 0
+            busy = 0.0
             for i, prompt in enumerate(prompts):
                 stats = Stats()
                 params = SamplingParams(temperature, seed=seed + i)
@@ -46,8 +51,19 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
                     pass
                 forwards += len(stats.accept_lengths)
                 emitted += sum(stats.accept_lengths)
-            rows.append({**asdict(b), "tau": round(emitted / max(forwards, 1), 4)})
-            log(f"sampled children, T={temperature}, {b}: tau {rows[-1]['tau']:.3f}")
+                busy += stats.total_time - stats.wait_time - stats.prefill_time
+            rows.append({**asdict(b), "tau": round(emitted / max(forwards, 1), 4),
+                         "tokens_per_second": round(emitted / busy, 2) if busy > 0 else 0.0})
+            log(f"sampled children, T={temperature}, {b}: tau {rows[-1]['tau']:.3f}, "
+                f"{rows[-1]['tokens_per_second']:.1f} tok/s")
     finally:
-        drafter.budget = own
+        drafter.sampled_budget = own
     return rows
+
+
+def choose_sampled(rows: Sequence[dict]) -> dict:
+    """The fastest row (ties: the smaller tree), as tune writes it under `sampled`."""
+    timed = [r for r in rows if r.get("tokens_per_second")]
+    if not timed:
+        raise SpecdecError("no sampled tree was timed")
+    return min(timed, key=lambda r: (-r["tokens_per_second"], r["tree_size"], r["depth"], r["topk"]))
