@@ -112,6 +112,30 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3, always={1}).tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_draft_rows_read_the_token_table_and_match_the_full_connector(tiny, variant):
+    """Draft steps take the connector's token half from a table over the draft vocabulary; it must give
+    the rows the full connector gives the same target tokens (the EAGLE table carries fc's bias too)."""
+    ids = [90, 3, 17, 5, 60, 41]
+    head = make_head(tiny, seed=3, draft_vocab=ids, variant=variant)
+    if head.fc is not None:
+        head.fc.bias = torch.nn.Parameter(torch.randn(64))
+    emb = tiny.get_input_embeddings().weight
+    r = HeadRunner(head, emb, pack=False)
+    width = head.sampler_size if head.sampler is not None else 64
+    assert r.token_table.shape == (len(ids), width)
+    draft, f = torch.tensor([4, 0, 2, 2]), torch.randn(4, 64)
+    via_table = r.forward(draft, f, draft=True)
+    r.rollback()
+    full = r.forward(r.to_target(draft), f)
+    for a, b in zip(via_table, full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        ref = head(emb[r.to_target(draft)][None], f[None])
+    torch.testing.assert_close(via_table[1], ref[1][0], atol=1e-5, rtol=1e-5)
+    assert HeadRunner(make_head(tiny, variant=variant), emb, tiny.lm_head.weight).token_table is None
+
+
 def test_corrupt_or_mismatched_head_is_a_clear_error(tiny, tmp_path):
     from specdec.api import from_models
 

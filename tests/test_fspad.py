@@ -285,8 +285,8 @@ def test_pad_drafting_continues_with_f_and_scores_with_f_tilde(tiny):
     calls = []
     forward = run_.forward
 
-    def spy(tokens, features, *a):
-        f, g = forward(tokens, features, *a)
+    def spy(tokens, features, *a, **kw):
+        f, g = forward(tokens, features, *a, **kw)
         calls.append((features.clone(), f.clone(), g.clone()))
         return f, g
 

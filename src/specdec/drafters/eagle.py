@@ -183,7 +183,7 @@ class EagleDrafter(Drafter):
             mask = slots.mask(sel_l, par, n)
             feats = torch.stack([hid[par[i]] if par[i] >= 0 else self.last_hidden for i in sel_l])
             pos = torch.tensor([n - 1 + depth_of[i] for i in sel_l], device=run.device)
-            h, g = run.forward(run.to_target(tokens[sel].to(run.device)), feats, pos, mask)
+            h, g = run.forward(tokens[sel].to(run.device), feats, pos, mask, draft=True)
             for r, i in enumerate(sel_l):
                 hid[i] = h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
             return tempered_log_probs(run.logits(g), ctx.params)

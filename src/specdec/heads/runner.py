@@ -46,12 +46,14 @@ class HeadRunner(Cached):
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
         # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
         self.connector, self.pad = head.connector, head.pad
+        h = cfg.hidden_size
         if head.sampler is not None:
             s = head.sampler
             self.fc, self.sampler = None, [Linear(m.weight, None, pack, weights)
                                            for m in (s.gate_proj, s.up_proj, s.down_proj)]
         else:
             self.fc, self.sampler = Linear(head.fc.weight, head.fc.bias, pack, weights), None
+            self.fc_f = Linear(head.fc.weight[:, h:], None, pack, weights)  # f's half, for table rows
         self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
         self.pad_down = None
         if head.pad:
@@ -73,22 +75,43 @@ class HeadRunner(Cached):
                              self.dtype, initial_capacity)
         self.rope = Rope(head.rotary_emb, self.device, self.dtype, self.max_length)
         self.rope.grow(self.cache.capacity)
+        # The token's half of the connector depends on the token alone (EAGLE: W_e e + b; FSPAD: SiLU(gate(e))),
+        # so over the draft vocabulary it is a table: one projection fewer per draft step. A full-vocabulary
+        # head would need a table the size of the target's embeddings, so it keeps computing it.
+        self.token_table = None if self.d2t is None else self._token_table()
+
+    @torch.inference_mode()
+    def _token_table(self) -> torch.Tensor:
+        e = self.embed[self.d2t].to(self.dtype)
+        if self.sampler is not None:
+            return F.silu(self.sampler[0](e))
+        return self.fc(torch.cat([e, torch.zeros_like(e)], dim=-1))
+
+    def _connect(self, tokens: torch.Tensor, f: torch.Tensor, draft: bool) -> torch.Tensor:
+        """η for rows (x_{t+1}, f_t); draft: `tokens` are draft-vocabulary ids (the table's rows)."""
+        if draft and self.token_table is not None:
+            t = self.token_table[tokens]
+            if self.sampler is not None:
+                return f + self.sampler[2](t * self.sampler[1](f))  # = feature_sampler with SiLU(gate(e)) looked up
+            return self.fc_f(f, t)
+        if draft:
+            tokens = self.to_target(tokens)
+        e = F.embedding(tokens, self.embed).to(self.dtype)
+        return self.fc(torch.cat([e, f], dim=-1)) if self.fc is not None else feature_sampler(e, f, *self.sampler)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [n] target ids of x_{t+1}, features [n, H] f_t (target's or the head's own f̂);
-        mask [n, cached + n] bool (default: causal after every cached row). Returns (f̂_{t+1}, the LM
-        head's input) [n, H] each: the same tensor unless PAD (then f and f̃: draft on with f̂)."""
+                mask: torch.Tensor | None = None, draft: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [n] target ids of x_{t+1} (draft=True: draft-vocabulary ids), features [n, H] f_t (target's
+        or the head's own f̂); mask [n, cached + n] bool (default: causal after every cached row). Returns
+        (f̂_{t+1}, the LM head's input) [n, H] each: the same tensor unless PAD (then f and f̃: draft on with f̂)."""
         n = tokens.numel()
         start, positions = self._new_rows(n, positions, mask)
         kv = self.cache
         if start + n > kv.capacity:
             kv.reserve(n)
             self.rope.grow(kv.capacity)
-        e = F.embedding(tokens.to(self.device), self.embed).to(self.dtype)
-        f = features.to(self.dtype)
-        h = (self.fc(torch.cat([e, f], dim=-1)) if self.fc is not None else feature_sampler(e, f, *self.sampler))[None]
+        h = self._connect(tokens.to(self.device), features.to(self.dtype), draft)[None]
         cos, sin = self.rope(positions)
         causal = False
         if mask is None:
