@@ -187,7 +187,7 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     assert all(r["tau"] >= 1 for r in rows) and rows[-1]["tau"] > 1  # a 6-node tree is accepted sometimes
     again = sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, 24, budgets=budgets)
     assert [r["tau"] for r in rows] == [r["tau"] for r in again]  # seeded: the same draws (timings differ)
-    assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert all(r["tokens_per_second"] > 0 and r["draft_ms"] > 0 for r in rows)
     assert astuple(dec.drafter.sampled_budget) == astuple(dec.drafter.budget) == (5, 4, 10)  # left as it was
     topk = from_models(tiny, None, "eagle2", head=str(head), children="topk")
     with pytest.raises(SpecdecError, match="children='sample'"):
@@ -234,16 +234,20 @@ def test_eagle2_drafts_tunes_sampled_choice_for_sampled_requests(tiny, trained, 
 
     head = tmp_path / "head"
     shutil.copytree(trained[1] / "head", head)
-    rows = [{"depth": 1, "topk": 2, "tree_size": 2, "tau": 1.4, "tokens_per_second": 50.0},
-            {"depth": 3, "topk": 3, "tree_size": 8, "tau": 1.7, "tokens_per_second": 40.0},
-            {"depth": 2, "topk": 2, "tree_size": 3, "tau": 1.5, "tokens_per_second": 50.0}]
-    assert choose_sampled(rows) == rows[0]  # the fastest; a tie goes to the smaller tree
+    rows = [{"depth": 1, "topk": 2, "tree_size": 2, "tau": 1.4, "draft_ms": 1.0, "tokens_per_second": 30.0},
+            {"depth": 3, "topk": 3, "tree_size": 8, "tau": 1.8, "draft_ms": 3.0, "tokens_per_second": 60.0},
+            {"depth": 2, "topk": 2, "tree_size": 3, "tau": 1.5, "draft_ms": 1.5, "tokens_per_second": 55.0}]
+    target_ms = {"3": 20.0, "4": 21.5, "9": 27.0}
+    # priced by the cost model, not the wall time: 1.4 / 21 ms = 66.7 > 1.5 / 23 ms = 65.2 > 1.8 / 30 ms
+    assert choose_sampled(rows, target_ms) == {**{k: rows[0][k] for k in ("depth", "topk", "tree_size", "tau")},
+                                               "tokens_per_second": 66.67}
+    assert choose_sampled(rows, {**target_ms, "9": 20.0})["tree_size"] == 8  # = 1.8 / 23 ms
     with pytest.raises(SpecdecError, match="no sampled tree was timed"):
-        choose_sampled([{**r, "tokens_per_second": 0.0} for r in rows])
+        choose_sampled([{**r, "draft_ms": 0.0} for r in rows], target_ms)
     save_tuning({"depth": 3, "topk": 3, "tree_size": 8}, tuning_path(head))
     d = from_models(tiny, None, "eagle2", head=str(head)).drafter
     assert astuple(d.sampled_budget) == astuple(d.budget) == (3, 3, 8)  # no sampled choice: the tuned one
-    save_tuning({"depth": 3, "topk": 3, "tree_size": 8, "sampled": choose_sampled(rows)}, tuning_path(head))
+    save_tuning({"depth": 3, "topk": 3, "tree_size": 8, "sampled": choose_sampled(rows, target_ms)}, tuning_path(head))
     dec = from_models(tiny, None, "eagle2", head=str(head))
     d = dec.drafter
     assert (astuple(d.budget), astuple(d.sampled_budget), d.draft_depth) == ((3, 3, 8), (1, 2, 2), 3)

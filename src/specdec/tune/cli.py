@@ -88,7 +88,8 @@ def cmd_tune(args) -> int:
                                                        args.sampled_tokens, log=log)
         rec["acceptance_sampled_calibration"] = {"prompts": len(prompts), "tokens": args.sampled_tokens,
                                                  "temperature": 1.0, "seeds": f"0-{len(prompts) - 1}"}
-        rec["sampled"] = choose_sampled(rec["acceptance_sampled"])
+        # priced with the greedy trees' forward table (its sizes, 1..33, cover every sampled tree)
+        rec["sampled"] = choose_sampled(rec["acceptance_sampled"], rec["target_ms"])
     rec["head"] = str(Path(head).resolve())
     out = save_tuning(rec, args.out or tuning_path(head))
     print(f"{'depth':>5} {'topk':>4} {'size':>4} {'tau':>6} {'draft ms':>9} {'target ms':>9} {'tok/s':>7}")

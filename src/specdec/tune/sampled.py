@@ -1,8 +1,12 @@
 """The sampled half of the acceptance model: tau at T = 1 of EAGLE-2 trees whose children are drawn from the
 draft (`children=sample`), per budget, on the calibration prompts.
 
-The fastest of those trees, by the tokens per second of the same decoding (`choose_sampled`), is what
-`eagle2` and `fspad` draft for sampled requests (tune writes it as `sampled`).
+The fastest of those trees is what `eagle2` and `fspad` draft for sampled requests (tune writes it as
+`sampled`). Fastest by the cost model greedy trees are ranked with (`choose_sampled`): tau over the draft
+time per step measured here plus the target's forward over the tree from tune's table. Why not the wall
+time of the same decoding: each tree's decoding is timed at a different moment, so any drift in the
+machine's load lands on one tree (64-token runs spread 77-95 tok/s for the shipped head), while one
+forward table prices every tree alike.
 
 Why measured by decoding and not by replay: a sampled tree's acceptance depends on the draws, and the text
 it is checked against is itself sampled, so there is no single continuation to replay. Every budget runs on
@@ -20,6 +24,7 @@ from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
+from specdec.tune.search import Row, rank
 
 # trees whose first tree_size nodes of a sampled expansion differ in shape: chains (topk 1), bushes at
 # depth 1, and mixes; topk <= 3 because a sampled node's later children are rarely accepted
@@ -32,9 +37,10 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
                        tokens: int = 128, temperature: float = 1.0, seed: int = 0,
                        budgets: Sequence[TreeBudget] = SAMPLED_CANDIDATES,
                        log: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """[{depth, topk, tree_size, tau, tokens_per_second}] per budget: emitted tokens per target forward and
-    new tokens per second of decoding (prefill excluded: the same for every budget), pooled over the prompts,
-    each prompt sampled with seed + its index."""
+    """[{depth, topk, tree_size, tau, draft_ms, tokens_per_second}] per budget: emitted tokens per target
+    forward, the drafter's time per forward (propose and catching up) and new tokens per second of
+    decoding (prefill excluded: the same for every budget), pooled over the prompts, each prompt sampled
+    with seed + its index."""
     if drafter.children != "sample":
         raise SpecdecError("sampled acceptance needs an EAGLE-2 drafter with children='sample'")
     rows = []
@@ -43,7 +49,7 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
         for b in budgets:
             drafter.sampled_budget = b
             forwards = emitted = 0
-            busy = 0.0
+            busy = drafting = 0.0
             for i, prompt in enumerate(prompts):
                 stats = Stats()
                 params = SamplingParams(temperature, seed=seed + i)
@@ -52,7 +58,9 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
                 forwards += len(stats.accept_lengths)
                 emitted += sum(stats.accept_lengths)
                 busy += stats.total_time - stats.wait_time - stats.prefill_time
+                drafting += stats.draft_time
             rows.append({**asdict(b), "tau": round(emitted / max(forwards, 1), 4),
+                         "draft_ms": round(drafting / max(forwards, 1) * 1e3, 4),
                          "tokens_per_second": round(emitted / busy, 2) if busy > 0 else 0.0})
             log(f"sampled children, T={temperature}, {b}: tau {rows[-1]['tau']:.3f}, "
                 f"{rows[-1]['tokens_per_second']:.1f} tok/s")
@@ -61,9 +69,13 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
     return rows
 
 
-def choose_sampled(rows: Sequence[dict]) -> dict:
-    """The fastest row (ties: the smaller tree), as tune writes it under `sampled`."""
-    timed = [r for r in rows if r.get("tokens_per_second")]
-    if not timed:
+def choose_sampled(rows: Sequence[dict], target_ms: dict[str, float]) -> dict:
+    """The fastest row by search.rank's cost model (ties: the smaller tree), as tune writes it under
+    `sampled`; target_ms: tune's forward times by row count ("N": ms), covering every tree's size + 1."""
+    priced = [Row(TreeBudget(r["depth"], r["topk"], r["tree_size"]), r["tau"], r["draft_ms"] / 1e3,
+                  target_ms[str(r["tree_size"] + 1)] / 1e3, 0.0)
+              for r in rows if r.get("draft_ms") and str(r["tree_size"] + 1) in target_ms]
+    if not priced:
         raise SpecdecError("no sampled tree was timed")
-    return min(timed, key=lambda r: (-r["tokens_per_second"], r["tree_size"], r["depth"], r["topk"]))
+    best = rank(priced)[0]
+    return {**asdict(best.config), "tau": round(best.tau, 4), "tokens_per_second": round(best.tokens_per_second, 2)}
