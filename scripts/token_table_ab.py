@@ -1,0 +1,60 @@
+"""Draft-step time of EAGLE/FSPAD heads with and without the connector's token table (heads.runner),
+interleaved in one process: each rep times propose() both ways, alternating which goes first.
+
+    python scripts/token_table_ab.py --heads shipped,~/.cache/specdec/runs/long-fspad/head --trees 2:4:4,3:4:10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from specdec.api import from_models
+from specdec.drafters.base import DecodeContext
+from specdec.sampling import SamplingParams
+from specdec.target.loading import load_model
+from specdec.tree import TreeBudget
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--heads", default="shipped", help="comma list of head dirs ('shipped': the model's own)")
+    ap.add_argument("--trees", default="2:4:4,3:4:10", help="comma list of depth:topk:tree_size")
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--ctx", type=int, default=384)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok, _ = load_model(a.model, "cpu", torch.float32)
+    trees = [TreeBudget(*map(int, t.split(":"))) for t in a.trees.split(",")]
+    for h in a.heads.split(","):
+        dec = from_models(model, tok, "eagle2", **({} if h == "shipped" else {"head": os.path.expanduser(h)}))
+        drafter, head = dec.drafter, dec.drafter.runner
+        ids = torch.randint(0, 1000, (a.ctx + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+        dec.runner.reset()
+        feats = dec.runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).features
+        dec.runner.reset()
+        ctx = DecodeContext(ids, SamplingParams(), None, a.ctx, feats[:a.ctx])
+        drafter.begin(ctx)
+        table, cells = head.token_table, []
+        for b in trees:
+            ms = {"table": [], "computed": []}
+            for rep in range(a.reps):
+                for k in ("table", "computed") if rep % 2 else ("computed", "table"):
+                    head.token_table = table if k == "table" else None
+                    t = time.perf_counter()
+                    drafter.propose(ctx, b)
+                    ms[k].append((time.perf_counter() - t) * 1e3)
+            head.token_table = table
+            on, off = statistics.median(ms["table"]), statistics.median(ms["computed"])
+            cells.append(f"d{b.depth} k{b.topk} m{b.tree_size}: {off:.3f} -> {on:.3f} ms ({on / off:.3f}x)")
+        print(f"{h}: " + "; ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
