@@ -46,14 +46,14 @@ class HeadRunner(Cached):
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
         # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
         self.connector, self.pad = head.connector, head.pad
-        h = cfg.hidden_size
         if head.sampler is not None:
             s = head.sampler
             self.fc, self.sampler = None, [Linear(m.weight, None, pack, weights)
                                            for m in (s.gate_proj, s.up_proj, s.down_proj)]
         else:
             self.fc, self.sampler = Linear(head.fc.weight, head.fc.bias, pack, weights), None
-            self.fc_f = Linear(head.fc.weight[:, h:], None, pack, weights)  # f's half, for table rows
+            if head.d2t is not None:  # f's half alone, for rows whose token half comes from the table
+                self.fc_f = Linear(head.fc.weight[:, cfg.hidden_size:], None, pack, weights)
         self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
         self.pad_down = None
         if head.pad:
