@@ -109,7 +109,7 @@ def cmd_tune(args) -> int:
     if "sampled" in rec:
         s = rec["sampled"]
         print(f"sampled requests (children drawn from the draft): depth {s['depth']}, topk {s['topk']}, "
-              f"tree_size {s['tree_size']} (T = 1 tau {s['tau']:.2f}, {s['tokens_per_second']:.1f} tok/s measured)")
+              f"tree_size {s['tree_size']} (T = 1 tau {s['tau']:.2f}, {s['tokens_per_second']:.1f} tok/s expected)")
     if rec["tokens_per_second"] < rec["vanilla_tokens_per_second"]:
         print("note: no tree beats plain decoding here: the head's acceptance is too low for its cost")
     print(f"written to {out}")
