@@ -27,7 +27,12 @@ Lin = Callable[[torch.Tensor], torch.Tensor]
 
 def feature_sampler(e: torch.Tensor, f: torch.Tensor, gate: Lin, up: Lin, down: Lin) -> torch.Tensor:
     """η from the embedding e of x_{t+1} and the feature f_t (see the module docstring for the residual)."""
-    return f + down(F.silu(gate(e)) * up(f))
+    return gated_sample(F.silu(gate(e)), f, up, down)
+
+
+def gated_sample(gated: torch.Tensor, f: torch.Tensor, up: Lin, down: Lin) -> torch.Tensor:
+    """η from SiLU(gate(e)) already computed (the runner's token table holds it for draft tokens)."""
+    return f + down(gated * up(f))
 
 
 def pad_outputs(h: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

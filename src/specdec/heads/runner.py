@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecdecError
-from specdec.heads.fspad import feature_sampler, pad_outputs
+from specdec.heads.fspad import feature_sampler, gated_sample, pad_outputs
 from specdec.target.base import Cached
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, Rope, chain_attention
@@ -92,7 +92,7 @@ class HeadRunner(Cached):
         if draft and self.token_table is not None:
             t = self.token_table[tokens]
             if self.sampler is not None:
-                return f + self.sampler[2](t * self.sampler[1](f))  # = feature_sampler with SiLU(gate(e)) looked up
+                return gated_sample(t, f, self.sampler[1], self.sampler[2])
             return self.fc_f(f, t)
         if draft:
             tokens = self.to_target(tokens)
