@@ -278,7 +278,8 @@ def test_fs_and_pad_sampling_on_a_tree_matches_vanilla_distribution(variant, par
 
 
 def test_pad_drafting_continues_with_f_and_scores_with_f_tilde(tiny):
-    """PAD: the runner's first output f is what the next draft step reads; f̃ only feeds the LM head."""
+    """PAD: the runner's first output f is what the next draft step reads; f̃ only feeds the LM head. The
+    tree's last depth is never expanded, so that step computes f̃ alone (f's half of down_proj skipped)."""
     head = make_head(tiny, seed=4, variant="pad")
     drafter = drafter_for(tiny, head, True, depth=3, topk=2, tree_size=6)
     run_ = drafter.runner
@@ -287,7 +288,7 @@ def test_pad_drafting_continues_with_f_and_scores_with_f_tilde(tiny):
 
     def spy(tokens, features, *a, **kw):
         f, g = forward(tokens, features, *a, **kw)
-        calls.append((features.clone(), f.clone(), g.clone()))
+        calls.append((features.clone(), None if f is None else f.clone(), g.clone()))
         return f, g
 
     run_.forward = spy
@@ -299,12 +300,29 @@ def test_pad_drafting_continues_with_f_and_scores_with_f_tilde(tiny):
     torch.testing.assert_close(drafter.last_hidden, f0[-1])
     torch.testing.assert_close(drafter.root_logits, run_.logits(g0[-1:])[0])
     drafter.propose(ctx)
-    assert len(calls) >= 3  # depth 1, 2, 3
-    outs_f = torch.cat([f0[-1:]] + [c[1] for c in calls[1:]])
+    assert len(calls) == 3  # the root, then depths 1 and 2 (depth 3's children are never expanded)
+    assert calls[1][1] is not None and calls[2][1] is None  # the last depth's f is skipped
+    outs_f = torch.cat([f0[-1:], calls[1][1]])
     outs_g = torch.cat([g0[-1:]] + [c[2] for c in calls[1:]])
     for feats_in, _, _ in calls[1:]:
         for row in feats_in:  # every input feature is some earlier row's f, never an f̃
             assert (outs_f == row).all(-1).any() and not (outs_g == row).all(-1).any()
+
+
+@pytest.mark.parametrize("variant", ["pad", "fspad"])
+def test_a_step_without_its_feature_gives_the_same_logits_input(tiny, variant):
+    """feature=False (a tree's last depth) computes f̃ from f̃'s half of PAD's down_proj alone: the same f̃."""
+    head = make_head(tiny, seed=5, variant=variant, draft_vocab=list(range(0, 97, 2)))
+    with torch.no_grad():  # a random PAD head starts with both halves alike: make them differ
+        head.layers[-1].mlp.down_proj.weight[64:].normal_(0, 0.05)
+    run_ = drafter_for(tiny, head, True).runner
+    tokens, feats = torch.tensor([3, 8, 1, 40]), torch.randn(4, 64)
+    f, g = run_.forward(tokens, feats, draft=True)
+    run_.rollback()
+    none, g2 = run_.forward(tokens, feats, draft=True, feature=False)
+    run_.rollback()
+    assert none is None and not torch.allclose(f, g)
+    torch.testing.assert_close(g2, g, rtol=1e-5, atol=1e-5)
 
 
 def test_fspad_warm_started_from_an_eagle_head_keeps_what_the_eagle_head_learned(tiny, tiny_data, trained, tmp_path):

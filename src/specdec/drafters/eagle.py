@@ -175,6 +175,7 @@ class EagleDrafter(Drafter):
         hid: dict[int, torch.Tensor] = {}
         depth_of: dict[int, int] = {}
         run = self.runner
+        final = budget.depth if budget is not None else max(map(len, self.choices))  # no node deeper is drawn
 
         def step(sel: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             sel_l, par = sel.tolist(), parents.tolist()
@@ -183,9 +184,11 @@ class EagleDrafter(Drafter):
             mask = slots.mask(sel_l, par, n)
             feats = torch.stack([hid[par[i]] if par[i] >= 0 else self.last_hidden for i in sel_l])
             pos = torch.tensor([n - 1 + depth_of[i] for i in sel_l], device=run.device)
-            h, g = run.forward(tokens[sel].to(run.device), feats, pos, mask, draft=True)
+            # children at the tree's last depth are never expanded: their f̂ is not needed (PAD skips it)
+            last = all(depth_of[i] + 1 >= final for i in sel_l)
+            h, g = run.forward(tokens[sel].to(run.device), feats, pos, mask, draft=True, feature=not last)
             for r, i in enumerate(sel_l):
-                hid[i] = h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
+                hid[i] = None if last else h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
             return tempered_log_probs(run.logits(g), ctx.params)
 
         root_lp = tempered_log_probs(self.root_logits, ctx.params)

@@ -24,12 +24,15 @@ if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): 
 class _PadDown:
     """PAD's last layer: llama.Block adds down(x) to its residual itself, but PAD puts two halves of a
     2H output on that residual. This down keeps the output and adds nothing, so the Block returns the
-    residual exactly and the runner applies pad_outputs to it."""
+    residual exactly and the runner applies pad_outputs to it. With `tail_only` (rows no draft step
+    continues from) it computes f̃'s half alone and adds it like any down: the Block returns f̃."""
 
-    def __init__(self, down: Linear) -> None:
-        self.down, self.out = down, None
+    def __init__(self, down: Linear, tail: Linear) -> None:
+        self.down, self.tail, self.out, self.tail_only = down, tail, None, False
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | int:
+        if self.tail_only:
+            return self.tail(x) if residual is None else self.tail(x, residual)
         self.out = self.down(x)
         return 0 if residual is None else residual
 
@@ -57,7 +60,10 @@ class HeadRunner(Cached):
         self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
         self.pad_down = None
         if head.pad:
-            self.pad_down = self.layers[-1].down = _PadDown(self.layers[-1].down)
+            w = head.layers[-1].mlp.down_proj
+            tail = Linear(w.weight[cfg.hidden_size:], None if w.bias is None else w.bias[cfg.hidden_size:], pack,
+                          weights)
+            self.pad_down = self.layers[-1].down = _PadDown(self.layers[-1].down, tail)
         self.embed = embed.detach()
         if head.lm_head is not None:
             self.lm = Linear(head.lm_head.weight, None, pack, weights)
@@ -101,10 +107,13 @@ class HeadRunner(Cached):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, draft: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None, draft: bool = False,
+                feature: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens [n] target ids of x_{t+1} (draft=True: draft-vocabulary ids), features [n, H] f_t (target's
         or the head's own f̂); mask [n, cached + n] bool (default: causal after every cached row). Returns
-        (f̂_{t+1}, the LM head's input) [n, H] each: the same tensor unless PAD (then f and f̃: draft on with f̂)."""
+        (f̂_{t+1}, the LM head's input) [n, H] each: the same tensor unless PAD (then f and f̃: draft on with f̂).
+        feature=False: no draft step continues from these rows (a tree's last depth), so PAD skips f's half
+        of its doubled down_proj and f̂ comes back None."""
         n = tokens.numel()
         start, positions = self._new_rows(n, positions, mask)
         kv = self.cache
@@ -118,9 +127,13 @@ class HeadRunner(Cached):
             mask, causal = chain_attention(start, n, self.device)
         else:
             mask = mask.to(self.device)
+        if self.pad_down is not None:
+            self.pad_down.tail_only = not feature
         for layer in self.layers:  # the fused kernels attend row by row (cheaper than SDPA for a few rows)
             h = layer(h, cos, sin, kv, start, mask, causal, True if layer.fused is not None and n <= 64 else None)
         kv.n_pending += n
+        if self.pad_down is not None and not feature:
+            return None, h[0]
         if self.pad_down is not None:
             f, g = pad_outputs(h[0], self.pad_down.out.reshape(n, -1))
             self.pad_down.out = None

@@ -1,7 +1,8 @@
-"""Draft-step time of EAGLE/FSPAD heads with and without the connector's token table (heads.runner),
-interleaved in one process: each rep times propose() both ways, alternating which goes first.
+"""Draft time of EAGLE/FSPAD heads with and without one of the runner's savings, interleaved in one
+process: each rep times propose() both ways, alternating which goes first. --ab table: the connector's
+token table (heads.runner); --ab tail: PAD heads skipping f's half of down_proj at the tree's last depth.
 
-    python scripts/token_table_ab.py --heads shipped,~/.cache/specdec/runs/long-fspad/head --trees 2:4:4,3:4:10
+    python scripts/draft_step_ab.py --heads shipped,~/.cache/specdec/runs/long-fspad/head --trees 2:4:4,3:4:10
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--ctx", type=int, default=384)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ab", choices=("table", "tail"), default="table")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok, _ = load_model(a.model, "cpu", torch.float32)
@@ -41,17 +43,24 @@ def main() -> None:
         dec.runner.reset()
         ctx = DecodeContext(ids, SamplingParams(), None, a.ctx, feats[:a.ctx])
         drafter.begin(ctx)
-        table, cells = head.token_table, []
+        table, forward, cells = head.token_table, head.forward, []
+
+        def use(saving: bool) -> None:  # the saving on, or off
+            if a.ab == "table":
+                head.token_table = table if saving else None
+            else:
+                head.forward = forward if saving else lambda *x, **kw: forward(*x, **{**kw, "feature": True})
+
         for b in trees:
-            ms = {"table": [], "computed": []}
+            ms = {True: [], False: []}
             for rep in range(a.reps):
-                for k in ("table", "computed") if rep % 2 else ("computed", "table"):
-                    head.token_table = table if k == "table" else None
+                for k in (True, False) if rep % 2 else (False, True):
+                    use(k)
                     t = time.perf_counter()
                     drafter.propose(ctx, b)
                     ms[k].append((time.perf_counter() - t) * 1e3)
-            head.token_table = table
-            on, off = statistics.median(ms["table"]), statistics.median(ms["computed"])
+            use(True)
+            on, off = statistics.median(ms[True]), statistics.median(ms[False])
             cells.append(f"d{b.depth} k{b.topk} m{b.tree_size}: {off:.3f} -> {on:.3f} ms ({on / off:.3f}x)")
         print(f"{h}: " + "; ".join(cells), flush=True)
 
