@@ -33,8 +33,14 @@ class Objective(nn.Module):
         self.embed, self.target_lm = embed, target_lm
         self.unroll = unroll
 
-    def forward(self, ids, feats, mask, noise: torch.Tensor | None, n_global: float, ce_weight: float):
-        """Returns the loss and stats [unroll, 4] (feature loss, CE, top-1 hits, rows) summed per step."""
+    def forward(self, ids, feats, mask, noise: torch.Tensor | None, n_global: float, ce_weight: float,
+                tv_weight: float = 0.0):
+        """Returns the loss and stats [unroll, 5] (feature loss, CE, top-1 hits, rows, total variation)
+        summed per step.
+
+        Why total variation: a draft token drawn from q is accepted at T = 1 with probability
+        1 - TV(p, q) (Leviathan et al.), so tv_weight > 0 trains for sampled acceptance directly (DistillSpec);
+        CE (forward KL) only bounds it. It is logged either way."""
         tok_in, f_in, f_out = ids[:, 1:], feats[:, :-1], feats[:, 1:]
         w = mask[:, 1:]  # the head's input token x_{t+1} is an answer token
         if noise is not None:
@@ -50,12 +56,13 @@ class Objective(nn.Module):
             # with PAD the feature loss sees f and the logit loss f̃ (the same tensor otherwise)
             logp = torch.log_softmax(self.head.logits(pred_lm, self.target_lm), dim=-1)
             ce = -(p_t * logp).sum(-1)
+            tv = 0.5 * (p_t - logp.exp()).abs().sum(-1)
             vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
             wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
-            loss = loss + ((vl + ce_weight * ce) * wk).sum() / (n_global * self.unroll)
+            loss = loss + ((vl + ce_weight * ce + tv_weight * tv) * wk).sum() / (n_global * self.unroll)
             with torch.no_grad():
                 acc = ((logp.argmax(-1) == top_t).float() * wk).sum()
-                stats.append(torch.stack([(vl * wk).sum(), (ce * wk).sum(), acc, wk.sum()]))
+                stats.append(torch.stack([(vl * wk).sum(), (ce * wk).sum(), acc, wk.sum(), (tv * wk).sum()]))
         return loss, torch.stack(stats)
 
 

@@ -50,6 +50,7 @@ __all__ = ["TrainConfig", "train_eagle", "finished_head", "lr_lambda", "unrolled
 @dataclass
 class TrainConfig(LoopConfig):
     ce_weight: float = 0.1
+    tv_weight: float = 0.0  # > 0: also minimise TV(p, q), what a sampled draft token loses at T = 1
     noise: float = 0.1  # input features get U(-noise, noise)
     draft_vocab: int = 0  # 0 = the full target vocabulary (frozen target LM head)
     freeze_lm_head: bool = False  # for a reduced head: keep the rows copied from the target
@@ -74,14 +75,14 @@ class TrainConfig(LoopConfig):
 
 # the argparse types of the numeric options (steps 0 = derived from epochs; layers 0 = the default)
 RULES = {
-    **LOOP_RULES, "ce_weight": arg_type(float, ge=0), "noise": arg_type(float, ge=0),
-    "draft_vocab": arg_type(int, ge=0), "unroll": arg_type(int, ge=1), "layers": arg_type(int, ge=0),
-    "sampler_size": arg_type(int, ge=0),
+    **LOOP_RULES, "ce_weight": arg_type(float, ge=0), "tv_weight": arg_type(float, ge=0),
+    "noise": arg_type(float, ge=0), "draft_vocab": arg_type(int, ge=0), "unroll": arg_type(int, ge=1),
+    "layers": arg_type(int, ge=0), "sampler_size": arg_type(int, ge=0),
 }
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
-               "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "clip", "init_from",
-               "unroll", "layers", "connector", "pad", "sampler_size")
+               "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "tv_weight", "clip",
+               "init_from", "unroll", "layers", "connector", "pad", "sampler_size")
 
 
 # ---- the trainer ----
@@ -171,18 +172,21 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
                 noise[r, :n_i] = (torch.rand(n_i, noise.shape[-1], generator=g) * 2 - 1) * cfg.noise
             noise = noise.to(dev)
         # DDP averages gradients over processes: scale so the sum matches a global token mean
-        return objective(ids, feats, mask, noise, max(n_global, 1.0) / world, cfg.ce_weight)
+        return objective(ids, feats, mask, noise, max(n_global, 1.0) / world, cfg.ce_weight,
+                         cfg.tv_weight)
 
     def record(s):
         n = max(float(s[0, 3]), 1.0)  # step 0 (= plain EAGLE training) keeps the old fields
-        rec = {"loss": (float(s[0, 0]) + cfg.ce_weight * float(s[0, 1])) / n, "feature_loss": float(s[0, 0]) / n,
-               "ce": float(s[0, 1]) / n, "top1_acc": float(s[0, 2]) / n}
+        loss = float(s[0, 0]) + cfg.ce_weight * float(s[0, 1]) + cfg.tv_weight * float(s[0, 4])
+        # t1_accept = 1 - TV: a sampled draft token's acceptance at T = 1 (over the draft vocabulary)
+        rec = {"loss": loss / n, "feature_loss": float(s[0, 0]) / n, "ce": float(s[0, 1]) / n,
+               "top1_acc": float(s[0, 2]) / n, "t1_accept": 1 - float(s[0, 4]) / n}
         if cfg.unroll > 1:
             rec["top1_acc_by_step"] = [round(float(r[2]) / max(float(r[3]), 1.0), 4) for r in s]
         return rec, {"loss": f"{rec['loss']:.3f}", "acc": f"{rec['top1_acc']:.3f}"}
 
     step, history, seconds = run_steps(
-        acc, cfg, data, objective, opt, sched, params, total, start, state, step_fn, record, (cfg.unroll, 4),
+        acc, cfg, data, objective, opt, sched, params, total, start, state, step_fn, record, (cfg.unroll, 5),
         lambda h, d: save_head(h, d / "head", extra=head_meta), f"train {cfg.kind}", progress,
         (resume or {}).get("seconds", 0.0))
     final = acc.unwrap_model(objective).head
