@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--draft-scales", default="1",
-                    help="comma list: the head's logits are divided by T x this before sampling (1: tempered like the target)")
+                    help="comma list: the head's logits are divided by T x this (1: tempered like the target)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -74,8 +74,8 @@ def main() -> None:
             top1 += hit[:, 0].sum().item()
             top4 += hit.any(-1).sum().item()
             n += p.shape[0]
-        alphas = "" if a.temperature == 0 else "  ".join(f"x{s:g}: alpha_T {x / n:.4f}, 2 siblings {y / n:.4f}"
-                           for s, x, y in zip(scales, alpha, alpha2))
+        alphas = "" if a.temperature == 0 else "  ".join(
+            f"x{s:g}: alpha_T {x / n:.4f}, 2 siblings {y / n:.4f}" for s, x, y in zip(scales, alpha, alpha2))
         print(f"{path}: {alphas}  top-1 {top1 / n:.4f}  top-4 {top4 / n:.4f}  ({n} positions)")
 
 
