@@ -56,10 +56,13 @@ class Objective(nn.Module):
             # with PAD the feature loss sees f and the logit loss f̃ (the same tensor otherwise)
             logp = torch.log_softmax(self.head.logits(pred_lm, self.target_lm), dim=-1)
             ce = -(p_t * logp).sum(-1)
-            tv = 0.5 * (p_t - logp.exp()).abs().sum(-1)
+            # logged always, in the graph only when trained on: a [B, T, V] tensor autograd would keep
+            with torch.set_grad_enabled(tv_weight > 0 and torch.is_grad_enabled()):
+                tv = 0.5 * (p_t - logp.exp()).abs().sum(-1)
             vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
             wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
-            loss = loss + ((vl + ce_weight * ce + tv_weight * tv) * wk).sum() / (n_global * self.unroll)
+            per_row = vl + ce_weight * ce + (tv_weight * tv if tv_weight > 0 else 0.0)
+            loss = loss + (per_row * wk).sum() / (n_global * self.unroll)
             with torch.no_grad():
                 acc = ((logp.argmax(-1) == top_t).float() * wk).sum()
                 stats.append(torch.stack([(vl * wk).sum(), (ce * wk).sum(), acc, wk.sum(), (tv * wk).sum()]))
