@@ -193,11 +193,19 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
                      const c10::optional<torch::Tensor>& mask);
 
+// kernels/quant.cpp
+torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
+torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("pack", &pack);
   m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("O"), py::arg("scale"), py::arg("bias"),
         py::arg("residual") = py::none());
+  m.def("qlinear", &qlinear, py::arg("x"), py::arg("ws"), py::arg("types"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
+  m.def("qdequant", &qdequant);
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("rope_store", &rope_store);

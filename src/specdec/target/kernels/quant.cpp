@@ -1,0 +1,387 @@
+// Linears on GGUF-quantized weights, read in the file's own block formats (never de-quantized to a float
+// matrix): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256).
+//
+// Each activation row is quantized on its own to int8 (like llama.cpp's Q8_0 / Q8_K activations): blocks
+// of 32 with one fp32 scale for the 32-blocks, blocks of 256 with one scale and sums per 16 for K-quants.
+// A weight block's integer codes meet the row's int8 codes in integer dot products (vpmaddubsw/vpmaddwd),
+// which are exact whatever their order; per block, fp32 scales are then applied by FMA into eight fp32
+// lanes in block order, and the lanes are summed in one fixed order. So every output (n, o) is the same
+// sequence of operations whatever else shares the call: batch invariant by construction.
+//
+// Weight rows are decoded block by block into small L1 buffers (codes as bytes, integer sub-scales as
+// int16 vectors) once per output, then every activation row of the call reuses them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Type : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+int block_elems(int t) { return t >= Q4_K ? 256 : 32; }
+int block_bytes(int t) {
+  switch (t) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+bool kquant(int t) { return t >= Q4_K; }
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// ---- activations ---------------------------------------------------------------------------------------
+// One row of K floats -> int8 codes q, with per-block scale d (x ~ q * d); B = 32 or 256.
+// 32-blocks also keep s = d * sum(q) (the offset formats' term); 256-blocks keep int16 sums per 16.
+struct Acts {
+  int64_t N = 0, K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d32, s32, d256;
+  std::vector<int16_t> bsum;
+  bool has32 = false, has256 = false;
+};
+
+void quantize_row(const float* x, int64_t K, int B, int8_t* q, float* d) {
+  for (int64_t b = 0; b < K / B; b++) {
+    const float* xb = x + b * B;
+    float amax = 0.f;
+    for (int j = 0; j < B; j++) amax = std::max(amax, std::fabs(xb[j]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    d[b] = amax / 127.f;
+    for (int j = 0; j < B; j++) q[b * B + j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+  }
+}
+
+// ---- weights, decoded per block into an L1 buffer ------------------------------------------------------
+// K-quant super-block: value_j = D * sc[j/16] * c_j - M * m[j/16]; c unsigned bytes.
+struct SuperBlock {
+  alignas(32) uint8_t c[256];
+  alignas(32) int16_t sc[8][16];  // per 32 codes: lanes 0-7 the first 16's scale, 8-15 the second's
+  alignas(32) int16_t m[16];      // offset per 16 (multiplies the activation sums per 16)
+  float D, M;
+};
+
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+inline void set_scales(SuperBlock& s, const int16_t* sc16) {
+  for (int k = 0; k < 8; k++)
+    for (int l = 0; l < 16; l++) s.sc[k][l] = sc16[2 * k + l / 8];
+}
+
+void decode_q4k(const uint8_t* b, SuperBlock& s) {
+  s.D = h2f(b);
+  s.M = h2f(b + 2);
+  int16_t sc16[16];
+  for (int j = 0; j < 8; j++) {
+    uint8_t sc, m;
+    scale_min_k4(j, b + 4, &sc, &m);
+    sc16[2 * j] = sc16[2 * j + 1] = sc;
+    s.m[2 * j] = s.m[2 * j + 1] = m;
+  }
+  set_scales(s, sc16);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 4; c++) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.c + 64 * c), _mm256_and_si256(v, lo4));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.c + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
+  }
+}
+
+void decode_q5k(const uint8_t* b, SuperBlock& s) {
+  s.D = h2f(b);
+  s.M = h2f(b + 2);
+  int16_t sc16[16];
+  for (int j = 0; j < 8; j++) {
+    uint8_t sc, m;
+    scale_min_k4(j, b + 4, &sc, &m);
+    sc16[2 * j] = sc16[2 * j + 1] = sc;
+    s.m[2 * j] = s.m[2 * j + 1] = m;
+  }
+  set_scales(s, sc16);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  for (int c = 0; c < 4; c++) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
+    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one);
+    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.c + 64 * c),
+                       _mm256_or_si256(_mm256_and_si256(v, lo4), _mm256_slli_epi16(h0, 4)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.c + 64 * c + 32),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), _mm256_slli_epi16(h1, 4)));
+  }
+}
+
+void decode_q6k(const uint8_t* b, SuperBlock& s) {
+  s.D = s.M = h2f(b + 208);
+  int16_t sc16[16];
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int j = 0; j < 16; j++) {
+    sc16[j] = sc[j];
+    s.m[j] = static_cast<int16_t>(32 * sc[j]);  // codes are stored + 32
+  }
+  set_scales(s, sc16);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; h++) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i bb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    auto hi = [&](int shift) {
+      return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4);
+    };
+    uint8_t* out = s.c + 128 * h;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(_mm256_and_si256(a, lo4), hi(0)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_or_si256(_mm256_and_si256(bb, lo4), hi(2)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 64),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), hi(4)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 96),
+                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bb, 4), lo4), hi(6)));
+  }
+}
+
+void decode_k(int t, const uint8_t* b, SuperBlock& s) {
+  if (t == Q4_K) decode_q4k(b, s);
+  else if (t == Q5_K) decode_q5k(b, s);
+  else decode_q6k(b, s);
+}
+
+// 32-block: value_j = D * c_j + Moff; c unsigned bytes (Q8_0: signed, Moff = 0).
+struct Block32 {
+  alignas(32) uint8_t c[32];
+  float D, Moff;
+};
+
+void decode_32(int t, const uint8_t* b, Block32& s) {
+  const float d = h2f(b);
+  s.D = d;
+  if (t == Q8_0) {
+    std::memcpy(s.c, b + 2, 32);
+    s.Moff = 0.f;
+    return;
+  }
+  const uint8_t* qs;
+  uint32_t qh = 0;
+  switch (t) {
+    case Q4_0: qs = b + 2; s.Moff = -8.f * d; break;
+    case Q4_1: qs = b + 4; s.Moff = h2f(b + 2); break;
+    case Q5_0: std::memcpy(&qh, b + 2, 4); qs = b + 6; s.Moff = -16.f * d; break;
+    default: std::memcpy(&qh, b + 4, 4); qs = b + 8; s.Moff = h2f(b + 2); break;  // Q5_1
+  }
+  for (int j = 0; j < 16; j++) {
+    s.c[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    s.c[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+
+// the eight lanes in one fixed order
+inline float hsum(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+// one output of one weight row over N activation rows
+void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<SuperBlock>& buf, float* y, int64_t ystride,
+           int64_t N) {
+  const int64_t nb = K / 256;
+  for (int64_t i = 0; i < nb; i++) decode_k(t, row + i * block_bytes(t), buf[i]);
+  for (int64_t n = 0; n < N; n++) {
+    const int8_t* xq = a.q.data() + n * K;
+    const float* xd = a.d256.data() + n * nb;
+    const int16_t* bs = a.bsum.data() + n * (K / 16);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+      const SuperBlock& s = buf[i];
+      __m256i isum = _mm256_setzero_si256();
+      for (int k = 0; k < 8; k++) {
+        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c + 32 * k));
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 256 + 32 * k));
+        const __m256i p = _mm256_maddubs_epi16(w, x);  // |pair| <= 2 * 63 * 127: no saturation
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.sc[k]))));
+      }
+      const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + i * 16)),
+                                             _mm256_load_si256(reinterpret_cast<const __m256i*>(s.m)));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s.D * xd[i]), acc);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-s.M * xd[i]), acc);
+    }
+    y[n * ystride] = hsum(acc);
+  }
+}
+
+void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<Block32>& buf, float* y, int64_t ystride,
+            int64_t N) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < nb; i++) decode_32(t, row + i * block_bytes(t), buf[i]);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const bool sgn = t == Q8_0;
+  for (int64_t n = 0; n < N; n++) {
+    const int8_t* xq = a.q.data() + n * K;
+    const float* xd = a.d32.data() + n * nb;
+    const float* xs = a.s32.data() + n * nb;
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    for (int64_t i = 0; i < nb; i++) {
+      const Block32& s = buf[i];
+      __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c));
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
+      if (sgn) {  // signed codes: |w| * (x with w's sign)
+        x = _mm256_sign_epi8(x, w);
+        w = _mm256_sign_epi8(w, w);
+      }
+      const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s.D * xd[i]), acc);
+      off = off + s.Moff * xs[i];
+    }
+    y[n * ystride] = hsum(acc) + off;
+  }
+}
+
+void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need256, Acts& a) {
+  a.N = N;
+  a.K = K;
+  a.has32 = need32;
+  a.has256 = need256;
+  a.q.resize(N * K);  // one layout per call: qlinear refuses to mix block families
+  if (need32) {
+    a.d32.resize(N * (K / 32));
+    a.s32.resize(N * (K / 32));
+  }
+  if (need256) {
+    a.d256.resize(N * (K / 256));
+    a.bsum.resize(N * (K / 16));
+  }
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; n++) {
+      const float* xr = x + n * K;
+      int8_t* q = a.q.data() + n * K;
+      if (need256) {
+        quantize_row(xr, K, 256, q, a.d256.data() + n * (K / 256));
+        for (int64_t g = 0; g < K / 16; g++) {
+          int s = 0;
+          for (int j = 0; j < 16; j++) s += q[g * 16 + j];
+          a.bsum[n * (K / 16) + g] = static_cast<int16_t>(s);
+        }
+      }
+      if (need32) {
+        quantize_row(xr, K, 32, q, a.d32.data() + n * (K / 32));
+        for (int64_t b = 0; b < K / 32; b++) {
+          int s = 0;
+          for (int j = 0; j < 32; j++) s += q[b * 32 + j];
+          a.s32[n * (K / 32) + b] = a.d32[n * (K / 32) + b] * static_cast<float>(s);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [..., K] fp32; ws: weights [O_i, K / block * bytes] uint8 in GGUF layout, types: their GGML type ids;
+// the outputs of all segments side by side -> [..., sum O_i] (+ bias, then + residual when given).
+torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be fp32 on the CPU");
+  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one type per weight");
+  const int64_t K = x.size(-1);
+  int64_t O = 0;
+  bool k32 = false, k256 = false;
+  for (size_t i = 0; i < ws.size(); i++) {
+    const int t = static_cast<int>(types[i]);
+    TORCH_CHECK(block_bytes(t) > 0, "unsupported weight type ", t);
+    TORCH_CHECK(K % block_elems(t) == 0, "K must be a multiple of the block size");
+    TORCH_CHECK(ws[i].scalar_type() == torch::kUInt8 && ws[i].is_contiguous() && ws[i].dim() == 2 &&
+                    ws[i].size(1) == K / block_elems(t) * block_bytes(t),
+                "weights do not match x");
+    (kquant(t) ? k256 : k32) = true;
+    O += ws[i].size(0);
+  }
+  TORCH_CHECK(!(k32 && k256), "one call mixes 32-block and K-quant weights");
+  const auto xs = x.reshape({-1, K}).contiguous();
+  const int64_t N = xs.size(0);
+  Acts acts;
+  quantize_acts(xs.data_ptr<float>(), N, K, k32, k256, acts);
+  auto y = torch::empty({N, O}, x.options());
+  float* yp = y.data_ptr<float>();
+  // segment starts, so one parallel loop covers every output row of every segment
+  std::vector<int64_t> start(ws.size() + 1, 0);
+  for (size_t i = 0; i < ws.size(); i++) start[i + 1] = start[i] + ws[i].size(0);
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K / 8));
+  at::parallel_for(0, O, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<SuperBlock> kb(k256 ? K / 256 : 0);
+    std::vector<Block32> b32(k32 ? K / 32 : 0);
+    size_t seg = 0;
+    for (int64_t o = lo; o < hi; o++) {
+      while (o >= start[seg + 1]) seg++;
+      const int t = static_cast<int>(types[seg]);
+      const uint8_t* row = ws[seg].data_ptr<uint8_t>() + (o - start[seg]) * ws[seg].size(1);
+      if (kquant(t)) dot_k(t, row, K, acts, kb, yp + o, O, N);
+      else dot_32(t, row, K, acts, b32, yp + o, O, N);
+    }
+  });
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == O, "bias must be fp32 [O]");
+    y.add_(*bias);
+  }
+  if (residual.has_value()) y = residual->reshape({-1, O}) + y;  // the layer's skip, added last
+  auto shape = x.sizes().vec();
+  shape.back() = O;
+  return y.view(shape);
+}
+
+// rows of a GGUF-quantized matrix [R, bytes] as fp32 [len(ids), K] (embedding lookups, tests)
+torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {
+  const int t = static_cast<int>(type);
+  TORCH_CHECK(block_bytes(t) > 0 && K % block_elems(t) == 0, "unsupported type or K");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == K / block_elems(t) * block_bytes(t));
+  const auto idx = ids.to(torch::kLong).contiguous();
+  const int64_t n = idx.numel();
+  auto out = torch::empty({n, K}, torch::kFloat);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; r++) TORCH_CHECK(ip[r] >= 0 && ip[r] < w.size(0), "row index out of range");
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    SuperBlock s;
+    Block32 b;
+    for (int64_t r = lo; r < hi; r++) {
+      const uint8_t* row = w.data_ptr<uint8_t>() + ip[r] * w.size(1);
+      float* y = out.data_ptr<float>() + r * K;
+      if (kquant(t)) {
+        for (int64_t i = 0; i < K / 256; i++) {
+          decode_k(t, row + i * block_bytes(t), s);
+          for (int j = 0; j < 256; j++)
+            y[i * 256 + j] = s.D * static_cast<float>(s.sc[j / 32][(j % 32) / 16 * 8]) * static_cast<float>(s.c[j]) -
+                             s.M * static_cast<float>(s.m[j / 16]);
+        }
+      } else {
+        for (int64_t i = 0; i < K / 32; i++) {
+          decode_32(t, row + i * block_bytes(t), b);
+          for (int j = 0; j < 32; j++) {
+            const float c = t == Q8_0 ? static_cast<float>(static_cast<int8_t>(b.c[j])) : static_cast<float>(b.c[j]);
+            y[i * 32 + j] = b.D * c + b.Moff;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
