@@ -18,6 +18,7 @@ from specdec.errors import SpecdecError
 from specdec.options import option
 from specdec.sampling import SamplingParams
 from specdec.slot import Slot
+from specdec.target.gguf import GGUFModel
 from specdec.target.loading import Runtime, eos_ids, load_model, make_runner
 
 Messages = Sequence[dict]
@@ -211,9 +212,11 @@ def load(
     if spec.needs_draft and draft is None:
         raise SpecdecError(f"method {method!r} needs a draft model: pass draft=<HF dir or .gguf>")
     rt.apply()
-    model, tok, _ = load_model(target, rt.device, rt.torch_dtype())
+    model, tok, _ = load_model(target, rt.device, rt.torch_dtype(), rt.weights)
+    if rt.weights is None and isinstance(model, GGUFModel):
+        rt = rt.model_copy(update={"weights": "gguf"})
     draft_model = draft_tok = None
-    if spec.needs_draft:
+    if spec.needs_draft or (spec.takes_draft and draft is not None):
         draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, rt.torch_dtype())
     return from_models(model, tok, method, draft_model, draft_tok, rt.backend, weights=rt.weights, **opts)
 

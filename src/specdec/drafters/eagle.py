@@ -29,6 +29,8 @@ from specdec.heads.runner import HeadRunner
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
 from specdec.target import stream
+from specdec.target.gguf import QuantTensor
+from specdec.target.packed import GGUF
 from specdec.tree import (
     DraftTree,
     NodeSlots,
@@ -288,8 +290,10 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
 
     embed = model.get_input_embeddings().weight
     p = next(model.parameters())
+    target_lm = model.get_output_embeddings().weight
+    target_lm = target_lm.dequantize() if isinstance(target_lm, QuantTensor) else target_lm  # its rows, in fp32
     head = load_head(head_dir, hidden_size=runner.hidden_size, vocab_size=embed.shape[0], device=p.device,
-                     dtype=p.dtype, target_lm_head=model.get_output_embeddings().weight)
+                     dtype=p.dtype, target_lm_head=target_lm)
     if opts.full_vocab and head.d2t is not None:
         # ablation: the same head over the whole target vocabulary. Only meaningful when its rows are
         # the target's own (trained frozen), so that the reduced head is a pure restriction of this one.
@@ -302,7 +306,7 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
         # head stores its weights in another precision (then the full head is those rows, rounded alike)
         lm = getattr(runner, "lm_head", None)
         if not callable(lm) or isinstance(lm, torch.nn.Module) or weights != getattr(runner, "weights", None):
-            lm = model.get_output_embeddings().weight
+            lm = model.get_output_embeddings().weight  # a GGUF file's: its quantized blocks, on their kernel
     return HeadRunner(head, embed, lm, weights=weights), str(head_dir)
 
 
@@ -312,7 +316,7 @@ def draft_weights(runner, head) -> str | None:
     (0.82 -> 0.48 ms per step for SmolLM2's head, docs/benchmarks.md); only the target's LM head rows are
     rounded, which moves draft scores, never what is accepted."""
     weights = getattr(runner, "weights", None)
-    if weights not in (None, "fp32") or stream.kernel() is None:
+    if weights not in (None, "fp32", GGUF) or stream.kernel() is None:
         return weights
     top = max(float(p.detach().abs().max()) for p in head.parameters())
     return "fp16" if top < 6e4 else weights  # fp16 overflows past 65504

@@ -27,12 +27,21 @@ def fingerprint_matches(a: dict, b: dict) -> bool:
 
 def find_shipped_head(model, kind: str = "eagle") -> Path | None:
     """The shipped head dir of this kind ("eagle" or "medusa") trained on this target, else None."""
-    fp = target_fingerprint(model)
+    fp = None
     for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
         try:
             meta = json.loads(cfg.read_text()).get("specdec", {})
         except (OSError, ValueError):
             continue
-        if meta.get("kind") == kind and fingerprint_matches(meta.get("target", {}), fp):
+        if meta.get("kind") != kind or not _shape_matches(meta.get("target", {}), model):
+            continue
+        fp = fp or target_fingerprint(model)  # reads the whole embedding table: only for a candidate
+        if fingerprint_matches(meta.get("target", {}), fp):
             return cfg.parent
     return None
+
+
+def _shape_matches(target: dict, model) -> bool:
+    cfg = model.config
+    return (target.get("model_type"), target.get("hidden_size"), target.get("num_hidden_layers")) == (
+        cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers)

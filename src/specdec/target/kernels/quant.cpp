@@ -75,32 +75,32 @@ struct SuperBlock {
   float D, M;
 };
 
-inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K/Q5_K's twelve bytes of 6-bit scales and mins -> sc[8], m[8] (llama.cpp's k_quants layout)
+inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  uint32_t u[3], o[4];
+  std::memcpy(u, q, 12);
+  o[0] = u[0] & 0x3f3f3f3f;                                            // sc0..3
+  o[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);      // sc4..7
+  o[2] = u[1] & 0x3f3f3f3f;                                            // m0..3
+  o[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // m4..7
+  std::memcpy(sc, o, 8);
+  std::memcpy(m, o + 2, 8);
 }
 
-inline void set_scales(SuperBlock& s, const int16_t* sc16) {
+// per 32 codes one scale (Q4_K, Q5_K): both halves of the vector alike; the mins per 16, each twice
+inline void set_scales_32(SuperBlock& s, const uint8_t* sc, const uint8_t* m) {
   for (int k = 0; k < 8; k++)
-    for (int l = 0; l < 16; l++) s.sc[k][l] = sc16[2 * k + l / 8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.sc[k]), _mm256_set1_epi16(sc[k]));
+  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s.m), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));
 }
 
 void decode_q4k(const uint8_t* b, SuperBlock& s) {
   s.D = h2f(b);
   s.M = h2f(b + 2);
-  int16_t sc16[16];
-  for (int j = 0; j < 8; j++) {
-    uint8_t sc, m;
-    scale_min_k4(j, b + 4, &sc, &m);
-    sc16[2 * j] = sc16[2 * j + 1] = sc;
-    s.m[2 * j] = s.m[2 * j + 1] = m;
-  }
-  set_scales(s, sc16);
+  uint8_t sc[8], m[8];
+  scales_mins_k4(b + 4, sc, m);
+  set_scales_32(s, sc, m);
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; c++) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
@@ -112,14 +112,9 @@ void decode_q4k(const uint8_t* b, SuperBlock& s) {
 void decode_q5k(const uint8_t* b, SuperBlock& s) {
   s.D = h2f(b);
   s.M = h2f(b + 2);
-  int16_t sc16[16];
-  for (int j = 0; j < 8; j++) {
-    uint8_t sc, m;
-    scale_min_k4(j, b + 4, &sc, &m);
-    sc16[2 * j] = sc16[2 * j + 1] = sc;
-    s.m[2 * j] = s.m[2 * j + 1] = m;
-  }
-  set_scales(s, sc16);
+  uint8_t sc[8], m[8];
+  scales_mins_k4(b + 4, sc, m);
+  set_scales_32(s, sc, m);
   const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
   for (int c = 0; c < 4; c++) {
@@ -135,13 +130,12 @@ void decode_q5k(const uint8_t* b, SuperBlock& s) {
 
 void decode_q6k(const uint8_t* b, SuperBlock& s) {
   s.D = s.M = h2f(b + 208);
-  int16_t sc16[16];
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  for (int j = 0; j < 16; j++) {
-    sc16[j] = sc[j];
-    s.m[j] = static_cast<int16_t>(32 * sc[j]);  // codes are stored + 32
-  }
-  set_scales(s, sc16);
+  for (int k = 0; k < 8; k++)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.sc[k]),
+                       _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k])));
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s.m), _mm256_slli_epi16(sc16, 5));  // codes are stored + 32
   const __m256i lo4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   for (int h = 0; h < 2; h++) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
@@ -172,26 +166,41 @@ struct Block32 {
   float D, Moff;
 };
 
+// 32 bits -> 32 bytes, 0x10 where the bit is set (the fifth bit of Q5_0/Q5_1 codes)
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> codes 0..15 (low nibbles first)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
+}
+
 void decode_32(int t, const uint8_t* b, Block32& s) {
   const float d = h2f(b);
   s.D = d;
-  if (t == Q8_0) {
-    std::memcpy(s.c, b + 2, 32);
-    s.Moff = 0.f;
-    return;
-  }
-  const uint8_t* qs;
-  uint32_t qh = 0;
+  __m256i c;
+  uint32_t qh;
   switch (t) {
-    case Q4_0: qs = b + 2; s.Moff = -8.f * d; break;
-    case Q4_1: qs = b + 4; s.Moff = h2f(b + 2); break;
-    case Q5_0: std::memcpy(&qh, b + 2, 4); qs = b + 6; s.Moff = -16.f * d; break;
-    default: std::memcpy(&qh, b + 4, 4); qs = b + 8; s.Moff = h2f(b + 2); break;  // Q5_1
+    case Q8_0: c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); s.Moff = 0.f; break;
+    case Q4_0: c = nibbles(b + 2); s.Moff = -8.f * d; break;
+    case Q4_1: c = nibbles(b + 4); s.Moff = h2f(b + 2); break;
+    case Q5_0:
+      std::memcpy(&qh, b + 2, 4);
+      c = _mm256_or_si256(nibbles(b + 6), fifth_bits(qh));
+      s.Moff = -16.f * d;
+      break;
+    default:  // Q5_1
+      std::memcpy(&qh, b + 4, 4);
+      c = _mm256_or_si256(nibbles(b + 8), fifth_bits(qh));
+      s.Moff = h2f(b + 2);
+      break;
   }
-  for (int j = 0; j < 16; j++) {
-    s.c[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
-    s.c[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s.c), c);
 }
 
 // the eight lanes in one fixed order

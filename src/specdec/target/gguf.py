@@ -1,0 +1,227 @@
+"""A GGUF file's weights as the file stores them: quantized matrices stay in their block format, mapped
+from the file (never de-quantized to a float copy), and run on kernels/quant.cpp.
+
+`GGUFModel` stands where an HF model stands for the lean runner (config, decoder layers, embeddings,
+norms, rotary module), with `QuantTensor`s in place of the quantized weight tensors. The decoded model
+is the file's weights with every activation row quantized to int8 before each linear (as llama.cpp
+computes it); decoding is lossless relative to that model, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdec.errors import SpecdecError
+from specdec.target import stream
+
+# GGML type ids (gguf.GGMLQuantizationType) the kernel reads, with (elements, bytes) per block
+QUANT_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+               8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+class QuantTensor:
+    """A quantized matrix [O, K]: `data` uint8 [O, K / block * bytes], rows in GGUF's block layout."""
+
+    def __init__(self, data: torch.Tensor, qtype: int, k: int) -> None:
+        self.data, self.qtype, self.shape = data, qtype, (data.shape[0], k)
+
+    @property
+    def type_name(self) -> str:
+        return QUANT_TYPES[self.qtype][0]
+
+    @property
+    def family(self) -> int:  # activation block size the kernel pairs it with
+        return QUANT_TYPES[self.qtype][1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """These rows de-quantized to fp32 [len(ids), K] (an embedding lookup)."""
+        return stream.kernel().qdequant(self.data, self.qtype, self.shape[1], ids.reshape(-1).cpu())
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix in fp32 (heads that need the float embedding; tests)."""
+        return self.rows(torch.arange(self.shape[0]))
+
+    def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
+        return QuantTensor(self.data[perm].contiguous(), self.qtype, self.shape[1])
+
+
+class QuantWeight:
+    """y = x W^T + b over one or more QuantTensors side by side (fused q/k/v may mix formats); every
+    call quantizes x once per activation block size. Same call shape as stream.StreamWeight."""
+
+    def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None) -> None:
+        self.parts = parts
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.groups: list[tuple[list[torch.Tensor], list[int], int]] = []  # (weights, types, family)
+        for p in parts:  # consecutive parts of one block family share a kernel call
+            if self.groups and self.groups[-1][2] == p.family:
+                self.groups[-1][0].append(p.data)
+                self.groups[-1][1].append(p.qtype)
+            else:
+                self.groups.append(([p.data], [p.qtype], p.family))
+        self._kernel = stream.kernel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        k = self._kernel
+        if len(self.groups) == 1:
+            ws, ts, _ = self.groups[0]
+            return k.qlinear(x, ws, ts, self.bias, residual)
+        y = torch.cat([k.qlinear(x, ws, ts) for ws, ts, _ in self.groups], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
+
+
+def cat_rows(weights: list) -> torch.Tensor | list[QuantTensor]:
+    """Matrices stacked along their outputs: a tensor for float weights, the parts for quantized ones."""
+    if any(isinstance(w, QuantTensor) for w in weights):
+        if not all(isinstance(w, QuantTensor) for w in weights):
+            raise SpecdecError("a fused linear mixes quantized and float weights in this GGUF file")
+        return list(weights)
+    return torch.cat(weights)
+
+
+class _Embedding:
+    """get_input_embeddings() of a GGUFModel: `.weight` de-quantized on first use only (an EAGLE head
+    reads the float table; the runner itself looks rows up in the quantized one)."""
+
+    def __init__(self, table) -> None:
+        self.table = table
+
+    @functools.cached_property
+    def weight(self) -> torch.Tensor:
+        return self.table.dequantize() if isinstance(self.table, QuantTensor) else self.table
+
+
+class GGUFModel:
+    """What the lean runner and the drafters read from a model, over a GGUF file's own tensors."""
+
+    def __init__(self, path: Path, config, generation_config=None) -> None:
+        import gguf
+
+        if stream.kernel() is None:
+            raise SpecdecError("weights=gguf needs the streaming kernels (x86-64 with AVX2 and a C++ compiler); "
+                               "use weights=fp32 or int8")
+        self.path, self.config, self.generation_config = path, config, generation_config
+        self.name_or_path = str(path)
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as e:
+            raise SpecdecError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
+        arch = str(config.model_type)
+        if arch not in ARCHS:
+            raise SpecdecError(f"weights=gguf runs {', '.join(ARCHS)} models; {path} is {arch!r} (use weights=fp32)")
+        tensors = {t.name: t for t in reader.tensors}
+        self._reader = reader  # keeps the file mapped: the weights are views of it
+        get = functools.partial(_tensor, tensors, path)
+        cfg = config
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        permute = arch in ("llama", "mistral")  # llama.cpp's converter interleaves these archs' q/k rows
+
+        def layer(i: int) -> SimpleNamespace:
+            p = f"blk.{i}."
+            q, k = get(p + "attn_q.weight"), get(p + "attn_k.weight")
+            if permute:
+                q = _unpermute(q, cfg.num_attention_heads)
+                k = _unpermute(k, cfg.num_key_value_heads)
+            proj = lambda w, b=None: SimpleNamespace(weight=w, bias=b)  # noqa: E731
+            attn = SimpleNamespace(
+                head_dim=hd, q_proj=proj(q, get(p + "attn_q.bias", True)), k_proj=proj(k, get(p + "attn_k.bias", True)),
+                v_proj=proj(get(p + "attn_v.weight"), get(p + "attn_v.bias", True)),
+                o_proj=proj(get(p + "attn_output.weight"), get(p + "attn_output.bias", True)))
+            mlp = SimpleNamespace(gate_proj=proj(get(p + "ffn_gate.weight")), up_proj=proj(get(p + "ffn_up.weight")),
+                                  down_proj=proj(get(p + "ffn_down.weight")))
+            return SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=SimpleNamespace(weight=get(p + "attn_norm.weight")),
+                                   post_attention_layernorm=SimpleNamespace(weight=get(p + "ffn_norm.weight")))
+
+        embed = get("token_embd.weight")
+        out = get("output.weight", True)
+        self._embed = _Embedding(embed)
+        self._head = SimpleNamespace(weight=out if out is not None else embed, bias=None)
+        self._norm = get("output_norm.weight")
+        self._decoder = SimpleNamespace(embed_tokens=SimpleNamespace(weight=embed),
+                                        layers=[layer(i) for i in range(cfg.num_hidden_layers)],
+                                        norm=SimpleNamespace(weight=self._norm), rotary_emb=_rotary(cfg))
+
+    def get_decoder(self):
+        return self._decoder
+
+    def get_input_embeddings(self) -> _Embedding:
+        return self._embed
+
+    def get_output_embeddings(self):
+        return self._head
+
+    def parameters(self):
+        """The float tensors (norms): what callers read device and dtype from."""
+        yield self._norm
+
+    def eval(self) -> GGUFModel:
+        return self
+
+    @property
+    def weight_types(self) -> dict[str, int]:
+        """How many matrices of each format the file's decoder and head use."""
+        out: dict[str, int] = {}
+        mats = [self._head.weight] + [w for lay in self._decoder.layers for w in (
+            lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight, lay.self_attn.v_proj.weight,
+            lay.self_attn.o_proj.weight, lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight, lay.mlp.down_proj.weight)]
+        for w in mats:
+            name = w.type_name if isinstance(w, QuantTensor) else str(w.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+def _tensor(tensors: dict, path: Path, name: str, optional: bool = False):
+    t = tensors.get(name)
+    if t is None:
+        if optional:
+            return None
+        raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2 GGUF file")
+    qtype = int(t.tensor_type)
+    with warnings.catch_warnings():  # the file is mapped read-only, and nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.asarray(t.data))
+    if qtype in QUANT_TYPES:
+        k = int(t.shape[0])  # GGUF lists dimensions innermost first
+        if data.dim() != 2:
+            raise SpecdecError(f"{path}: {name} is not a matrix")
+        return QuantTensor(data, qtype, k)
+    if qtype in FLOAT_TYPES:
+        return data.to(torch.float32).clone()  # norms, biases, small float matrices
+    raise SpecdecError(f"{path}: {name} is stored as {t.tensor_type.name}, which weights=gguf does not read "
+                       f"(it reads {', '.join(v[0] for v in QUANT_TYPES.values())}, F32, F16); use weights=fp32")
+
+
+def _unpermute(w, n_head: int):
+    """Undo llama.cpp's q/k row interleaving (transformers' reverse permutation, as a row order)."""
+    rows = w.shape[0]
+    perm = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+    return w.permute_rows(perm) if isinstance(w, QuantTensor) else w[perm]
+
+
+def _rotary(cfg) -> nn.Module:
+    """The model family's own rotary module for this config (tables computed as the HF model does)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    return type(skeleton.get_decoder().rotary_emb)(config=cfg)

@@ -1,0 +1,188 @@
+"""GGUF files on their own quantized weights (target/gguf.py, kernels/quant.cpp): every format the kernel
+reads matches its de-quantized reference, every row of a forward is bit-identical to that row alone (N =
+1, 8, 64), so speculative decoding equals vanilla exactly (greedy) and keeps the target's distribution
+(chi-square) on each format; loading never builds a float copy of the weights."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdec.drafters.base import NoDrafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.target import stream
+from specdec.target.base import tree_mask
+from specdec.target.gguf import QuantTensor, QuantWeight
+from specdec.target.lean import LeanRunner
+from specdec.tree import DraftTree, TreeBudget
+from tests.gguf_files import FORMATS, gguf_runner, random_blocks, tiny_gguf
+from tests.test_engine import PROMPTS, SMALL_V, run, sample_first3
+from tests.test_precision import runner_first3
+from tests.test_verify import chi2_pvalue
+
+pytestmark = pytest.mark.skipif(stream.kernel() is None, reason="needs the streaming kernels (x86-64, AVX2)")
+
+
+def qtensor(fmt, rows, k, seed=0):
+    qt = GGMLQuantizationType[fmt]
+    blocks = random_blocks(qt, rows, k, np.random.default_rng(seed))
+    return QuantTensor(torch.from_numpy(blocks), int(qt), k), dequantize(blocks, qt).astype(np.float64)
+
+
+def act_quantized(x: np.ndarray, block: int) -> np.ndarray:
+    """The activations as the kernel sees them: int8 codes per block of `block`, scale max|x| / 127."""
+    xb = x.reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_matches_its_dequantized_reference(fmt):
+    w, ref_w = qtensor(fmt, 40, 512)
+    assert np.array_equal(w.dequantize().numpy(), ref_w.astype(np.float32))  # the gguf package's own decoding
+    x = np.random.default_rng(1).standard_normal((9, 512)).astype(np.float32)
+    x[4] *= 1000  # an outlier row must not coarsen the other rows' quantization
+    y = QuantWeight([w], None)(torch.from_numpy(x)).numpy()
+    ref = act_quantized(x, w.family).astype(np.float64) @ ref_w.T
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
+    assert np.abs(y - x @ ref_w.T).max() / np.abs(ref).max() < 0.05  # and close to the float product
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_row_is_bit_identical_to_that_row_alone(fmt):
+    """N = 1, 8, 64 rows, with bias and residual, and fused parts of other formats of the same family."""
+    other = {"Q4_0": "Q8_0", "Q4_1": "Q5_0", "Q5_0": "Q4_1", "Q5_1": "Q8_0", "Q8_0": "Q4_0",
+             "Q4_K": "Q6_K", "Q5_K": "Q4_K", "Q6_K": "Q5_K"}[fmt]
+    parts = [qtensor(fmt, 48, 512, 0)[0], qtensor(other, 16, 512, 1)[0], qtensor(fmt, 37, 512, 2)[0]]
+    g = torch.Generator().manual_seed(0)
+    lin = QuantWeight(parts, torch.randn(101, generator=g))
+    x, res = torch.randn(64, 512, generator=g), torch.randn(64, 101, generator=g)
+    alone = torch.cat([lin(x[i:i + 1], res[i:i + 1]) for i in range(64)])
+    for n in (1, 8, 64):
+        assert torch.equal(lin(x[:n], res[:n]), alone[:n]), n
+    mixed = QuantWeight([qtensor("Q4_K", 16, 512)[0], qtensor("Q8_0", 16, 512)[0]], None)  # two kernel calls
+    assert torch.equal(torch.cat([mixed(x[i:i + 1]) for i in range(8)]), mixed(x[:8]))
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def tiny(request, tmp_path_factory):
+    path, model = tiny_gguf(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", request.param, "llama")
+    return request.param, path, model
+
+
+def test_the_file_decodes_as_the_dequantized_model_does(tiny, tmp_path):
+    """Loading reads every tensor where llama.cpp's layout put it (llama's interleaved q/k rows
+    included): logits within activation-quantization error of the float model on the same weights."""
+    _, path, model = tiny
+    ids = torch.arange(3, 40)
+    got = gguf_runner(path, model).forward(ids).logits
+    ref = LeanRunner(model).forward(ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    qwen_path, qwen = tiny_gguf(tmp_path / "q.gguf", "Q4_K", "qwen2", seed=3)  # no interleave, q/k/v biases
+    got, ref = gguf_runner(qwen_path, qwen).forward(ids).logits, LeanRunner(qwen).forward(ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_a_tree_row_equals_decoding_its_path_bitwise(tiny):
+    _, path, model = tiny
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 97, (13,), generator=g).tolist()
+    tree = DraftTree(torch.randint(0, 97, (7,), generator=g), torch.tensor([-1, 0, 0, -1, 1, 3, 4]))
+
+    def prefilled():
+        r = gguf_runner(path, model)
+        r.forward(torch.tensor(prompt))
+        r.commit(range(len(prompt)))
+        return r
+
+    r = prefilled()
+    toks = torch.cat([torch.tensor([5]), tree.tokens])
+    out = r.forward(toks, r.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]),
+                    tree_mask(r.length, tree.ancestor_mask()))
+    for node in range(-1, len(tree)):
+        ref = prefilled()
+        for t in [5] + ([] if node < 0 else tree.tokens[tree.path_to(node)].tolist()):
+            last = ref.forward(torch.tensor([t])).logits[0]
+            ref.commit([0])
+        assert torch.equal(out.logits[node + 1], last), f"node {node}"
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_speculative_greedy_equals_vanilla_exactly(tiny, shape):
+    _, path, model = tiny
+    target = gguf_runner(path, model)
+    # the float model on the same weights drafts: close to the target, not equal to it
+    drafter = DraftModelDrafter(LeanRunner(model), target.vocab_size, 4,
+                                TreeBudget(4, 3, 10) if shape == "tree" else None)
+    taus = []
+    for prompt in PROMPTS:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 32)
+        got, stats = run(target, drafter, prompt, SamplingParams(), 32)
+        assert got == want
+        taus.append(stats.tau)
+    assert np.mean(taus) > 1.5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
+    path, model = tiny_gguf(tmp_path / "t.gguf", fmt, "llama", seed=5, vocab_size=SMALL_V, head_scale=1.5)
+    target = gguf_runner(path, model)
+    shape_tree = fmt in ("Q4_K", "Q4_0")  # a tree for one format of each family, chains for the rest
+    drafter = DraftModelDrafter(LeanRunner(model), SMALL_V, 3, TreeBudget(3, 2, 5) if shape_tree else None)
+    params = SamplingParams(0.9, top_k=4, top_p=0.95)
+    prompt = [1, 3, 0, 2]
+    counts, sizes = sample_first3(target, drafter, prompt, params, n=2000)
+    assert max(sizes) >= 3
+    exp = runner_first3(target, prompt, params, SMALL_V)
+    assert (exp > 0.01).sum() >= 8  # a distribution worth testing, not a point mass
+    assert chi2_pvalue(counts, exp) > 1e-3
+
+
+def test_weights_gguf_is_checked_before_anything_loads(tmp_path):
+    from specdec.target.loading import native_gguf
+
+    hf_dir = tmp_path / "m"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    with pytest.raises(SpecdecError, match="weights=gguf needs a .gguf file"):
+        native_gguf(hf_dir, "cpu", "gguf")
+    assert not native_gguf(hf_dir, "cpu", None)
+    assert native_gguf("smollm2", "cpu", None)  # a .gguf on the CPU: its own weights by default
+    assert not native_gguf("smollm2", "cpu", "int8")
+
+
+RSS_SCRIPT = """
+import json, resource, sys, torch
+from transformers import LlamaConfig
+from specdec.target.gguf import GGUFModel
+from specdec.target.lean import LeanRunner
+cfg = LlamaConfig(**json.loads(sys.argv[2]))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+r = LeanRunner(GGUFModel(sys.argv[1], cfg), weights="gguf", initial_capacity=64)
+r.forward(torch.arange(8))
+print(json.dumps({"base_kb": base, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_loading_maps_the_file_and_builds_no_float_copy(tmp_path):
+    """Peak memory grows by about the file's size, not the 7x of an fp32 copy."""
+    from tests.gguf_files import synthetic_gguf
+
+    kw = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=8,
+              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=False)
+    path = synthetic_gguf(tmp_path / "big.gguf", kw, "Q4_K")
+    size = path.stat().st_size
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(path), json.dumps(kw)], capture_output=True,
+                         text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    grown = (m["peak_kb"] - m["base_kb"]) * 1024
+    assert grown < 1.3 * size + 60e6, (grown, size)  # fp32 weights would be ~7 x size
