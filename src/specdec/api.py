@@ -217,7 +217,7 @@ def load(
         rt = rt.model_copy(update={"weights": "gguf"})
     draft_model = draft_tok = None
     if spec.needs_draft or (spec.takes_draft and draft is not None):
-        draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, rt.torch_dtype())
+        draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, rt.torch_dtype(), rt.weights)
     return from_models(model, tok, method, draft_model, draft_tok, rt.backend, weights=rt.weights, **opts)
 
 

@@ -162,7 +162,11 @@ def weight_bytes_per_token(model, weights: str | None = None) -> int:
     """Bytes of weights one decode step must stream: every parameter once (tied tensors once), except an
     input embedding table that is not also the LM head (a step reads one row of it). weights (a
     precision name): the matrices as the lean runner stores them at that precision."""
-    size = weight_bytes(weights) if weights else None
+    from specdec.target.gguf import GGUFModel
+
+    if isinstance(model, GGUFModel):  # its own blocks, whatever `weights` says
+        return model.streamed_bytes()
+    size = weight_bytes(weights) if weights and weights != "gguf" else None
 
     def nbytes(p):
         return p.numel() * (size if size and p.dim() == 2 else p.element_size())

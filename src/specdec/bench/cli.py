@@ -118,10 +118,10 @@ def cmd_bench(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # HF's per-call generate warnings would tear the progress bar
-    model, tok, _ = load_model(args.model, rt.device, rt.torch_dtype())
+    model, tok, _ = load_model(args.model, rt.device, rt.torch_dtype(), rt.weights)
     draft = dtok = None
-    if args.draft:
-        draft, dtok, _ = load_model(args.draft, next(model.parameters()).device)
+    if args.draft:  # a .gguf draft on its own blocks too, unless the run asks for another precision
+        draft, dtok, _ = load_model(args.draft, next(model.parameters()).device, None, rt.weights)
     if args.methods is None:
         _add_shipped_eagle(cfg, model)
     res = run_bench(cfg, qs, model, tok, draft, dtok, out, overwrite=args.overwrite)

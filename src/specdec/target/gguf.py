@@ -177,17 +177,26 @@ class GGUFModel:
     def eval(self) -> GGUFModel:
         return self
 
+    def streamed_bytes(self) -> int:
+        """Bytes of weights a decode step reads: every matrix of the decoder and the head once, the norms
+        (the embedding table only by one row, unless it is also the head)."""
+        mats = [self._head.weight] + [w for lay in self._decoder.layers for w in _matrices(lay)]
+        return sum(w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size() for w in mats)
+
     @property
     def weight_types(self) -> dict[str, int]:
         """How many matrices of each format the file's decoder and head use."""
         out: dict[str, int] = {}
-        mats = [self._head.weight] + [w for lay in self._decoder.layers for w in (
-            lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight, lay.self_attn.v_proj.weight,
-            lay.self_attn.o_proj.weight, lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight, lay.mlp.down_proj.weight)]
-        for w in mats:
+        for w in [self._head.weight] + [w for lay in self._decoder.layers for w in _matrices(lay)]:
             name = w.type_name if isinstance(w, QuantTensor) else str(w.dtype).removeprefix("torch.")
             out[name] = out.get(name, 0) + 1
         return out
+
+
+def _matrices(layer) -> tuple:
+    a, m = layer.self_attn, layer.mlp
+    return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m.gate_proj.weight,
+            m.up_proj.weight, m.down_proj.weight)
 
 
 def _tensor(tensors: dict, path: Path, name: str, optional: bool = False):

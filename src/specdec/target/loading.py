@@ -221,6 +221,9 @@ def make_runner(model, backend: str = "auto", weights: str | None = None):
 
     Runtime(backend=backend, weights=weights)  # checks both
     if isinstance(model, GGUFModel):
+        if weights not in (None, "gguf"):
+            raise SpecdecError(f"weights={weights}: this model was loaded on its GGUF file's own blocks; load it "
+                               f"with weights={weights} (a converted copy) to run it at that precision")
         if backend == "hf":
             raise SpecdecError("backend=hf cannot run a GGUF file's own weights: use backend auto or lean, or "
                                "weights=fp32")

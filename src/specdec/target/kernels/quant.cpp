@@ -69,8 +69,8 @@ void quantize_row(const float* x, int64_t K, int B, int8_t* q, float* d) {
 // ---- weights, decoded per block into an L1 buffer ------------------------------------------------------
 // K-quant super-block: value_j = D * sc[j/16] * c_j - M * m[j/16]; c unsigned bytes.
 struct SuperBlock {
-  alignas(32) uint8_t c[256];
-  alignas(32) int16_t sc[8][16];  // per 32 codes: lanes 0-7 the first 16's scale, 8-15 the second's
+  alignas(64) uint8_t c[256];
+  alignas(64) int16_t sc[8][16];  // per 32 codes: lanes 0-7 the first 16's scale, 8-15 the second's
   alignas(32) int16_t m[16];      // offset per 16 (multiplies the activation sums per 16)
   float D, M;
 };
@@ -131,10 +131,17 @@ void decode_q5k(const uint8_t* b, SuperBlock& s) {
 void decode_q6k(const uint8_t* b, SuperBlock& s) {
   s.D = s.M = h2f(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  for (int k = 0; k < 8; k++)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(s.sc[k]),
-                       _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k])));
   const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  // sc[k]: the low half sc16[2k] eight times, the high half sc16[2k+1]; a byte shuffle per k
+  const __m256i first = _mm256_permute4x64_epi64(sc16, 0x44), second = _mm256_permute4x64_epi64(sc16, 0xEE);
+  for (int k = 0; k < 8; k++) {
+    const int lo = (2 * k) % 8, hi = (2 * k + 1) % 8;
+    const __m256i pick = _mm256_setr_epi8(2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
+                                          2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
+                                          2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1,
+                                          2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s.sc[k]), _mm256_shuffle_epi8(k < 4 ? first : second, pick));
+  }
   _mm256_store_si256(reinterpret_cast<__m256i*>(s.m), _mm256_slli_epi16(sc16, 5));  // codes are stored + 32
   const __m256i lo4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
   for (int h = 0; h < 2; h++) {
@@ -222,6 +229,17 @@ void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<Supe
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
       const SuperBlock& s = buf[i];
+#ifdef __AVX512BW__
+      // two sub-blocks per instruction; adding the halves gives every lane the very integer the AVX2
+      // loop sums (integer sums are exact), so both builds give the same bits
+      __m512i wide = _mm512_setzero_si512();
+      for (int k = 0; k < 4; k++) {
+        const __m512i w = _mm512_load_si512(s.c + 64 * k);
+        const __m512i x = _mm512_loadu_si512(xq + i * 256 + 64 * k);
+        wide = _mm512_add_epi32(wide, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_load_si512(s.sc[2 * k])));
+      }
+      const __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
+#else
       __m256i isum = _mm256_setzero_si256();
       for (int k = 0; k < 8; k++) {
         const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c + 32 * k));
@@ -229,6 +247,7 @@ void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<Supe
         const __m256i p = _mm256_maddubs_epi16(w, x);  // |pair| <= 2 * 63 * 127: no saturation
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.sc[k]))));
       }
+#endif
       const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + i * 16)),
                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(s.m)));
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s.D * xd[i]), acc);
