@@ -21,7 +21,7 @@ from tests.conftest import tiny_model
 from tests.test_engine import PROMPTS, noisy_copy, run
 from tests.test_verify import chi2_pvalue
 
-PRECISIONS = ["fp32", "bf16", "fp16", "int8"]
+PRECISIONS = ["fp32", "bf16", "fp16", "int8", "int4"]
 
 
 def long_model(family="llama", seed=0, **kw):
@@ -94,7 +94,7 @@ def test_reduced_precisions_stay_close_to_fp32_and_differ_from_it():
     model = long_model("llama", seed=6)
     prompt = list(range(5, 45))
     ref = LeanRunner(model).forward(torch.tensor(prompt)).logits
-    for weights, tol in [("bf16", 0.05), ("fp16", 0.01), ("int8", 0.1)]:
+    for weights, tol in [("bf16", 0.05), ("fp16", 0.01), ("int8", 0.1), ("int4", 0.3)]:
         got = LeanRunner(model, weights=weights, exact=True).forward(torch.tensor(prompt)).logits
         rel = ((got - ref).norm() / ref.norm()).item()
         assert 0 < rel < tol, (weights, rel)  # a different model (rel > 0), and a close one
@@ -158,7 +158,7 @@ def test_weights_are_checked_and_need_the_lean_runner(monkeypatch):
     from specdec.target import stream
 
     with pytest.raises(SpecdecError, match="weights"):
-        Runtime(weights="int4")
+        Runtime(weights="int3")
     with pytest.raises(SpecdecError, match="weights=int8 needs the lean runner"):
         make_runner(tiny_model("llama"), "hf", "int8")
     assert make_runner(tiny_model("llama"), "auto", "int8").weights == "int8"

@@ -121,9 +121,10 @@ class Runtime(Options):
         None, "weight dtype (default: float32 on CPU, bfloat16 on CUDA)", shown="float32 on CPU")
     backend: Literal["auto", "lean", "hf"] = option("auto", "target runner: lean (ours), hf (transformers), auto")
     threads: int | None = option(None, "torch threads (default: torch's choice)", ge=1, shown="torch's choice")
-    weights: Literal["gguf", "fp32", "bf16", "fp16", "int8"] | None = option(
+    weights: Literal["gguf", "fp32", "bf16", "fp16", "int8", "int4"] | None = option(
         None, "the target's linear weights in this precision (lean runner); gguf: a .gguf file's own quantized "
-        "blocks, never de-quantized; decoding is lossless relative to that target, bit for bit",
+        "blocks, never de-quantized; int4: 4-bit blocks of 32 quantized at load (CPU); decoding is lossless "
+        "relative to that target, bit for bit",
         shown="gguf for a .gguf file on the CPU, else the model's dtype")
 
     @field_validator("dtype", mode="before")
@@ -233,6 +234,11 @@ def make_runner(model, backend: str = "auto", weights: str | None = None):
         return LeanRunner(model, weights="gguf")
     if weights == "gguf":
         raise SpecdecError("weights=gguf needs a model loaded from a .gguf file")
+    if weights == "int4":
+        from specdec.target import stream
+
+        if next(model.parameters()).device.type != "cpu" or stream.kernel() is None:
+            raise SpecdecError("weights=int4 runs on the CPU's quantized kernels (x86-64 with AVX2); use int8 or fp16")
     if backend == "hf" or (backend == "auto" and not supports(model)):
         if weights and FLOAT.get(weights) != next(model.parameters()).dtype:
             raise SpecdecError(f"weights={weights} needs the lean runner (Llama, Qwen2 or Mistral, backend auto or "

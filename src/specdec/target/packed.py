@@ -26,6 +26,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from specdec.errors import SpecdecError
 from specdec.target import stream
 from specdec.target.gguf import QuantTensor, QuantWeight
 
@@ -39,9 +40,23 @@ def precision_name(dtype: torch.dtype) -> str:
     return {v: n for n, v in FLOAT.items()}.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def weight_bytes(precision: str) -> int:
+INT4 = "int4"  # Q4_1 blocks of 32 (4-bit codes, fp16 scale and minimum) quantized at load: kernels/quant.cpp
+
+
+def weight_bytes(precision: str) -> float:
     """Bytes per stored weight at that precision (int8's per-row scales aside)."""
-    return 1 if precision == "int8" else FLOAT[precision].itemsize
+    return {"int8": 1, INT4: 20 / 32}.get(precision) or FLOAT[precision].itemsize
+
+
+def quantize_int4(w: torch.Tensor) -> QuantTensor:
+    """w [O, K] as Q4_1 blocks (the gguf package's quantizer), for the quantized kernel."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if w.shape[1] % 32:
+        raise SpecdecError(f"weights=int4 needs every linear's input size to be a multiple of 32, got {w.shape[1]}")
+    blocks = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q4_1)
+    return QuantTensor(torch.from_numpy(blocks), int(GGMLQuantizationType.Q4_1), w.shape[1])
 
 
 def round_weight(w: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,6 +109,10 @@ class Linear:
             self.stream = QuantWeight(weight if isinstance(weight, list) else [weight], bias)
             self.out_features, self.precision, self.invariant = self.stream.out_features, GGUF, True
             self.bias, self.scale, self.gemv, self.parts, self.slices = self.stream.bias, None, None, [], []
+            return
+        if precision == INT4 and weight.device.type == "cpu" and stream.kernel() is not None:
+            self.__init__(quantize_int4(weight), bias)
+            self.precision = INT4
             return
         weight = weight.detach()
         precision = None if precision == GGUF else precision  # a float matrix in a GGUF file: as stored
