@@ -22,7 +22,7 @@ from specdec.target.base import tree_mask
 from specdec.target.gguf import QuantTensor, QuantWeight
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
-from tests.gguf_files import FORMATS, gguf_runner, random_blocks, tiny_gguf
+from tests.gguf_files import FORMATS, K_QUANTS, gguf_runner, random_blocks, tiny_gguf
 from tests.test_engine import PROMPTS, SMALL_V, run, sample_first3
 from tests.test_precision import runner_first3
 from tests.test_verify import chi2_pvalue
@@ -46,9 +46,10 @@ def act_quantized(x: np.ndarray, block: int) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_format_matches_its_dequantized_reference(fmt):
-    w, ref_w = qtensor(fmt, 40, 512)
+    k = 512 if fmt in K_QUANTS else 352  # 11 blocks of 32: not a whole group of 8
+    w, ref_w = qtensor(fmt, 40, k)
     assert np.array_equal(w.dequantize().numpy(), ref_w.astype(np.float32))  # the gguf package's own decoding
-    x = np.random.default_rng(1).standard_normal((9, 512)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((9, k)).astype(np.float32)
     x[4] *= 1000  # an outlier row must not coarsen the other rows' quantization
     y = QuantWeight([w], None)(torch.from_numpy(x)).numpy()
     ref = act_quantized(x, w.family).astype(np.float64) @ ref_w.T
@@ -61,15 +62,17 @@ def test_every_row_is_bit_identical_to_that_row_alone(fmt):
     """N = 1, 8, 64 rows, with bias and residual, and fused parts of other formats of the same family."""
     other = {"Q4_0": "Q8_0", "Q4_1": "Q5_0", "Q5_0": "Q4_1", "Q5_1": "Q8_0", "Q8_0": "Q4_0",
              "Q4_K": "Q6_K", "Q5_K": "Q4_K", "Q6_K": "Q5_K"}[fmt]
-    parts = [qtensor(fmt, 48, 512, 0)[0], qtensor(other, 16, 512, 1)[0], qtensor(fmt, 37, 512, 2)[0]]
+    k = 512 if fmt in K_QUANTS else 352
+    parts = [qtensor(fmt, 48, k, 0)[0], qtensor(other, 16, k, 1)[0], qtensor(fmt, 37, k, 2)[0]]
     g = torch.Generator().manual_seed(0)
     lin = QuantWeight(parts, torch.randn(101, generator=g))
-    x, res = torch.randn(64, 512, generator=g), torch.randn(64, 101, generator=g)
+    x, res = torch.randn(64, k, generator=g), torch.randn(64, 101, generator=g)
     alone = torch.cat([lin(x[i:i + 1], res[i:i + 1]) for i in range(64)])
     for n in (1, 8, 64):
         assert torch.equal(lin(x[:n], res[:n]), alone[:n]), n
     mixed = QuantWeight([qtensor("Q4_K", 16, 512)[0], qtensor("Q8_0", 16, 512)[0]], None)  # two kernel calls
-    assert torch.equal(torch.cat([mixed(x[i:i + 1]) for i in range(8)]), mixed(x[:8]))
+    x = torch.randn(8, 512, generator=g)
+    assert torch.equal(torch.cat([mixed(x[i:i + 1]) for i in range(8)]), mixed(x))
 
 
 @pytest.fixture(scope="module", params=FORMATS)

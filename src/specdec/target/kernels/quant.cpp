@@ -187,28 +187,38 @@ inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> codes 0..15 (low nib
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
 }
 
-void decode_32(int t, const uint8_t* b, Block32& s) {
+void decode_32(int t, const uint8_t* b, uint8_t* codes, float& D, float& Moff) {
   const float d = h2f(b);
-  s.D = d;
+  D = d;
   __m256i c;
   uint32_t qh;
   switch (t) {
-    case Q8_0: c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); s.Moff = 0.f; break;
-    case Q4_0: c = nibbles(b + 2); s.Moff = -8.f * d; break;
-    case Q4_1: c = nibbles(b + 4); s.Moff = h2f(b + 2); break;
+    case Q8_0: c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); Moff = 0.f; break;
+    case Q4_0: c = nibbles(b + 2); Moff = -8.f * d; break;
+    case Q4_1: c = nibbles(b + 4); Moff = h2f(b + 2); break;
     case Q5_0:
       std::memcpy(&qh, b + 2, 4);
       c = _mm256_or_si256(nibbles(b + 6), fifth_bits(qh));
-      s.Moff = -16.f * d;
+      Moff = -16.f * d;
       break;
     default:  // Q5_1
       std::memcpy(&qh, b + 4, 4);
       c = _mm256_or_si256(nibbles(b + 8), fifth_bits(qh));
-      s.Moff = h2f(b + 2);
+      Moff = h2f(b + 2);
       break;
   }
-  _mm256_store_si256(reinterpret_cast<__m256i*>(s.c), c);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(codes), c);
 }
+
+void decode_32(int t, const uint8_t* b, Block32& s) { decode_32(t, b, s.c, s.D, s.Moff); }
+
+// A decoded row of 32-blocks, padded to a multiple of 8 blocks with zero codes and scales (they add +0).
+struct Row32 {
+  std::vector<uint8_t> c;
+  std::vector<float> D, Moff;
+  explicit Row32(int64_t nb) : c(pad8(nb) * 32, 0), D(pad8(nb), 0.f), Moff(pad8(nb), 0.f) {}
+  static int64_t pad8(int64_t nb) { return (nb + 7) / 8 * 8; }
+};
 
 // the eight lanes in one fixed order
 inline float hsum(__m256 v) {
@@ -257,31 +267,39 @@ void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<Supe
   }
 }
 
-void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<Block32>& buf, float* y, int64_t ystride,
-            int64_t N) {
-  const int64_t nb = K / 32;
-  for (int64_t i = 0; i < nb; i++) decode_32(t, row + i * block_bytes(t), buf[i]);
+// Eight blocks at a time: their integer sums gathered into one vector (exact), then one multiply of the
+// weight scales by the activation scales and one FMA per eight blocks, lanes summed in a fixed order.
+void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, Row32& buf, float* y, int64_t ystride, int64_t N) {
+  const int64_t nb = K / 32, groups = Row32::pad8(nb) / 8;
+  for (int64_t i = 0; i < nb; i++) decode_32(t, row + i * block_bytes(t), buf.c.data() + 32 * i, buf.D[i], buf.Moff[i]);
   const __m256i ones = _mm256_set1_epi16(1);
   const bool sgn = t == Q8_0;
   for (int64_t n = 0; n < N; n++) {
-    const int8_t* xq = a.q.data() + n * K;
+    const int8_t* xq = a.q.data() + n * K;  // past the row's end: the next row's data or padding, times 0
     const float* xd = a.d32.data() + n * nb;
     const float* xs = a.s32.data() + n * nb;
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.f;
-    for (int64_t i = 0; i < nb; i++) {
-      const Block32& s = buf[i];
-      __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c));
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32));
-      if (sgn) {  // signed codes: |w| * (x with w's sign)
-        x = _mm256_sign_epi8(x, w);
-        w = _mm256_sign_epi8(w, w);
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m256i v[8];
+      for (int j = 0; j < 8; j++) {
+        const int64_t i = 8 * g + j;
+        __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.c.data() + 32 * i));
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));
+        if (sgn) {  // signed codes: |w| * (x with w's sign)
+          x = _mm256_sign_epi8(x, w);
+          w = _mm256_sign_epi8(w, w);
+        }
+        v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
       }
-      const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s.D * xd[i]), acc);
-      off = off + s.Moff * xs[i];
+      const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+      const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+      const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
+                                            _mm256_permute2x128_si256(t0, t1, 0x31));  // lane j: block 8g + j
+      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(buf.D.data() + 8 * g), _mm256_loadu_ps(xd + 8 * g));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+      off = _mm256_fmadd_ps(_mm256_loadu_ps(buf.Moff.data() + 8 * g), _mm256_loadu_ps(xs + 8 * g), off);
     }
-    y[n * ystride] = hsum(acc) + off;
+    y[n * ystride] = hsum(acc) + hsum(off);
   }
 }
 
@@ -291,9 +309,10 @@ void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need2
   a.has32 = need32;
   a.has256 = need256;
   a.q.resize(N * K);  // one layout per call: qlinear refuses to mix block families
-  if (need32) {
-    a.d32.resize(N * (K / 32));
-    a.s32.resize(N * (K / 32));
+  if (need32) {  // padded: dot_32 reads whole groups of 8 blocks (times zero past the row)
+    a.q.resize(N * K + 8 * 32, 0);
+    a.d32.resize(N * (K / 32) + 8, 0.f);
+    a.s32.resize(N * (K / 32) + 8, 0.f);
   }
   if (need256) {
     a.d256.resize(N * (K / 256));
@@ -357,7 +376,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K / 8));
   at::parallel_for(0, O, grain, [&](int64_t lo, int64_t hi) {
     std::vector<SuperBlock> kb(k256 ? K / 256 : 0);
-    std::vector<Block32> b32(k32 ? K / 32 : 0);
+    Row32 b32(k32 ? K / 32 : 0);
     size_t seg = 0;
     for (int64_t o = lo; o < hi; o++) {
       while (o >= start[seg + 1]) seg++;
