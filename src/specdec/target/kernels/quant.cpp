@@ -207,7 +207,7 @@ void decode_32(int t, const uint8_t* b, uint8_t* codes, float& D, float& Moff) {
       Moff = h2f(b + 2);
       break;
   }
-  _mm256_store_si256(reinterpret_cast<__m256i*>(codes), c);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), c);
 }
 
 void decode_32(int t, const uint8_t* b, Block32& s) { decode_32(t, b, s.c, s.D, s.Moff); }
