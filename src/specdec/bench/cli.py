@@ -35,6 +35,8 @@ def add_bench_parser(sub) -> None:
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
     b.add_argument("--limit", type=arg_type(int, ge=1), default=None, help="first N questions (after --categories)")
+    b.add_argument("--last", type=arg_type(int, ge=1), default=None,
+                   help="last N questions instead (after --categories): e.g. HumanEval's end, never tuned on")
     b.add_argument("--per-category", type=arg_type(int, ge=1), default=None, help="first N questions of each category")
     b.add_argument("--first-turn", action="store_true", help="only the first turn of multi-turn questions")
     b.add_argument("--max-new-tokens", type=arg_type(int, ge=1), default=None, help="default 256 (--quick: 64)")
@@ -92,7 +94,11 @@ def cmd_bench(args) -> int:
     rt = Runtime.parse(flag_values(args, Runtime))
     specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    if args.last and (args.limit or args.per_category or args.quick):
+        raise SpecdecError("--last cannot be combined with --limit, --per-category or --quick")
     qs = load_questions(args.dataset, args.questions, cats, None if args.quick or args.per_category else args.limit)
+    if args.last:
+        qs = qs[-args.last:]
     if args.per_category is not None:
         qs = first_per_category(qs, args.per_category)[: args.limit]
     if args.quick:
