@@ -137,7 +137,7 @@ def test_high_acceptance_grows_the_tree_and_a_good_chain_is_used():
         c.observe_chain(3, 7.0, 4.0)
     assert c.choose(8, 100, ngram=3).chain  # (alone here: 7 tokens for t(9) beat the tree + chain)
     assert not c.choose(8, 100, ngram=1).chain  # evidence about 3-gram matches says nothing of 1-gram ones
-    assert c.choose(0, 100).chain is False  # no chain this step: nothing to add
+    assert c.choose(0, 100).chain == 0  # no chain this step: nothing to add
     for _ in range(40):  # the repeats end: chains stop matching
         c.step()
         c.observe_chain(3, 0.0, 0.0)
@@ -264,7 +264,7 @@ def test_a_sampled_request_never_merges_a_sampled_tree_with_the_chain():
     c = costs(0.01)
     c.sampled_s = {b: 0.01 for b, _ in SAMPLED_MENU}
     ctrl = Controller(SAMPLED_MENU, c, 1.0, {3: 50.0}, draft_s=c.sampled_s, union=False)
-    assert ctrl.choose(6, 100, ngram=3) == Choice(None, True)  # a sure chain: alone, never joined
+    assert ctrl.choose(6, 100, ngram=3) == Choice(None, 6)  # a sure chain: alone, never joined
     both = Controller(MENU, c, 1.0, {3: 50.0})
     assert both.choose(6, 100, ngram=3).chain and both.choose(6, 100, ngram=3).budget is not None
     cheap = Controller(SAMPLED_MENU, c, 2.0, {}, draft_s=c.sampled_s, union=False)

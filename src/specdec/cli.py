@@ -22,7 +22,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--method", default="auto", help=f"one of: {', '.join(registry.names())} (default auto; "
                    "`specdec methods` lists them with their options)")
-    p.add_argument("--draft", default=None, help="draft model for sps / sps-tree (same tokenizer)")
+    p.add_argument("--draft", default=None, help="draft model (same tokenizer) for sps / sps-tree, and for auto "
+                   "without an EAGLE head, which then also weighs its chains")
     # one flag per method option, declared once in the registry; the method's options class checks the value
     for key, (par, alias) in registry.option_params().items():
         p.add_argument("--" + key.replace("_", "-"), dest=f"opt_{key}", default=None, metavar="V",

@@ -38,6 +38,7 @@ class Stats:
     wait_time: float = 0.0  # waiting for another request's turn on a shared Decoder (not in tok/s)
     resumes: int = 0  # times another request took the runner meanwhile and this one rebuilt its state
     acceptance: str = "lossless"  # or the lossy rule that ran (Medusa's typical acceptance at T > 0)
+    drafter: str = ""  # what drafted (e.g. what `auto` runs: with a head, or without one and instead)
 
     @property
     def tau(self) -> float:
@@ -98,6 +99,7 @@ class Stats:
             "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
                      "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time},
             "finish_reason": self.finish_reason, "resumes": self.resumes, "acceptance": self.acceptance,
+            "drafter": self.drafter,
         }
 
 
@@ -141,6 +143,7 @@ def decode(
     lease = lease or Slot().lease()
     t0 = _clock(dev)
     stats.prompt_tokens = len(prompt_ids)
+    stats.drafter = drafter.name
     try:
         with lease.hold():
             stats.wait_time += _clock(dev) - t0

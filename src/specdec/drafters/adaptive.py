@@ -65,8 +65,8 @@ def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
 
 @dataclass(frozen=True)
 class Choice:
-    budget: TreeBudget | None  # None: no head tree
-    chain: bool  # the lookup chain joins the verify
+    budget: TreeBudget | None  # None: no model tree
+    chain: int  # nodes of the lookup draft joined to the verify (0: none)
 
     @property
     def vanilla(self) -> bool:
@@ -80,7 +80,10 @@ class Controller:
     n-gram length it matched (a 3-gram match predicts far better than a 1-gram one): the decaying mean
     of its matched tokens (`alone`), and of what it adds beyond the head's tree (`extra` =
     max(0, chain matched - tree matched)), which prices the tree + chain union (offered only if `union`).
-    `draft_s`: what each menu budget's propose() costs (default: the top-k trees' costs)."""
+    Or, where the caller passes `gains` (gains[m - 1]: expected accepted tokens of the lookup draft's
+    first m nodes, from its own calibrated confidences), every prefix of the draft is priced by them,
+    and a union by the larger of its parts. `draft_s`: what each menu budget's propose() costs (default:
+    the top-k trees' costs)."""
 
     def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, scale: float,
                  lookup_prior: dict[int, float] | None = None, decay: float = DECAY,
@@ -105,7 +108,7 @@ class Controller:
         return a / n, e / n
 
     def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0,
-                 ctx: int | None = None) -> tuple[float, float]:
+                 ctx: int | None = None, gains: list[float] | None = None) -> tuple[float, float]:
         """(expected tokens, expected seconds) of one step with this choice, after ctx cached tokens."""
         c = self.costs
         tree = 0.0
@@ -118,21 +121,29 @@ class Controller:
             secs += self.draft_s[b] + c.follow_s
         extra = 0.0
         if choice.chain:
-            n = min(chain_len, room - nodes)
-            alone, added = self.chain_mean(ngram)
+            n = min(choice.chain, room - nodes)
+            if gains is None:
+                alone, added = self.chain_mean(ngram)
+            else:  # a union is worth at least its better part (a lower bound: no learnt overlap here)
+                alone = gains[n - 1] if n > 0 else 0.0
+                added = max(0.0, alone - tree)
             extra = min(float(n), added if choice.budget is not None else alone)
             nodes += n
         return 1.0 + tree + extra, secs + c.target(1 + nodes, ctx)
 
-    def choose(self, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None) -> Choice:
-        options = [Choice(None, False)]
+    def choose(self, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None,
+               gains: list[float] | None = None) -> Choice:
+        """chain_len: nodes of this step's lookup draft (0: none); with `gains`, each of its prefixes is
+        an option, else the whole draft."""
+        options = [Choice(None, 0)]
         if room > 0:
-            options += [Choice(b, False) for b, _ in self.menu]
-            if chain_len:
-                options += [Choice(None, True)] + [Choice(b, True) for b, _ in self.menu if self.union]
+            options += [Choice(b, 0) for b, _ in self.menu]
+            lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
+            for m in lengths:
+                options += [Choice(None, m)] + [Choice(b, m) for b, _ in self.menu if self.union]
         rate = {}
         for o in options:
-            tokens, secs = self.expected(o, chain_len, room, ngram, ctx)
+            tokens, secs = self.expected(o, chain_len, room, ngram, ctx, gains)
             rate[o] = tokens / secs
         best = max(rate.values())
         # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
@@ -213,9 +224,7 @@ class AdaptiveDrafter(Drafter):
         re-measured between requests once the observed forwards drift from them (another load)."""
         if self.remeasure is not None and self.clock.drifted:
             self.costs = self.remeasure()
-            # each re-measure waits twice as long for the next: under a fluctuating load (measured: a busy
-            # loop beside 2 threads) one re-measure costs ~10 s and the next drift comes soon
-            self.clock = StepClock(True, self.clock.drift, 2 * self.clock.min_steps, self.clock.decay)
+            self.clock = self.clock.after_remeasure()
             self.remeasured += 1
 
     def begin(self, ctx: DecodeContext) -> None:

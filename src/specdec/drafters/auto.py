@@ -6,7 +6,13 @@ tokens per second under costs measured on this machine, or no draft at all; samp
 children drawn from the head's distribution where the head's tuning has their acceptance table (tau +0.2
 over top-k children at T = 1). `adaptive=false` gives the
 static choice instead: the tree and chain `specdec tune` chose on its machine, the chain for greedy
-requests only (sampled text repeats far less). Without a head: vanilla.
+requests only (sampled text repeats far less).
+
+Without a head (most targets): adaptive speculation over training-free drafts (drafters/headless.py) —
+every step, the prefix of an n-gram draft over the prompt and the answer so far (drafters/ngram.py),
+a chain from the draft model `draft=` gives, their union, or no draft, whichever pays most under the same
+measured costs; `lookup` caps the n-gram draft's nodes (0: none). `adaptive=false`: method `ngram`. The
+head's own options (depth, topk, tree_size, children, rank_by, rerank, full_vocab) are an error there.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from typing import Literal
 from pydantic import model_validator
 
 from specdec.drafters.adaptive import AdaptiveDrafter, menu_from_tuning
-from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.base import Drafter
 from specdec.drafters.costs import StepClock, load_costs
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
+from specdec.drafters.headless import build_headless
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
@@ -26,6 +33,7 @@ from specdec.heads.shipped import find_shipped_head
 from specdec.tuning import load_acceptance, load_tuning
 
 DEFAULT_LOOKUP = 12  # chain tokens when the tuning file has no choice (tune's choice for the shipped head)
+HEAD_ONLY = ("full_vocab", "depth", "topk", "tree_size", "rank_by", "rerank", "children")
 
 
 class AutoOptions(Eagle2Options):
@@ -48,7 +56,11 @@ class AutoOptions(Eagle2Options):
 
 def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     if opts.head is None and find_shipped_head(target.model) is None:
-        return NoDrafter()
+        given = [k for k in HEAD_ONLY if k in opts.model_fields_set]
+        if given:
+            raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
+                               "pass head=DIR, or drop them")
+        return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate)
     runner, head_dir = head_runner(target, opts, "auto")
     tuned = load_tuning(head_dir, auto=True) or {}
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))
@@ -79,4 +91,6 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
 
 register(Method("auto", "the default: adaptive speculation with the EAGLE head shipped for this target (every step the "
                 "EAGLE-2 tree and prompt-lookup chain, or none, that pay most under costs measured on this "
-                "machine); `adaptive=false`: the static tuned tree; no head: `vanilla`", AutoOptions, build_auto))
+                "machine; `adaptive=false`: the static tuned tree); without a head, the same choice over the "
+                "prefixes of an `ngram` draft and, given `draft=`, a draft-model chain (`adaptive=false`: "
+                "`ngram`; `lookup`: its nodes, default 16)", AutoOptions, build_auto, takes_draft=True))

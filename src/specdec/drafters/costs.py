@@ -8,13 +8,16 @@ import functools
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specdec.drafters.base import DecodeContext
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import attention_slope, cpu_name, forward_costs, usable_cpus
@@ -112,11 +115,7 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     needs a drafter with children="sample") and the head's catch-up as decoding leaves the caches, at a
     ctx_len-token context; the widest forward over LONG_CTX more tokens gives the attention slope."""
     top = max(b.tree_size for b, _ in menu) + lookup + 1
-    trees = {1 + b.tree_size for b, _ in [*menu, *sampled]}
-    sizes = sorted({n for n in ANCHORS if n < top} | trees | {top})
-    target_s = forward_costs(runner, sizes, 2, ctx=ctx_len, stat=min, warmup=1)  # min: the least disturbed repetition
-    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
-    attend_s = attention_slope(runner, top, ctx_len, extra) if extra >= 64 else 0.0
+    target_s, attend_s = target_costs(runner, top, {1 + b.tree_size for b, _ in [*menu, *sampled]}, ctx_len)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
     runner.reset()
@@ -148,6 +147,50 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     return Costs(target_s, draft_s, max(0.0, min(follow)), look, sampled_s, attend_s, ctx_len)
 
 
+def target_costs(runner, top: int, sizes: set[int], ctx_len: int) -> tuple[dict[int, float], float]:
+    """t(N) at `sizes`, at the anchors below `top` and at `top` rows after ctx_len cached tokens, and the
+    attention slope: `top` rows timed over LONG_CTX more tokens."""
+    sizes = sorted({n for n in ANCHORS if n < top} | sizes | {top})
+    target_s = forward_costs(runner, sizes, 2, ctx=ctx_len, stat=min, warmup=1)  # min: the least disturbed repetition
+    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
+    return target_s, attention_slope(runner, top, ctx_len, extra) if extra >= 64 else 0.0
+
+
+@torch.inference_mode()
+def measure_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafter | None,
+                        menu: list[tuple[TreeBudget, float]], reps: int = 3, ctx_len: int = 384) -> Costs:
+    """Costs of `auto` without a head: t(N) up to the n-gram draft's nodes + the longest draft-model chain
+    in `menu` + 1, one n-gram propose() on text that repeats (its dearest case), and each menu chain's
+    draft-model propose() as a step that follows the last one drafts it (no catch-up of skipped tokens)."""
+    top = 1 + (ngram.tree_size if ngram is not None else 0) + max((b.tree_size for b, _ in menu), default=0)
+    target_s, attend_s = target_costs(runner, top, {1 + b.tree_size for b, _ in menu}, ctx_len)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * (ctx_len // 64 + 2)
+    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len)
+    look = 0.0
+    if ngram is not None:
+        ngram.begin(ctx)
+        look = _time_warm(lambda: ngram.propose(ctx), reps)
+    draft_s = {}
+    if draft is not None:
+        draft.begin(ctx)
+        draft_s = {b: _time_warm(lambda: draft.propose(ctx, b), reps) for b, _ in menu}
+        draft.runner.reset()
+    runner.reset()
+    return Costs(target_s, draft_s, 0.0, look, {}, attend_s, ctx_len)
+
+
+def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafter | None,
+                     menu: list[tuple[TreeBudget, float]], recalibrate: bool = False) -> tuple[Costs, Path, bool]:
+    """load_costs for `auto` without a head."""
+    dcfg = getattr(draft.runner, "config", None) if draft is not None else None
+    key = {**cost_key(runner, None, menu, ngram.tree_size if ngram is not None else 0), "drafter": "ngram",
+           "draft": None if draft is None else [str(getattr(dcfg, "_name_or_path", "")),
+                                                getattr(dcfg, "hidden_size", 0), getattr(dcfg, "num_hidden_layers", 0),
+                                                str(draft.runner.dtype), getattr(draft.runner, "weights", "")]}
+    return cached_costs(key, lambda: measure_plain_costs(runner, ngram, draft, menu), recalibrate)
+
+
 class StepClock:
     """How the observed target forwards compare with their price, over the last ~100 steps of all
     requests. Why: costs are cached per machine, not per load: measured while another process ran (t(1)
@@ -174,6 +217,12 @@ class StepClock:
                 self.ref = self.seen / self.priced
         else:
             self.since_ref += 1
+
+    def after_remeasure(self) -> StepClock:
+        """The clock for costs just re-measured. Each re-measure waits twice as long for the next: under a
+        fluctuating load (measured: a busy loop beside 2 threads) one re-measure costs ~10 s and the next
+        drift comes soon."""
+        return StepClock(True, self.drift, 2 * self.min_steps, self.decay)
 
     @property
     def drifted(self) -> bool:
@@ -228,6 +277,10 @@ def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[t
     """(costs, cache file, measured now?): this machine's cached measurement for exactly this key, else a
     new one (written atomically)."""
     key = cost_key(runner, head_dir, menu, lookup, sampled)
+    return cached_costs(key, lambda: measure_costs(runner, drafter, menu, lookup, sampled=sampled), recalibrate)
+
+
+def cached_costs(key: dict, measure: Callable[[], Costs], recalibrate: bool = False) -> tuple[Costs, Path, bool]:
     path = cost_file(key)
     rec = None if recalibrate else read_cost_file(path, key)
     if rec is not None:
@@ -235,7 +288,7 @@ def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[t
             return Costs.from_json(rec["costs"]), path, False
         except (KeyError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again
-    costs = measure_costs(runner, drafter, menu, lookup, sampled=sampled)
+    costs = measure()
     write_cost_file(path, key, costs=costs.to_json())
     return costs, path, True
 

@@ -56,18 +56,20 @@ class DraftModelDrafter(Drafter):
             return logits[..., :v]
         return torch.nn.functional.pad(logits, (0, v - logits.shape[-1]), value=float("-inf"))
 
-    def propose(self, ctx: DecodeContext) -> DraftTree:
+    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+        """budget: this call's size instead of the drafter's own (a chain drafts budget.depth tokens)."""
         # a draft with a shorter context window than the target's stops drafting where its window ends:
         # the engine then takes plain target steps (still exact) instead of the draft failing mid-answer
+        tree = (budget or self.tree) if self.tree is not None else None
         window = self.runner.max_length - len(ctx.tokens)
         room = min(ctx.max_nodes, window)
-        depth = min(self.draft_depth, room)
+        depth = min(budget.depth if budget is not None else self.draft_depth, room)
         # a tree's expansion feeds up to topk rows per depth through the draft before it is cut down
-        if depth <= 0 or (self.tree is not None and self.tree.topk * self.tree.depth > window):
+        if depth <= 0 or (tree is not None and tree.topk * tree.depth > window):
             return DraftTree.empty()
         logits = self._catch_up(ctx.tokens)
-        if self.tree is not None:
-            return self._tree(ctx, logits, self.tree.capped(room))
+        if tree is not None:
+            return self._tree(ctx, logits, tree.capped(room))
         toks, qs = [], []
         for i in range(depth):
             q = probs_from_logits(logits, ctx.params)
@@ -117,7 +119,7 @@ class TreeOptions(Options):
     tree_size: int = option(8, "nodes kept in the tree", ge=1, aliases=("tree_tokens", "total_tokens"))
 
 
-def _draft_runner(target: Target) -> Runner:
+def draft_runner(target: Target) -> Runner:
     if target.draft_model is None:
         raise SpecdecError("a draft-model method needs a draft model: pass draft=<HF dir or .gguf>")
     if target.tokenizer is not None and target.draft_tokenizer is not None:
@@ -126,9 +128,9 @@ def _draft_runner(target: Target) -> Runner:
 
 
 register(Method("sps", "a draft LM with the same tokenizer: a sampled chain (Leviathan et al.; Chen et al.)",
-                ChainOptions, lambda t, o: DraftModelDrafter(_draft_runner(t), t.runner.vocab_size, o.chain_len),
+                ChainOptions, lambda t, o: DraftModelDrafter(draft_runner(t), t.runner.vocab_size, o.chain_len),
                 needs_draft=True))
 register(Method("sps-tree", "a draft LM with the same tokenizer: an EAGLE-2-style dynamic top-k tree", TreeOptions,
-                lambda t, o: DraftModelDrafter(_draft_runner(t), t.runner.vocab_size,
+                lambda t, o: DraftModelDrafter(draft_runner(t), t.runner.vocab_size,
                                                tree=TreeBudget(o.depth, o.topk, o.tree_size)),
                 needs_draft=True))

@@ -21,6 +21,7 @@ class PromptLookupDrafter(Drafter):
                                f"min_ngram={min_ngram}, max_ngram={max_ngram}, chain_len={chain_len}")
         self.max_ngram, self.min_ngram, self.chain_len = max_ngram, min_ngram, chain_len
         self.draft_depth = chain_len
+        self.index: NgramIndex | None = None
 
     last_ngram = 0  # the n-gram length the last propose() matched (0: none): longer ones predict better
 
@@ -31,7 +32,7 @@ class PromptLookupDrafter(Drafter):
         toks = ctx.tokens
         if k < 1:
             return DraftTree.empty()
-        index = self._index(toks)
+        index = self.index = NgramIndex.over(self.index, toks, self.max_ngram)
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             end = index.latest(toks[-n:])
             if end is not None:
@@ -39,25 +40,28 @@ class PromptLookupDrafter(Drafter):
                 return DraftTree.chain(torch.tensor(toks[end:end + k], dtype=torch.long))
         return DraftTree.empty()
 
-    def _index(self, toks: list[int]) -> NgramIndex:
-        idx = getattr(self, "_idx", None)
-        if idx is None or not idx.follows(toks):
-            idx = self._idx = NgramIndex(self.max_ngram)
-        idx.extend(toks)
-        return idx
-
 
 class NgramIndex:
-    """Where each n-gram (n <= max_ngram) of a growing token list last occurred, updated by the new
-    tokens only. Why: a numpy scan of the whole context cost ~0.3 ms a step at 1k tokens (2% of a
-    SmolLM2 forward, paid on plain steps too); this is O(new tokens). The suffix itself is never
-    indexed: an n-gram counts once a token follows it (the chain copies that token on)."""
+    """Each n-gram (n <= max_ngram) of a growing token list: where it last occurred and how often each
+    token followed it, updated by the new tokens only. Why: a numpy scan of the whole context cost ~0.3 ms
+    a step at 1k tokens (2% of a SmolLM2 forward, paid on plain steps too); this is O(new tokens). The
+    suffix itself is never indexed: an n-gram counts once a token follows it (a draft copies that token on)."""
 
     def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
         self.ends: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]  # [n][n-gram] -> end index
+        self.counts: list[dict[tuple, dict[int, int]]] = [{} for _ in range(max_ngram + 1)]  # -> {next: times}
         self.src: list[int] | None = None
         self.done = 0  # n-grams ending before this index are indexed (ends in [1, len) of the list)
         self.last = None  # the token at done - 1 when indexed (a list edited in place is re-indexed)
+
+    @classmethod
+    def over(cls, index: NgramIndex | None, toks: list[int], max_ngram: int) -> NgramIndex:
+        """`index` brought up to date with toks, or a new one if toks is not the list it follows."""
+        if index is None or index.max_ngram != max_ngram or not index.follows(toks):
+            index = cls(max_ngram)
+        index.extend(toks)
+        return index
 
     def follows(self, toks: list[int]) -> bool:
         """Whether toks is the list this index was built on, only appended to since."""
@@ -66,14 +70,25 @@ class NgramIndex:
     def extend(self, toks: list[int]) -> None:
         self.src = toks
         for e in range(max(self.done, 1), len(toks)):
-            for n in range(1, min(e, len(self.ends) - 1) + 1):
-                self.ends[n][tuple(toks[e - n:e])] = e
+            nxt = toks[e]
+            for n in range(1, min(e, self.max_ngram) + 1):
+                gram = tuple(toks[e - n:e])
+                self.ends[n][gram] = e
+                seen = self.counts[n].get(gram)
+                if seen is None:
+                    self.counts[n][gram] = {nxt: 1}
+                else:
+                    seen[nxt] = seen.get(nxt, 0) + 1
         self.done = max(self.done, len(toks))
         self.last = toks[self.done - 1] if self.done else None
 
-    def latest(self, ngram: list[int]) -> int | None:
+    def latest(self, ngram: list[int] | tuple) -> int | None:
         """The index just past the latest earlier occurrence of ngram (not the list's own suffix)."""
         return self.ends[len(ngram)].get(tuple(ngram))
+
+    def following(self, ngram: tuple) -> dict[int, int] | None:
+        """How many times each token followed ngram earlier in the list (None: it never occurred)."""
+        return self.counts[len(ngram)].get(ngram)
 
 
 class LookupOptions(Options):

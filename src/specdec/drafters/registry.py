@@ -27,7 +27,7 @@ __all__ = ["Method", "Options", "Target", "get", "markdown_table", "methods", "n
 
 # modules whose import registers the built-in methods, in the order the docs list them
 BUILTIN = ("specdec.drafters.vanilla", "specdec.drafters.draft_model", "specdec.drafters.prompt_lookup",
-           "specdec.drafters.eagle", "specdec.drafters.medusa", "specdec.drafters.auto")
+           "specdec.drafters.ngram", "specdec.drafters.eagle", "specdec.drafters.medusa", "specdec.drafters.auto")
 
 _METHODS: dict[str, Method] = {}
 
@@ -54,7 +54,8 @@ class Method:
     summary: str  # one line for --help and the README table
     options: type[Options]
     build: Callable[[Target, Any], Any]  # (target, options) -> Drafter
-    needs_draft: bool = False
+    needs_draft: bool = False  # must have a draft model (draft=)
+    takes_draft: bool = False  # uses a draft model when one is given
 
 
 def register(method: Method) -> Method:

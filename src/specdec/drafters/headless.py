@@ -1,0 +1,225 @@
+"""`auto` without a head: every step, the n-gram draft prefix (drafters/ngram.py), the draft-model chain
+(when `draft=` gives one) or their union that maximises expected tokens per second, or no draft at all.
+
+The choice is the head case's (adaptive.Controller over costs.Costs measured on this machine), with
+the n-gram draft priced prefix by prefix: the chance that each node is accepted is its own confidence
+(ngram.py), calibrated online, so the draft's length follows what the target's t(N) makes worth
+verifying (an int8 target's t(8) may be 2-3 t(1)). Calibration: per bucket of raw confidence, a
+decaying rate of how often such a node's token was the one emitted next, with the raw confidence as
+its prior. Every step's n-gram draft is scored on the tokens emitted after it, verified or not, so a
+stretch of plain steps still learns when the text starts repeating.
+
+Losslessness: the draft of a step depends on emitted tokens, on verdicts of earlier steps and on costs
+fixed within the request, never on that step's own verdict; n-gram drafts are point masses, and a
+sampled draft-model chain is never merged with them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, Controller, matched
+from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
+from specdec.drafters.costs import Costs, StepClock, load_plain_costs
+from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
+from specdec.drafters.ngram import NgramDrafter, NgramOptions
+from specdec.drafters.registry import Target
+from specdec.tree import DraftTree, TreeBudget
+from specdec.verify import Verdict
+
+NODES = 16  # n-gram draft nodes offered per step (the controller verifies the prefix that pays)
+TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
+MIN_VALUE = 0.01  # nodes less likely than this to be accepted are not worth drafting
+DRAFT_CHAINS = (1, 2, 3, 4, 6)  # draft-model chain lengths offered
+DRAFT_ALPHA = 0.7  # prior chance a draft-model token is accepted given its parent was
+EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # raw-confidence buckets of the calibration
+CAL_DECAY = 0.95  # per step: slower than the controller's, the buckets see fewer observations each
+CAL_PRIOR = 2.0  # the raw confidence counts as this many observations
+SAMPLED_CONF = 0.7  # prior factor at T > 0: a point mass x is accepted with the target's p(x), not 1
+
+
+class Calibration:
+    """P(a draft node's token is the one emitted next | its parent's was), by the node's raw confidence."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.hits = [0.0] * (len(EDGES) + 1)
+        self.tries = [0.0] * (len(EDGES) + 1)
+
+    def rate(self, conf: float) -> float:
+        b = bisect.bisect_right(EDGES, conf)
+        return (self.hits[b] + CAL_PRIOR * self.scale * conf) / (self.tries[b] + CAL_PRIOR)
+
+    def values(self, confs: list[float], parents: list[int]) -> list[float]:
+        """Each node's chance to be accepted: the calibrated rates along its path."""
+        out: list[float] = []
+        for c, p in zip(confs, parents):
+            out.append((out[p] if p >= 0 else 1.0) * self.rate(c))
+        return out
+
+    def observe(self, conf: float, hit: bool) -> None:
+        b = bisect.bisect_right(EDGES, conf)
+        self.hits[b] += hit
+        self.tries[b] += 1.0
+
+    def step(self) -> None:
+        self.hits = [CAL_DECAY * h for h in self.hits]
+        self.tries = [CAL_DECAY * t for t in self.tries]
+
+
+def confidences(tree: DraftTree) -> list[float]:
+    """Each node's confidence given its parent, from the tree's log path values."""
+    if tree.scores is None:
+        return [1.0] * len(tree)
+    s, par = tree.scores.tolist(), tree.parents.tolist()
+    return [math.exp(v - (s[p] if p >= 0 else 0.0)) for v, p in zip(s, par)]
+
+
+def tried(children: list[list[int]], tokens: list[int], emitted: list[int]) -> tuple[list[tuple[int, bool]], bool]:
+    """The nodes the emitted tokens put to the test (every child of the root and of each matched node)
+    and whether each was the token emitted; and whether the walk is over (a miss or a leaf) rather than
+    waiting for more tokens."""
+    out: list[tuple[int, bool]] = []
+    row = 0
+    for x in emitted:
+        if not children[row]:
+            return out, True
+        hit = None
+        for c in children[row]:
+            out.append((c, tokens[c] == x))
+            if tokens[c] == x:
+                hit = c
+        if hit is None:
+            return out, True
+        row = hit + 1
+    return out, not children[row]
+
+
+@dataclass
+class _Pending:
+    tokens: list[int]
+    children: list[list[int]]
+    confs: list[float]
+    start: int  # len(ctx.tokens) when drafted: it guesses ctx.tokens[start:]
+
+
+@dataclass
+class HeadlessDrafter(Drafter):
+    ngram: NgramDrafter | None
+    costs: Costs
+    draft: DraftModelDrafter | None = None
+    menu: list[tuple[TreeBudget, float]] = field(default_factory=list)  # draft-model chains, prior gains
+    # as AdaptiveDrafter's: new costs for this machine when the clock finds the observed forwards drifted
+    remeasure: Callable[[], Costs] | None = None
+    clock: StepClock = field(default_factory=StepClock)
+    choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
+
+    def __post_init__(self) -> None:
+        if self.ngram is None and self.draft is None:
+            raise ValueError("auto without a head needs an n-gram drafter or a draft model")
+        if (self.draft is None) != (not self.menu):
+            raise ValueError("a draft-model menu needs a draft model, and only then")
+        parts = (["ngram"] if self.ngram is not None else []) + (["sps"] if self.draft is not None else [])
+        self.name = "+".join(parts) + " adaptive (auto, no head)"
+        self.draft_depth = max([self.ngram.tree_size if self.ngram else 0] + [b.depth for b, _ in self.menu])
+        self.built_costs = self.costs  # what seeded sampled requests draft with (see AdaptiveDrafter.begin)
+        self.remeasured = 0
+        self.rows = self.rows_ctx = 0
+        self.pending: list[_Pending] = []
+        self.last: tuple[DraftTree | None, float] | None = None
+
+    def prepare(self) -> None:
+        if self.remeasure is not None and self.clock.drifted:
+            self.costs = self.remeasure()
+            self.clock = self.clock.after_remeasure()
+            self.remeasured += 1
+
+    def begin(self, ctx: DecodeContext) -> None:
+        greedy = ctx.params.greedy
+        costs = self.built_costs if not greedy and ctx.params.seed is not None else self.costs
+        # a sampled draft-model chain carries its q: it cannot share a verify with point masses
+        self.ctrl = Controller(self.menu, costs, 1.0 if greedy else SAMPLED_SCALE, {}, union=greedy)
+        self.cal = Calibration(1.0 if greedy else SAMPLED_CONF)
+        self.choices = Counter()
+        self.pending, self.last, self.rows = [], None, 0
+        for d in (self.ngram, self.draft):
+            if d is not None:
+                d.begin(ctx)
+
+    def propose(self, ctx: DecodeContext) -> DraftTree:
+        room = ctx.max_nodes
+        ng = self.ngram.propose(ctx) if self.ngram is not None and room > 0 else DraftTree.empty()
+        confs, parents = confidences(ng), ng.parents.tolist()
+        gains = list(itertools.accumulate(self.cal.values(confs, parents)))
+        choice = self.ctrl.choose(len(ng), room, 0, len(ctx.tokens), gains)
+        if len(ng):  # scored on what follows, whatever is verified now
+            self.pending.append(_Pending(ng.tokens.tolist(), ng.children(), confs, len(ctx.tokens)))
+        tree, drafted, expected = DraftTree.empty(), None, 0.0
+        if choice.budget is not None:
+            b = choice.budget
+            tree = drafted = self.draft.propose(ctx, b)
+            expected = self.ctrl.gain[b] * min(len(tree), b.tree_size) / b.tree_size
+        if choice.chain and room > len(tree):
+            part = ng.select(torch.arange(min(choice.chain, room - len(tree))))
+            tree = tree.union(part) if len(tree) else part
+        self.last = (drafted, expected)
+        self.choices[len(tree)] += 1
+        self.rows, self.rows_ctx = 1 + min(len(tree), room), len(ctx.tokens)  # for the clock
+        return tree
+
+    def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
+        if self.rows:
+            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx))
+            self.rows = 0
+        for d in (self.ngram, self.draft):
+            if d is not None:
+                d.accept(ctx, verdict)
+        drafted, expected = self.last or (None, 0.0)
+        self.last = None
+        observed = drafted is not None and len(drafted) > 0
+        self.ctrl.step(observed)
+        if observed:
+            self.ctrl.observe_tree(matched(drafted, verdict.tokens), expected)
+        self.cal.step()
+        keep = []
+        for i, p in enumerate(self.pending):
+            outcome, over = tried(p.children, p.tokens, ctx.tokens[p.start:])
+            if over or len(self.pending) - i > MAX_PENDING:  # the oldest past the cap: what it showed so far
+                for node, hit in outcome:
+                    self.cal.observe(p.confs[node], hit)
+            else:
+                keep.append(p)
+        self.pending = keep
+
+
+def draft_menu() -> list[tuple[TreeBudget, float]]:
+    """Draft-model chains as budgets (depth k, one child, k nodes) with their prior accepted tokens."""
+    return [(TreeBudget(k, 1, k), sum(DRAFT_ALPHA ** i for i in range(1, k + 1))) for k in DRAFT_CHAINS]
+
+
+def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool) -> Drafter:
+    """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none)."""
+    nodes = NODES if lookup is None else lookup
+    if not adaptive:  # the static choice: method `ngram` as registered (lookup: its nodes)
+        o = NgramOptions()
+        return NgramDrafter(lookup or o.tree_size, o.topk, o.max_ngram, o.min_value) if nodes else NoDrafter()
+    ngram = NgramDrafter(nodes, TOPK, min_value=MIN_VALUE) if nodes else None
+    draft = None
+    if target.draft_model is not None:
+        draft = DraftModelDrafter(draft_runner(target), target.runner.vocab_size)
+    if ngram is None and draft is None:
+        return NoDrafter()
+    menu = draft_menu() if draft is not None else []
+
+    def measure(recalibrate: bool = True):
+        return load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
+
+    costs, _, fresh = measure(recalibrate)
+    return HeadlessDrafter(ngram, costs, draft, menu, remeasure=lambda: measure()[0], clock=StepClock(fresh))

@@ -1,0 +1,132 @@
+"""N-gram drafting over the prompt and everything generated so far, after SuffixDecoding (Oliaro et al.
+2024): find the longest earlier occurrence of the context's suffix, and grow a draft tree best first
+from what followed it, branching where the continuation counts disagree. No model, no training.
+
+Where SuffixDecoding walks a suffix tree, this reads the incremental n-gram index prompt lookup uses
+(prompt_lookup.NgramIndex: n <= max_ngram, O(new tokens) a step) and follows the latest occurrence of
+a max_ngram-gram further back to measure longer matches. Each node's drafted token x gets a confidence,
+the chance it is right given its parent was: with counts c(x) of the continuations of the matched
+n-gram (total C, length n), c(x) / (C + KAPPA / n) (a continuation not seen yet keeps KAPPA / n of
+the mass: short matches guess, long ones copy); where the latest occurrence matches L > n tokens, its
+follower gets at least 1 / (1 + KAPPA / L) and the others share the rest. A node's score is the log
+of its path's product of confidences (EAGLE-2's value V), so its nodes come best first and any prefix
+of them is a tree: a caller verifies as many as pay (drafters/headless.py calibrates the confidences
+and prices each prefix).
+
+Drafts are point masses (no q): the verifier stays exact at any temperature, and they merge with
+other point-mass drafts (drafters/union.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+import torch
+
+from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.prompt_lookup import NgramIndex
+from specdec.drafters.registry import Method, Options, option, register
+from specdec.errors import SpecdecError
+from specdec.tree import DraftTree
+
+KAPPA = 2.0  # pseudo-count of a continuation not seen yet, over the match length
+MAX_MATCH = 64  # longest match measured (beyond it a copy is as sure as it gets)
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, tree_size: int = 16, topk: int = 2, max_ngram: int = 6, min_value: float = 0.0) -> None:
+        if tree_size < 1 or topk < 1 or max_ngram < 1 or not 0.0 <= min_value < 1.0:
+            raise SpecdecError(f"n-gram drafting needs tree_size, topk, max_ngram >= 1 and 0 <= min_value < 1, got "
+                               f"tree_size={tree_size}, topk={topk}, max_ngram={max_ngram}, min_value={min_value}")
+        self.tree_size, self.topk, self.max_ngram, self.min_value = tree_size, topk, max_ngram, min_value
+        self.draft_depth = tree_size
+        self.index: NgramIndex | None = None
+
+    def begin(self, ctx: DecodeContext) -> None:
+        self.index = None
+
+    def propose(self, ctx: DecodeContext) -> DraftTree:
+        k = min(self.tree_size, ctx.max_nodes)
+        toks = ctx.tokens
+        if k < 1 or len(toks) < 2:
+            return DraftTree.empty()
+        self.index = NgramIndex.over(self.index, toks, self.max_ngram)
+        tokens: list[int] = []
+        parents: list[int] = []
+        logv: list[float] = []
+        # (-value, push order, parent, token, path to it, the n-gram its parent matched)
+        heap: list[tuple[float, int, int, int, tuple, int]] = []
+        order = itertools.count()  # equal values: the earlier pushed first (a parent's better child first)
+        self._push(heap, order, toks, (), -1, 1.0, self.max_ngram)
+        while heap and len(tokens) < k:
+            neg, _, parent, tok, path, n = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            logv.append(math.log(-neg))
+            if len(tokens) < k:  # a node matches at most one token more than its parent did
+                self._push(heap, order, toks, path, len(tokens) - 1, -neg, n + 1)
+        if not tokens:
+            return DraftTree.empty()
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(logv))
+
+    def _push(self, heap: list, order, toks: list[int], path: tuple, node: int, value: float, longest: int) -> None:
+        found, n = self.continuations(toks, path, longest)
+        for tok, conf in found[: self.topk]:
+            v = value * conf
+            if v > self.min_value:
+                heapq.heappush(heap, (-v, next(order), node, tok, path + (tok,), n))
+
+    def continuations(self, toks: list[int], path: tuple = (), longest: int | None = None) -> tuple[list, int]:
+        """(token, confidence) of what may follow toks + path, most confident first (ties: the latest
+        occurrence's follower), from the counts of the longest n-gram suffix (n <= longest) that occurred
+        before; and that n (0: none)."""
+        index, seq = self.index, toks[-self.max_ngram:] + list(path)
+        for n in range(min(self.max_ngram, len(seq), longest or self.max_ngram), 0, -1):
+            gram = tuple(seq[-n:])
+            counts = index.following(gram)
+            if counts is not None:
+                break
+        else:
+            return [], 0
+        end = index.latest(gram)
+        latest = toks[end]
+        length = self._match_length(toks, path, end, n) if n == self.max_ngram else n
+        total = sum(counts.values())
+        floor = KAPPA / n
+        c_latest = counts[latest] / (total + floor)
+        if length > n:  # its occurrence matches further back than the n-gram the counts are of
+            c_latest = max(c_latest, 1.0 / (1.0 + KAPPA / length))
+        rest = total - counts[latest] + floor  # the others share what the latest follower leaves
+        out = [(x, c_latest if x == latest else (1.0 - c_latest) * c / rest) for x, c in counts.items()]
+        out.sort(key=lambda xc: (-xc[1], xc[0] != latest))
+        return out, n
+
+    @staticmethod
+    def _match_length(toks: list[int], path: tuple, end: int, n: int) -> int:
+        """How far back toks + path agrees with the text before toks[end] (>= n, at most MAX_MATCH)."""
+        p = len(path)
+        length = n
+        while length < MAX_MATCH and end - length - 1 >= 0:
+            back = length + 1  # the token `back` places from the end of toks + path
+            mine = path[p - back] if back <= p else toks[len(toks) - (back - p)] if back - p <= len(toks) else None
+            if mine is None or mine != toks[end - length - 1]:
+                break
+            length += 1
+        return length
+
+
+class NgramOptions(Options):
+    tree_size: int = option(8, "nodes kept at most (the best first)", ge=1)
+    topk: int = option(1, "continuations kept per node (1: a chain)", ge=1)
+    max_ngram: int = option(6, "longest n-gram indexed (longer matches are followed along their latest occurrence)",
+                            ge=1)
+    min_value: float = option(0.1, "drop nodes whose path confidence is below this", ge=0.0, le=0.99)
+
+
+register(Method("ngram", "n-gram lookup over the prompt and the answer so far (SuffixDecoding-style): the "
+                "continuations of the longest earlier match, best first", NgramOptions,
+                lambda t, o: NgramDrafter(o.tree_size, o.topk, o.max_ngram, o.min_value)))

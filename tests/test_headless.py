@@ -1,0 +1,220 @@
+"""`auto` without a head: the n-gram index and draft, the calibrated pricing of the draft's prefixes,
+losslessness (greedy equality, chi-square at T > 0) and a choice that reads only earlier verdicts."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.drafters.adaptive import Controller
+from specdec.drafters.base import DecodeContext, NoDrafter
+from specdec.drafters.costs import Costs
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.headless import Calibration, HeadlessDrafter, draft_menu, tried
+from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.prompt_lookup import NgramIndex
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.target.lean import LeanRunner
+from specdec.tree import DraftTree
+from specdec.verify import Verdict, greedy_walk
+from tests.conftest import tiny_model
+from tests.test_engine import PROMPTS, SMALL_V, exact_first3, noisy_copy, run, sample_first3
+from tests.test_verify import chi2_pvalue
+
+REPEATS = [4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5]
+LOOPS = 2  # the seed of a tiny model whose greedy answer to REPEATS falls into a loop: drafts get accepted
+
+
+def costs(slope: float, draft: float = 0.05) -> Costs:
+    """t(N) = 1 + slope * (N - 1) seconds; each draft-model chain of k tokens costs k * draft."""
+    return Costs({n: 1 + slope * (n - 1) for n in (1, 2, 3, 5, 9, 13, 17, 25, 33)},
+                 {b: draft * b.depth for b, _ in draft_menu()}, 0.0, 0.001)
+
+
+def ctx_of(tokens: list[int]) -> DecodeContext:
+    return DecodeContext(list(tokens), SamplingParams(), None, len(tokens))
+
+
+# ---- the index and the n-gram draft ----
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.lists(st.integers(1, 6), min_size=1, max_size=10),
+       st.integers(1, 5))
+def test_ngram_index_grown_step_by_step_equals_a_scan_of_the_whole_list(tokens, grow, max_ngram):
+    """Latest end and continuation counts of every n-gram, updated by new tokens only, equal a scan."""
+    def scan(toks):
+        ends = [{} for _ in range(max_ngram + 1)]
+        counts = [{} for _ in range(max_ngram + 1)]
+        for n in range(1, max_ngram + 1):
+            for e in range(n, len(toks)):
+                g = tuple(toks[e - n:e])
+                ends[n][g] = e
+                counts[n].setdefault(g, {}).setdefault(toks[e], 0)
+                counts[n][g][toks[e]] += 1
+        return ends, counts
+
+    seq, index, cut = tokens[:1], None, 1
+    for g in grow + [len(tokens)]:
+        cut = min(len(tokens), cut + g)
+        seq.extend(tokens[len(seq):cut])
+        index = NgramIndex.over(index, seq, max_ngram)
+        assert (index.ends, index.counts) == scan(seq)
+    other = list(reversed(seq))  # another request's list: indexed afresh
+    fresh = NgramIndex.over(index, other, max_ngram)
+    assert fresh is not index and (fresh.ends, fresh.counts) == scan(other)
+
+
+def test_ngram_draft_copies_the_longest_match_and_branches_where_counts_disagree():
+    d = NgramDrafter(tree_size=8, topk=2)
+    # "1 2 3 4" was followed by 5 once and by 6 once: a branch, the latest (6) first; "1 2 3" -> 4 twice
+    t = d.propose(ctx_of([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3]))
+    assert t.tokens.tolist()[:3] == [4, 6, 5] and t.parents.tolist()[:3] == [-1, 0, 0]
+    v = t.scores.exp().tolist()
+    assert v[0] == pytest.approx(2 / (2 + 2 / 3)) and v[1] == pytest.approx(v[2])  # 2 of 2, plus KAPPA / 3
+    assert all(a >= b for a, b in zip(v, v[1:]))  # best first: every prefix is a tree
+    # a long copy: the latest occurrence matches 20 tokens, far beyond max_ngram, so the copy is near sure
+    toks = list(range(10, 40)) + list(range(10, 30))
+    chain = NgramDrafter(tree_size=5, topk=2).propose(ctx_of(toks))
+    assert chain.tokens.tolist() == [30, 31, 32, 33, 34] and chain.parents.tolist() == [-1, 0, 1, 2, 3]
+    assert chain.scores.exp()[0] == pytest.approx(1 / (1 + 2 / 20))
+    assert len(NgramDrafter().propose(ctx_of([1, 2, 3]))) == 0  # nothing repeats
+    c = ctx_of(toks)
+    c.max_nodes = 2
+    assert len(NgramDrafter().propose(c)) == 2
+
+
+def test_the_emitted_tokens_try_the_root_children_and_the_matched_nodes_children():
+    t = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]))
+    ch, toks = t.children(), t.tokens.tolist()
+    assert tried(ch, toks, [5, 7, 8]) == ([(0, True), (1, False), (2, True), (3, True)], True)  # a leaf
+    assert tried(ch, toks, [6, 1]) == ([(0, False), (1, True)], True)
+    assert tried(ch, toks, [5]) == ([(0, True), (1, False)], False)  # node 2 awaits the next token
+    assert tried(ch, toks, [9]) == ([(0, False), (1, False)], True)
+
+
+# ---- pricing ----
+
+def test_the_verified_prefix_is_priced_by_the_target_cost_of_its_rows():
+    """Calibrated acceptance of each node + t(N): a flat t(N) verifies the whole sure draft, a steep one
+    (an int8 target's t(8) ~ 2.4 t(1)) only its likely head, and a draft worth nothing is not verified."""
+    gains = [0.9, 1.7, 2.3, 2.7, 2.9, 3.0, 3.05, 3.08]  # expected accepted tokens of the first m nodes
+    flat = Controller([], costs(0.0), 1.0, {}).choose(8, 100, 0, None, gains)
+    steep = Controller([], costs(0.2), 1.0, {}).choose(8, 100, 0, None, gains)
+    assert flat.budget is None and flat.chain == 8
+    assert 2 <= steep.chain <= 4
+    assert Controller([], costs(0.2), 1.0, {}).choose(8, 100, 0, None, [0.05 * i for i in range(1, 9)]).vanilla
+    assert Controller([], costs(0.0), 1.0, {}).choose(8, 3, 0, None, gains).chain == 3  # no more room
+
+
+def test_calibration_follows_what_the_emitted_tokens_showed():
+    cal = Calibration()
+    assert cal.rate(0.6) == pytest.approx(0.6)  # no evidence: the draft's own confidence
+    for _ in range(40):
+        cal.step()
+        cal.observe(0.6, True)
+    assert cal.rate(0.6) > 0.9 and cal.rate(0.95) == pytest.approx(0.95)  # another bucket is untouched
+    assert cal.values([0.6, 0.6, 0.95], [-1, 0, -1]) == pytest.approx([cal.rate(0.6), cal.rate(0.6) ** 2, 0.95])
+
+
+# ---- losslessness ----
+
+def test_headless_auto_greedy_equals_vanilla_and_mixes_plain_steps_and_drafts():
+    model = tiny_model("llama", seed=LOOPS)
+    target = LeanRunner(model)
+    sizes = set()
+    for slope in (0.02, 0.15, 0.4):
+        for topk in (1, 2):
+            drafter = HeadlessDrafter(NgramDrafter(12, topk), costs(slope))
+            for p in PROMPTS + [REPEATS]:
+                want, _ = run(target, NoDrafter(), p, SamplingParams(), 40)
+                got, stats = run(target, drafter, p, SamplingParams(), 40)
+                assert got == want
+                sizes |= set(stats.tree_sizes)
+                if p is REPEATS and slope < 0.1:
+                    assert stats.tau > 1.4  # drafts were accepted
+    assert 0 in sizes and len(sizes) >= 4  # plain steps and drafts of several lengths
+
+
+def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
+    model = tiny_model("llama", seed=LOOPS)
+    target = LeanRunner(model)
+    drafter = HeadlessDrafter(NgramDrafter(8, 2), costs(0.05, draft=0.01),
+                              DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97), draft_menu())
+    chose = []
+    orig = drafter.draft.propose
+    drafter.draft.propose = lambda ctx, b=None: chose.append(b) or orig(ctx, b)
+    for p in PROMPTS + [REPEATS]:
+        want, _ = run(target, NoDrafter(), p, SamplingParams(), 30)
+        got, _ = run(target, drafter, p, SamplingParams(), 30)
+        assert got == want
+    assert chose and len({b.depth for b in chose}) >= 2  # draft-model chains of several lengths
+    chose.clear()
+    run(target, drafter, REPEATS, SamplingParams(0.8, seed=1), 30)  # sampled chains, never merged with n-grams
+    assert chose
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
+                         ids=["T1", "T0.8-topk3-topp0.9"])
+def test_headless_auto_sampling_matches_the_target_distribution(params):
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    drafter = HeadlessDrafter(NgramDrafter(6, 2), costs(0.05))
+    prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1, 3]
+    counts, sizes = sample_first3(LeanRunner(model), drafter, prompt, params)
+    assert 0 in sizes and max(sizes) >= 2  # plain steps and drafts among the first tokens
+    assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
+
+
+def test_a_step_draft_depends_only_on_earlier_verdicts():
+    """Two answers that agree up to a point and then differ: every draft made before the point is the same
+    in both, though the verdict of the step that crosses it differs (a choice that peeked at its own
+    verdict would not be)."""
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    common = [3, 4, 1, 2, 3, 4, 5, 1, 2, 3, 4, 1]
+    answers = (common + [2, 3, 4, 1, 2, 3, 9, 9], common + [7, 7, 1, 2, 3, 4, 1, 2])
+
+    def drafts(answer):
+        d = HeadlessDrafter(NgramDrafter(8, 2), costs(0.1))
+        ctx = ctx_of(prompt + answer[:1])
+        d.begin(ctx)
+        out = []
+        while len(ctx.tokens) < len(prompt) + len(answer):
+            done = len(ctx.tokens) - len(prompt)
+            tree = d.propose(ctx)
+            out.append((len(ctx.tokens), tree.tokens.tolist(), tree.parents.tolist()))
+            path = greedy_walk(tree, lambda _, k: answer[done + k] if done + k < len(answer) else None)[0]
+            new = answer[done:done + len(path) + 1]
+            ctx.tokens.extend(new)
+            d.accept(ctx, Verdict(path, new, new[-1]))
+        return out
+
+    a, b = drafts(answers[0]), drafts(answers[1])
+    edge = len(prompt) + len(common)
+    before = [s for s in a if s[0] <= edge]
+    assert before == [s for s in b if s[0] <= edge] and len(before) >= 3
+    assert any(len(s[1]) for s in before)  # real drafts, not only plain steps
+
+
+# ---- auto resolves to it ----
+
+def test_auto_without_a_head_runs_the_headless_drafter(tmp_path, monkeypatch):
+    from specdec.api import from_models
+    from specdec.drafters import registry
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = tiny_model("llama", seed=LOOPS)
+    dec = from_models(model, None, "auto")
+    assert isinstance(dec.drafter, HeadlessDrafter) and dec.drafter.draft is None
+    assert "no head" in dec.method and dec.drafter.costs.target(1) > 0
+    want, _ = run(LeanRunner(model), NoDrafter(), REPEATS, SamplingParams(), 30)
+    got, stats = run(dec.runner, dec.drafter, REPEATS, SamplingParams(), 30)
+    assert got == want and "no head" in stats.summary()["drafter"] and "ngram" in stats.drafter
+    with_draft = from_models(model, None, "auto", draft_model=noisy_copy(model, 0.1))
+    assert with_draft.drafter.draft is not None and "sps" in with_draft.drafter.name
+    assert isinstance(from_models(model, None, "auto", adaptive=False).drafter, NgramDrafter)
+    assert isinstance(from_models(model, None, "auto", lookup=0).drafter, NoDrafter)
+    with pytest.raises(SpecdecError, match="no head"):
+        from_models(model, None, "auto", depth=3)
+    assert registry.get("auto").takes_draft and not registry.get("auto").needs_draft
