@@ -130,7 +130,7 @@ def synthetic_gguf(path, cfg: dict, fmt: str, seed: int = 0):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name in norms:
+    for _ in norms:
         w.write_tensor_data(np.ones(h, np.float32))
     for o, k in shapes.values():
         blocks = rng.integers(0, 256, size=(o, k // elems, nbytes), dtype=np.uint8)

@@ -33,7 +33,7 @@ N_NEW = 40
 
 @pytest.fixture(scope="module")
 def smol():
-    model, tok, _ = load_model("smollm2", device="cpu")
+    model, tok, _ = load_model("smollm2", device="cpu", weights="fp32")  # the HF model, for HF's own generate
     draft = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -143,3 +143,37 @@ def test_int8_target_auto_equals_int8_vanilla_exactly(smol):
     spec = from_models(model, tok, "auto", weights="int8")
     assert vanilla.weights == spec.weights == "int8" and spec.runner.exact_rows
     assert mean_tau_if_lossless(model, vanilla, spec) > 1.3
+
+
+@pytest.fixture(scope="module")
+def smol_gguf():
+    """The embedded file as a user gets it by default: its own Q4_1/Q8_0 blocks."""
+    from specdec.target import stream
+
+    if stream.kernel() is None:
+        pytest.skip("needs the streaming kernels (x86-64, AVX2)")
+    model, tok, _ = load_model("smollm2", device="cpu")
+    return model, tok
+
+
+@pytest.mark.parametrize("method", ["auto", "pld", "medusa"])
+def test_the_gguf_file_on_its_own_blocks_decodes_exactly(smol_gguf, smol, method):
+    """The default load: no float copy; auto (with the shipped head, fingerprinted on the de-quantized
+    table) and the others reproduce that target's greedy text exactly; and its text follows the fp32
+    conversion's closely (int8 activations are the only other difference)."""
+    from specdec.target.gguf import GGUFModel
+
+    model, tok = smol_gguf
+    assert isinstance(model, GGUFModel) and model.weight_types == {"Q8_0": 1, "Q4_1": 210}
+    vanilla = from_models(model, tok)
+    assert vanilla.weights == "gguf" and vanilla.runner.exact_rows
+    spec = from_models(model, tok, method)
+    if method == "auto":
+        assert spec.drafter.name == "eagle2+pld adaptive"
+    assert mean_tau_if_lossless(model, vanilla, spec) > 1.1  # drafts really were accepted
+    if method == "auto":
+        fp32 = from_models(smol[0], smol[1])
+        msgs = [{"role": "user", "content": PROMPTS[0]}]
+        a = vanilla.generate(msgs, max_new_tokens=N_NEW).token_ids
+        b = fp32.generate(msgs, max_new_tokens=N_NEW).token_ids
+        assert a[:8] == b[:8]  # the same model up to activation rounding: the answers start alike

@@ -31,8 +31,26 @@ from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
-from specdec.target.loading import load_like
+from specdec.target.gguf import GGUFModel
+from specdec.target.loading import load_like, load_model
 from specdec.target.packed import precision_name
+
+_CONVERTED: dict = {}  # (GGUF path, weights) -> the file converted to that precision, loaded once per process
+
+
+def own_precision(model) -> str:
+    """The precision the run's model holds its weights in: a GGUF file's own blocks, or its dtype."""
+    return "gguf" if isinstance(model, GGUFModel) else precision_name(next(model.parameters()).dtype)
+
+
+def model_for(model, weights: str | None):
+    """The model a method at `weights` runs: a GGUF target at another precision runs its converted copy."""
+    if not isinstance(model, GGUFModel) or weights in (None, "gguf"):
+        return model
+    key = (str(model.path), weights)
+    if key not in _CONVERTED:
+        _CONVERTED[key] = load_model(model.path, "cpu", None, weights)[0]
+    return _CONVERTED[key]
 
 
 @dataclass
@@ -115,10 +133,10 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
         weights = spec.weights or cfg.weights
         if spec.target is not None and spec.target not in targets:
             targets[spec.target] = load_like(spec.target, model, tokenizer)
-        m = targets[spec.target] if spec.target is not None else model
+        m = targets[spec.target] if spec.target is not None else model_for(model, weights)
         dec = from_models(m, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=weights,
                           **spec.decoder_opts)
-        own = precision_name(next(model.parameters()).dtype)
+        own = own_precision(model)
         built[spec.label] = OurMethod(spec, dec, getattr(dec.runner, "weights", None) or weights or own, spec.target)
         if spec.label == "vanilla":
             vanilla = dec
@@ -230,7 +248,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
 
     # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
     precisions = {lab: m.precision for lab, m in methods.items() if isinstance(m, OurMethod)}
-    floors = {w: memory_floor(model, weights=w) for w in dict.fromkeys(precisions.values())}
+    floors = {w: memory_floor(model_for(model, w), weights=w) for w in dict.fromkeys(precisions.values())}
     floor = floors[precisions["vanilla"]]
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
     meter = ContentionMeter([m.proc.pid for m in methods.values() if getattr(m, "proc", None) is not None])
@@ -305,7 +323,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                                    "tokens": r["tokens"]})
     # peers on other weights than our methods' (llama.cpp; hf when --weights differs) are not audited; each
     # of our methods is audited against the vanilla of its own precision
-    own = precision_name(next(model.parameters()).dtype)
+    own = own_precision(model)
     other = (cfg.weights or own) != own
     exclude = {s.label for s in cfg.methods if not s.audited or (s.is_peer and other)}
     groups = _audit_groups(methods, precisions, model, own)
@@ -372,7 +390,8 @@ def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
     groups = {}
     for ref, k in refs.items():
         members = [lab for lab, kk in key.items() if kk == k and lab != ref]
-        groups[ref] = (members, model if k == (own, None) else runner_logits(methods[ref].dec.runner))
+        hf_judge = k == (own, None) and not isinstance(model, GGUFModel)  # a GGUF model has no HF forward
+        groups[ref] = (members, model if hf_judge else runner_logits(methods[ref].dec.runner))
     return groups
 
 

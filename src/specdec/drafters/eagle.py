@@ -29,7 +29,7 @@ from specdec.heads.runner import HeadRunner
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
 from specdec.target import stream
-from specdec.target.gguf import QuantTensor
+from specdec.target.gguf import float_weight
 from specdec.target.packed import GGUF
 from specdec.tree import (
     DraftTree,
@@ -290,8 +290,7 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
 
     embed = model.get_input_embeddings().weight
     p = next(model.parameters())
-    target_lm = model.get_output_embeddings().weight
-    target_lm = target_lm.dequantize() if isinstance(target_lm, QuantTensor) else target_lm  # its rows, in fp32
+    target_lm = float_weight(model.get_output_embeddings().weight)  # a GGUF file's: its rows in fp32
     head = load_head(head_dir, hidden_size=runner.hidden_size, vocab_size=embed.shape[0], device=p.device,
                      dtype=p.dtype, target_lm_head=target_lm)
     if opts.full_vocab and head.d2t is not None:

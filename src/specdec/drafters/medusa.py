@@ -35,6 +35,7 @@ from specdec.heads.medusa_formats import import_medusa
 from specdec.heads.shipped import find_shipped_head
 from specdec.machine import forward_costs
 from specdec.sampling import tempered_log_probs
+from specdec.target.gguf import float_weight
 from specdec.tree import DraftTree, check_choices, draw_children
 from specdec.verify import Typical
 
@@ -252,7 +253,7 @@ def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
         raise SpecdecError(f"Medusa heads {heads_dir!r} is not a directory")
     model, runner = target.model, target.runner
     p = next(model.parameters())
-    lm = model.get_output_embeddings().weight
+    lm = float_weight(model.get_output_embeddings().weight)  # a GGUF file's: its rows in fp32
     heads = import_medusa(heads_dir, hidden_size=runner.hidden_size, vocab_size=lm.shape[0], target_lm_head=lm,
                           device=p.device, dtype=p.dtype)  # ours, vLLM's or FasterDecoding's layout
     shared = getattr(runner, "lm_head", None)  # the target runner's packed LM head: no second copy

@@ -90,6 +90,11 @@ class QuantWeight:
         return y if residual is None else residual + y
 
 
+def float_weight(w):
+    """A weight as a float tensor (a head reads rows of the target's LM head): quantized ones de-quantized."""
+    return w.dequantize() if isinstance(w, QuantTensor) else w
+
+
 def cat_rows(weights: list) -> torch.Tensor | list[QuantTensor]:
     """Matrices stacked along their outputs: a tensor for float weights, the parts for quantized ones."""
     if any(isinstance(w, QuantTensor) for w in weights):
@@ -149,8 +154,9 @@ class GGUFModel:
                 o_proj=proj(get(p + "attn_output.weight"), get(p + "attn_output.bias", True)))
             mlp = SimpleNamespace(gate_proj=proj(get(p + "ffn_gate.weight")), up_proj=proj(get(p + "ffn_up.weight")),
                                   down_proj=proj(get(p + "ffn_down.weight")))
-            return SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=SimpleNamespace(weight=get(p + "attn_norm.weight")),
-                                   post_attention_layernorm=SimpleNamespace(weight=get(p + "ffn_norm.weight")))
+            norm = lambda n: SimpleNamespace(weight=get(p + n))  # noqa: E731
+            return SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=norm("attn_norm.weight"),
+                                   post_attention_layernorm=norm("ffn_norm.weight"))
 
         embed = get("token_embd.weight")
         out = get("output.weight", True)

@@ -216,9 +216,8 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
 
 
 def make_runner(model, backend: str = "auto", weights: str | None = None):
-    from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
-
     from specdec.target.gguf import GGUFModel
+    from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
     Runtime(backend=backend, weights=weights)  # checks both
     if isinstance(model, GGUFModel):
