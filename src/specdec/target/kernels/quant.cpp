@@ -303,6 +303,38 @@ void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, Row32& buf, flo
   }
 }
 
+// One activation row on Q4_K: the weights decoded in registers, no buffer. The same integer lanes and the
+// same float steps as dot_k (scale vectors hold one value per 32 codes), so the same bits.
+void dot_q4k_one(const uint8_t* row, int64_t K, const Acts& a, float* y) {
+  const int64_t nb = K / 256;
+  const int8_t* xq = a.q.data();
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; i++) {
+    const uint8_t* b = row + i * 144;
+    if (i + 2 < nb) _mm_prefetch(reinterpret_cast<const char*>(b + 288), _MM_HINT_T0);
+    uint8_t sc[8], m[8];
+    scales_mins_k4(b + 4, sc, m);
+    __m256i isum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 256 + 64 * c));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 256 + 64 * c + 32));
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, lo4), x0), _mm256_set1_epi16(sc[2 * c]));
+      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), x1),
+                                           _mm256_set1_epi16(sc[2 * c + 1]));
+      isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+    }
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+    const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum.data() + i * 16)),
+                                           _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));
+    const float xd = a.d256[i];
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(h2f(b) * xd), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-h2f(b + 2) * xd), acc);
+  }
+  *y = hsum(acc);
+}
+
 void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need256, Acts& a) {
   a.N = N;
   a.K = K;
@@ -382,7 +414,8 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
       while (o >= start[seg + 1]) seg++;
       const int t = static_cast<int>(types[seg]);
       const uint8_t* row = ws[seg].data_ptr<uint8_t>() + (o - start[seg]) * ws[seg].size(1);
-      if (kquant(t)) dot_k(t, row, K, acts, kb, yp + o, O, N);
+      if (t == Q4_K && N == 1) dot_q4k_one(row, K, acts, yp + o);
+      else if (kquant(t)) dot_k(t, row, K, acts, kb, yp + o, O, N);
       else dot_32(t, row, K, acts, b32, yp + o, O, N);
     }
   });
