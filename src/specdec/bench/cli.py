@@ -17,7 +17,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values
 from specdec.sampling import SamplingParams
-from specdec.target.loading import Runtime, load_model
+from specdec.target.loading import Runtime, load_model, native_gguf
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
 MAX_SEED = 2**32 - 1
@@ -92,7 +92,8 @@ def cmd_bench(args) -> int:
     # everything a user can get wrong is checked before the (slow) model load
     sp = SamplingParams.parse(flag_values(args, SamplingParams))
     rt = Runtime.parse(flag_values(args, Runtime))
-    specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights)
+    gguf = native_gguf(args.model, rt.device, rt.weights)
+    specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights, hf=not gguf)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if args.last and (args.limit or args.per_category or args.quick):
         raise SpecdecError("--last cannot be combined with --limit, --per-category or --quick")

@@ -122,24 +122,30 @@ def _target_dir(name: str, value: str, text: str) -> str:
 
 
 def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | None = None,
-                  weights: str | None = None) -> list[MethodSpec]:
+                  weights: str | None = None, hf: bool = True) -> list[MethodSpec]:
     """The methods to time. The two baseline candidates (hf and our vanilla) are always included,
     since the speedup baseline is the faster of them in the same run (DESIGN.md §1). A method on its own
     `weights=` or `target=` gets the vanilla of that precision and target too: the reference its outputs are
     audited against.
-    `weights`: the run's default precision (--weights)."""
+    `weights`: the run's default precision (--weights). hf=False: no HF baseline (a GGUF target on its own
+    blocks has no HF forward; the HF peers would time its de-quantized fp32 copy, another model)."""
     if text is None or not text.strip():
         ours = our_methods() if known is None else known
         names = ["vanilla", "hf"] + [m for m in ("pld",) if m in ours] + ["hf-pld"]
         if has_draft:
             names += [m for m in ("sps", "sps-tree") if m in ours] + ["hf-assisted"]
+        if not hf:
+            names = [n for n in names if n not in HF_PEERS]
         text = ",".join(names)
     specs = [parse_method(t, known) for t in text.split(",") if t.strip()]
     labels = [s.label for s in specs]
     dup = [x for x in labels if labels.count(x) > 1]
     if dup:
         raise SpecdecError(f"method {dup[0]!r} is listed twice")
-    bases = [next((s for s in specs if s.label == b), MethodSpec(b, {}, b)) for b in ("vanilla", "hf")]
+    if not hf and any(s.name in HF_PEERS for s in specs):
+        raise SpecdecError("the hf peers need the model's HF forward: a .gguf on its own blocks has none "
+                           "(run them with --weights fp32)")
+    bases = [next((s for s in specs if s.label == b), MethodSpec(b, {}, b)) for b in ("vanilla", "hf")[:1 + hf]]
     specs = bases + [s for s in specs if s not in bases]
     def ref(s):  # what a method is lossless relative to: (weights, target); None weights: the run's
         return s.weights or weights, s.target
