@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specdec.target.base import chain_mask
+from specdec.target.gguf import GGUFModel
 from specdec.target.packed import onednn_available, weight_bytes
 
 
@@ -162,8 +163,6 @@ def weight_bytes_per_token(model, weights: str | None = None) -> int:
     """Bytes of weights one decode step must stream: every parameter once (tied tensors once), except an
     input embedding table that is not also the LM head (a step reads one row of it). weights (a
     precision name): the matrices as the lean runner stores them at that precision."""
-    from specdec.target.gguf import GGUFModel
-
     if isinstance(model, GGUFModel):  # its own blocks, whatever `weights` says
         return model.streamed_bytes()
     size = weight_bytes(weights) if weights and weights != "gguf" else None

@@ -32,25 +32,7 @@ from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
 from specdec.target.gguf import GGUFModel
-from specdec.target.loading import load_like, load_model
-from specdec.target.packed import precision_name
-
-_CONVERTED: dict = {}  # (GGUF path, weights) -> the file converted to that precision, loaded once per process
-
-
-def own_precision(model) -> str:
-    """The precision the run's model holds its weights in: a GGUF file's own blocks, or its dtype."""
-    return "gguf" if isinstance(model, GGUFModel) else precision_name(next(model.parameters()).dtype)
-
-
-def model_for(model, weights: str | None):
-    """The model a method at `weights` runs: a GGUF target at another precision runs its converted copy."""
-    if not isinstance(model, GGUFModel) or weights in (None, "gguf"):
-        return model
-    key = (str(model.path), weights)
-    if key not in _CONVERTED:
-        _CONVERTED[key] = load_model(model.path, "cpu", None, weights)[0]
-    return _CONVERTED[key]
+from specdec.target.loading import load_like, model_for, own_precision
 
 
 @dataclass

