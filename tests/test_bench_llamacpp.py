@@ -197,11 +197,24 @@ def test_f32_needs_a_gguf_source(models, fake, monkeypatch):
     ("llamacpp-pld:num_pred_tokens=0", "num_pred_tokens must be an integer >= 1, got 0"),
     ("llamacpp:gguf=q8_0", "gguf must be f32, q4_1 or the path of an existing .gguf file, got 'q8_0'"),
     ("llamacpp-server:spec=draft-eagle3", "spec must be one of none, ngram-simple"),
+    ("llamacpp-server:spec=draft-simple", "draft must be given with spec=draft-simple"),
+    ("llamacpp-server:spec=draft-simple:draft=/no/such.gguf", "draft must be the path of an existing .gguf file"),
+    ("llamacpp-server:spec=draft-simple:draft={q4}:draft_n_max=0", "draft_n_max must be an integer >= 1"),
+    ("llamacpp-server:spec=ngram-mod:draft={q4}", "draft is only used with spec=draft-simple, not spec=ngram-mod"),
+    ("llamacpp-server:draft_n_max=4", "draft_n_max is only used with spec=draft-simple, not spec=none"),
+    ("llamacpp-pld:draft={q4}", "unknown option 'draft'"),
 ])
 def test_bad_options_are_refused_when_parsed(fake, methods, msg):
     with pytest.raises(SpecdecError) as e:
-        parse_methods(methods, has_draft=False)
+        parse_methods(methods.format(q4=fake.q4), has_draft=False)
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_server_options_take_any_gguf_target_and_a_draft(fake):
+    spec = parse_methods(f"llamacpp-server:gguf={fake.q4}:spec=draft-simple:draft={fake.q4}:draft-n-max=6", False)[-1]
+    opts = llamacpp.check(spec.name, dict(spec.opts))
+    assert (opts.gguf, opts.spec, opts.draft, opts.draft_n_max) == (fake.q4, "draft-simple", fake.q4, 6)
+    assert llamacpp.check("llamacpp-server", {"spec": "ngram-mod"}).draft is None
 
 
 @pytest.mark.parametrize("name, how", [("llamacpp-pld", 'pip install -e ".[peers]"'),
@@ -262,7 +275,7 @@ def test_llama_server_peer_is_started_asked_and_stopped(models, fake, tmp_path, 
     monkeypatch.setattr(llamacpp.subprocess, "Popen", popen)
     label = f"llamacpp-server:gguf={fake.q4}:spec=ngram-simple"
     cfg = BenchConfig(parse_methods(f"vanilla,{label}", False), max_new_tokens=6, warmup=0, progress=False, threads=1)
-    res = run_bench(cfg, QS[1:], target, tok)
+    res = run_bench(cfg, QS[1:], target, tok, out_dir=tmp_path / "out")
     assert len(started) == 1 and started[0].returncode == -15  # stopped (SIGTERM) when the run ended
     calls = [json.loads(x) for x in (tmp_path / "llama-server.calls").read_text().splitlines()]
     argv = calls[0]["argv"]
@@ -273,8 +286,37 @@ def test_llama_server_peer_is_started_asked_and_stopped(models, fake, tmp_path, 
     assert body["return_tokens"] and body["cache_prompt"] is False and body["temperature"] == 0.0
     rec = next(r for r in res["records"] if r["method"] == label)
     assert rec["tokens"][-1] == 2 and 9 not in rec["tokens"]  # cut at our EOS set
+    assert rec["peer_stats"].pop("peak_rss_mb") > 1  # the server process's VmHWM
     assert rec["peer_stats"] == {"prompt_ms": 1.0, "predicted_ms": 2.0, "stop_type": "eos"}
     assert res["audit"]["not_audited"] == [label] and res["audit"]["agreement"][label]["compared"] == 1
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    rss = next(m for m in run["methods"] if m["label"] == label)["weights"]["peak_rss_mb"]
+    assert f"| `{label}` | Q4_1, peak RSS {rss:.0f} MB | `{fake.q4}` |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_draft_simple_passes_the_draft_model_and_records_peak_rss(models, fake, tmp_path, monkeypatch):
+    target, _ = models
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    script.chmod(0o755)
+    monkeypatch.setattr(llamacpp, "server_binary", lambda: script)
+    draft = write_gguf(tmp_path / "draft-q4.gguf", 3)
+    spec = parse_methods(f"llamacpp-server:gguf={fake.q4}:spec=draft-simple:draft={draft}:draft_n_max=5", False)[-1]
+    m = llamacpp.build(spec, target, {2}, threads=1, n_ctx=64)
+    try:
+        out = m.run([3, 4, 5], 0.0, 0, 4)
+        argv = json.loads((tmp_path / "llama-server.calls").read_text().splitlines()[0])["argv"]
+        assert argv[argv.index("--spec-type") + 1] == "draft-simple"
+        assert argv[argv.index("--spec-draft-model") + 1] == draft and argv[argv.index("--spec-draft-n-max") + 1] == "5"
+        assert m.weights["draft"] == {"gguf": draft, "type": "Q4_1", "n_max": 5}
+        rss = out["peer_stats"]["peak_rss_mb"]
+        assert rss > 1 and m.weights["peak_rss_mb"] == rss  # the fake server is a Python process: MBs
+    finally:
+        m.close()
+
+
+def test_peak_rss_of_a_process_that_is_gone_is_none():
+    assert llamacpp.peak_rss_mb(os.getpid()) > 1 and llamacpp.peak_rss_mb(2**22 + 1) is None
 
 
 def test_a_server_that_dies_is_one_error_with_its_last_words(models, fake, tmp_path, monkeypatch):
@@ -293,7 +335,7 @@ def test_cli_prints_the_peers_agreement(models, fake, tmp_path, monkeypatch, cap
     import specdec.bench.cli as bench_cli
 
     target, tok = models
-    monkeypatch.setattr(bench_cli, "load_model", lambda spec, device=None, dtype=None: (target, tok, None))
+    monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: (target, tok, None))
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Hi?"]}) + "\n")
     label = f"llamacpp:gguf={fake.q4}"

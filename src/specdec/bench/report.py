@@ -233,8 +233,12 @@ def _agreement(run: dict, audit: dict) -> list[str]:
         ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
         div = "—" if a["first_divergence_mean"] is None else \
             f"{a['first_divergence_mean']:.1f} (earliest {a['first_divergence_min']})"
-        rows.append([f"`{m['label']}`", w.get("type", "?") + (" (same weights)" if w.get("choice") == "f32" else ""),
-                     f"`{w.get('gguf', '?')}`", ident, div])
+        what = w.get("type", "?") + (" (same weights)" if w.get("choice") == "f32" else "")
+        if w.get("draft"):  # llama-server draft-simple
+            what += f", draft {w['draft'].get('type', '?')} `{w['draft'].get('gguf', '?')}`"
+        if w.get("peak_rss_mb") is not None:
+            what += f", peak RSS {w['peak_rss_mb']:.0f} MB"
+        rows.append([f"`{m['label']}`", what, f"`{w.get('gguf', '?')}`", ident, div])
     return ["## Agreement with our vanilla", "",
             f"Against `{audit.get('reference', 'vanilla')}`. Not part of its audit: other engines (their kernels; "
             "Q4_1 is other weights), lossy methods (Medusa's typical acceptance accepts tokens the target would not "
