@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specdec.bench.compare import compare
 from specdec.bench.data import first_per_category, load_questions, quick_subset
-from specdec.bench.methods import MethodSpec, our_methods, parse_methods
+from specdec.bench.methods import HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
 from specdec.bench.runner import BenchConfig, check_out_dir, ensure_writable_dir, run_bench
 from specdec.errors import SpecdecError
@@ -93,6 +93,9 @@ def cmd_bench(args) -> int:
     sp = SamplingParams.parse(flag_values(args, SamplingParams))
     rt = Runtime.parse(flag_values(args, Runtime))
     gguf = native_gguf(args.model, rt.device, rt.weights)
+    asked = [m.split(":")[0].strip() for m in (args.methods or "").split(",")]
+    if gguf and rt.weights is None and any(m in HF_PEERS for m in asked):  # HF peers need the HF forward:
+        rt, gguf = rt.model_copy(update={"weights": "fp32"}), False  # the run uses the converted copy
     specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights, hf=not gguf)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if args.last and (args.limit or args.per_category or args.quick):
