@@ -112,7 +112,7 @@ def test_non_empty_out_is_refused_without_overwrite(tmp_path, qfile, no_load, ca
 def test_overwrite_replaces_an_earlier_run(tmp_path, qfile, monkeypatch, capsys):
     tok = char_tokenizer()
     target = tiny_model("llama", vocab_size=len(tok))
-    monkeypatch.setattr(bench_cli, "load_model", lambda spec, device=None, dtype=None, weights=None: (target, tok, None))
+    monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: (target, tok, None))
     out = tmp_path / "res"
     _earlier_run(out)
     args = ["bench", "--questions", str(qfile), "--max-new-tokens", "4", "--threads", "1", "--warmup", "0",

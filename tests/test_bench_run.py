@@ -201,7 +201,7 @@ def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys)
     target, tok, _ = models
     import specdec.bench.cli as bench_cli
 
-    monkeypatch.setattr(bench_cli, "load_model", lambda spec, device=None, dtype=None, weights=None: (target, tok, None))
+    monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: (target, tok, None))
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["Hi?", "And then?"]}) + "\n"
                          for i, c in enumerate(["qa", "qa", "rag"])))
