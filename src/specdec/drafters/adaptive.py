@@ -185,8 +185,20 @@ def matched(tree: DraftTree, tokens: list[int]) -> int:
     return len(greedy_walk(tree, lambda _, k: tokens[k] if k < len(tokens) else None)[0])
 
 
+class FollowsTheMachine(Drafter):
+    """A drafter priced by measured costs: fixed within a request (a seeded sampled request repeats its
+    text), re-measured between requests once the observed forwards drift from them (another load).
+    Subclasses set costs, clock (costs.StepClock), remeasure (or None) and remeasured = 0."""
+
+    def prepare(self) -> None:
+        if self.remeasure is not None and self.clock.drifted:
+            self.costs = self.remeasure()
+            self.clock = self.clock.after_remeasure()
+            self.remeasured += 1
+
+
 @dataclass
-class AdaptiveDrafter(Drafter):
+class AdaptiveDrafter(FollowsTheMachine):
     """`auto`'s drafter: an EAGLE head + a prompt-lookup chain, sized (or skipped) every step by the
     Controller. The chain is looked up first (it depends only on emitted tokens), then the choice."""
 
@@ -218,14 +230,6 @@ class AdaptiveDrafter(Drafter):
         self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
         self.remeasured = 0
         self.built_costs = self.costs  # what seeded sampled requests draft with (see begin)
-
-    def prepare(self) -> None:
-        """Costs stay fixed within a request (a seeded sampled request repeats its text), and are
-        re-measured between requests once the observed forwards drift from them (another load)."""
-        if self.remeasure is not None and self.clock.drifted:
-            self.costs = self.remeasure()
-            self.clock = self.clock.after_remeasure()
-            self.remeasured += 1
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy

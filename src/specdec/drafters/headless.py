@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, Controller, matched
+from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, Controller, FollowsTheMachine, matched
 from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
 from specdec.drafters.costs import Costs, StepClock, load_plain_costs
 from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
@@ -111,7 +111,7 @@ class _Pending:
 
 
 @dataclass
-class HeadlessDrafter(Drafter):
+class HeadlessDrafter(FollowsTheMachine):
     ngram: NgramDrafter | None
     costs: Costs
     draft: DraftModelDrafter | None = None
@@ -134,12 +134,6 @@ class HeadlessDrafter(Drafter):
         self.rows = self.rows_ctx = 0
         self.pending: list[_Pending] = []
         self.last: tuple[DraftTree | None, float] | None = None
-
-    def prepare(self) -> None:
-        if self.remeasure is not None and self.clock.drifted:
-            self.costs = self.remeasure()
-            self.clock = self.clock.after_remeasure()
-            self.remeasured += 1
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy

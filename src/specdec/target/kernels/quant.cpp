@@ -95,12 +95,17 @@ inline void set_scales_32(SuperBlock& s, const uint8_t* sc, const uint8_t* m) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(s.m), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));
 }
 
-void decode_q4k(const uint8_t* b, SuperBlock& s) {
+// Q4_K/Q5_K's common head: d, dmin, then the packed scales and mins
+void header_k4(const uint8_t* b, SuperBlock& s) {
   s.D = h2f(b);
   s.M = h2f(b + 2);
   uint8_t sc[8], m[8];
   scales_mins_k4(b + 4, sc, m);
   set_scales_32(s, sc, m);
+}
+
+void decode_q4k(const uint8_t* b, SuperBlock& s) {
+  header_k4(b, s);
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; c++) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
@@ -110,11 +115,7 @@ void decode_q4k(const uint8_t* b, SuperBlock& s) {
 }
 
 void decode_q5k(const uint8_t* b, SuperBlock& s) {
-  s.D = h2f(b);
-  s.M = h2f(b + 2);
-  uint8_t sc[8], m[8];
-  scales_mins_k4(b + 4, sc, m);
-  set_scales_32(s, sc, m);
+  header_k4(b, s);
   const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
   for (int c = 0; c < 4; c++) {
