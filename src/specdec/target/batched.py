@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.target.gguf import QuantTensor
 from specdec.target.kv import KVCache
 from specdec.target.lean import LeanRunner
 
@@ -29,9 +30,11 @@ def batch_generate(
     eos_ids: set[int],
     generator: torch.Generator | None = None,
     with_features: bool = True,
+    aux_layers: tuple[int, ...] = (),
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Returns each prompt's answer (cut after its first EOS, which is kept) and, if asked, the features
-    [len(prompt) + len(answer), H] (fp32, on the CPU) of prompt + answer."""
+    [len(prompt) + len(answer), H * (1 + len(aux_layers))] (fp32, on the CPU) of prompt + answer: the
+    final-norm feature, then the hidden state entering each layer of `aux_layers` (EAGLE-3's inputs)."""
     if any(w is not None for w in runner.windows):
         raise ValueError("batch_generate does not implement sliding-window attention")
     dev = runner.device
@@ -56,13 +59,18 @@ def batch_generate(
         vis = (col[:end][None, None] >= pad[:, None, None]) & (col[:end][None, None] <= q_col)
         vis = vis | (col[:end][None, None] == q_col)  # pad queries see themselves (no all-masked rows)
         mask = vis[:, None]  # [R, 1, n, end]
-        h = F.embedding(x_ids, runner.embed)
-        for layer in runner.layers:
+        h = runner.embed.rows(x_ids.reshape(-1)).view(*x_ids.shape, -1) if isinstance(runner.embed, QuantTensor) \
+            else F.embedding(x_ids, runner.embed)
+        aux = []
+        for i, layer in enumerate(runner.layers):
+            if i in aux_layers:
+                aux.append(h)
             h = layer(h, cos, sin, kv, start, mask)
-        return F.rms_norm(h, (runner.hidden_size,), runner.norm, runner.eps)
+        f = F.rms_norm(h, (runner.hidden_size,), runner.norm, runner.eps)
+        return torch.cat([f, *aux], -1) if aux else f
 
     def pick(feats: torch.Tensor) -> torch.Tensor:
-        probs = probs_from_logits(runner.lm_head(feats), params)
+        probs = probs_from_logits(runner.lm_head(feats[..., :runner.hidden_size]), params)
         if params.greedy:
             return probs.argmax(-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -10,6 +10,7 @@ computes it); decoding is lossless relative to that model, bit for bit.
 from __future__ import annotations
 
 import functools
+import mmap
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,7 +56,9 @@ class QuantTensor:
         return self.rows(torch.arange(self.shape[0]))
 
     def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
-        return QuantTensor(self.data[perm].contiguous(), self.qtype, self.shape[1])
+        """The rows in this order, in place (the bytes stay where the loader put them)."""
+        self.data.copy_(self.data[perm])
+        return self
 
 
 class QuantWeight:
@@ -135,8 +138,8 @@ class GGUFModel:
         if arch not in ARCHS:
             raise SpecdecError(f"weights=gguf runs {', '.join(ARCHS)} models; {path} is {arch!r} (use weights=fp32)")
         tensors = {t.name: t for t in reader.tensors}
-        self._reader = reader  # keeps the file mapped: the weights are views of it
-        get = functools.partial(_tensor, tensors, path)
+        arena = _Arena(path, [t for t in reader.tensors if int(t.tensor_type) in QUANT_TYPES])
+        get = functools.partial(_tensor, tensors, path, arena)
         cfg = config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         permute = arch in ("llama", "mistral")  # llama.cpp's converter interleaves these archs' q/k rows
@@ -205,21 +208,50 @@ def _matrices(layer) -> tuple:
             m.up_proj.weight, m.down_proj.weight)
 
 
-def _tensor(tensors: dict, path: Path, name: str, optional: bool = False):
+class _Arena:
+    """The quantized tensors' bytes read from the file into one anonymous mapping, backed by huge pages
+    where the OS offers them. Why not the file's own mapping: its 4 KB page-cache pages cost a decode
+    step ~25% (Qwen2.5-1.5B Q4_K_M, 73 vs 56 ms: the hardware prefetcher stops at each 4 KB page). Read
+    tensor by tensor, resident memory stays one copy of the weights (page cache is not counted)."""
+
+    ALIGN = 64
+
+    def __init__(self, path: Path, tensors: list) -> None:
+        self.path = path
+        self.offsets, total = {}, 0
+        for t in tensors:
+            self.offsets[t.name] = total
+            total += -(-int(t.n_bytes) // self.ALIGN) * self.ALIGN
+        self.buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.buf.madvise(mmap.MADV_HUGEPAGE)
+        self.whole = torch.frombuffer(self.buf, dtype=torch.uint8)  # holds the mapping while tensors use it
+
+    def read(self, t) -> torch.Tensor:
+        """Tensor `t`'s bytes, shaped as the reader shapes them (rows of blocks)."""
+        a, n = self.offsets[t.name], int(t.n_bytes)
+        with open(self.path, "rb") as fh:
+            fh.seek(int(t.data_offset))
+            if fh.readinto(memoryview(self.buf)[a:a + n]) != n:
+                raise SpecdecError(f"{self.path} ends inside tensor {t.name}: the file is truncated")
+        return self.whole[a:a + n].view(tuple(int(d) for d in t.data.shape))
+
+
+def _tensor(tensors: dict, path: Path, arena: _Arena, name: str, optional: bool = False):
     t = tensors.get(name)
     if t is None:
         if optional:
             return None
         raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2 GGUF file")
     qtype = int(t.tensor_type)
+    if qtype in QUANT_TYPES:
+        k = int(t.shape[0])  # GGUF lists dimensions innermost first
+        if len(t.data.shape) != 2:
+            raise SpecdecError(f"{path}: {name} is not a matrix")
+        return QuantTensor(arena.read(t), qtype, k)
     with warnings.catch_warnings():  # the file is mapped read-only, and nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(np.asarray(t.data))
-    if qtype in QUANT_TYPES:
-        k = int(t.shape[0])  # GGUF lists dimensions innermost first
-        if data.dim() != 2:
-            raise SpecdecError(f"{path}: {name} is not a matrix")
-        return QuantTensor(data, qtype, k)
     if qtype in FLOAT_TYPES:
         return data.to(torch.float32).clone()  # norms, biases, small float matrices
     raise SpecdecError(f"{path}: {name} is stored as {t.tensor_type.name}, which weights=gguf does not read "

@@ -33,6 +33,14 @@ AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 PANEL = 16  # outputs per panel (stream.cpp's P)
 
 
+def _cpu_has(flag: str) -> bool:
+    """A /proc/cpuinfo flag (Linux); False where that cannot be read."""
+    try:
+        return any(line.startswith("flags") and flag in line.split() for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
 def _usable() -> str | None:
     """Why the kernel cannot be used here, or None."""
     switch = os.environ.get("SPECDEC_STREAM", "1")
@@ -63,6 +71,8 @@ def _kernel():
     if why is not None:
         return None
     flags = FLAGS + (AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+    if "-mavx512bw" in flags and _cpu_has("avx512_vnni"):  # fused multiply-adds of the same integers
+        flags.append("-mavx512vnni")
     key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES), " ".join(flags).encode(),
                                       torch.__version__.encode(), sys.version.encode()])).hexdigest()[:16]
     name = f"specdec_stream_{key}"

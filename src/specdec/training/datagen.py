@@ -5,7 +5,8 @@ Shards are planned up front (shard i = a source, a sampling temperature and a sl
 run is resumable: finished shards are skipped, each shard is written atomically and recorded (size,
 sha256) in manifest.json, and a resumed run redoes a shard that fails that check. Shard tensors:
 input_ids int32 [N], features fp16 [N, H] (f_t, the target's last hidden state after the final norm),
-loss_mask uint8 [N] (1 = answer token), offsets int64 [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
+aux_features fp16 [N, k * H] when the plan names aux layers (the hidden state entering each of those k
+layers: EAGLE-3's low/middle/high features, layers 2, L/2 and L - 3 by default), loss_mask uint8 [N] (1 = answer token), offsets int64 [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
 
 Prompts never come from benchmarks: GSM8K *train* questions, prompts the target writes itself from a
 bare chat template (the user turn generated first), and optionally GSM8K train's own solutions
@@ -78,6 +79,7 @@ class Plan:
     self_prompt_tokens: int = 96  # budget for a self-written user turn
     top_p: float = 1.0
     seed: int = 0
+    aux_layers: str = "none"  # hidden states stored besides f_t: 'eagle3', 'none' or indices
 
     def check(self) -> None:
         for name, rule in PLAN_RULES.items():
@@ -97,7 +99,35 @@ class Plan:
 PLAN_RULES = {"shard_size": arg_type(int, ge=1), "sources": source_list, "temperatures": temperature_list,
               "max_new_tokens": arg_type(int, ge=1), "max_prompt_tokens": arg_type(int, ge=1),
               "self_prompt_tokens": arg_type(int, ge=1), "top_p": arg_type(float, gt=0, le=1),
-              "seed": arg_type(int, ge=0)}
+              "seed": arg_type(int, ge=0), "aux_layers": lambda v: aux_layer_list(v)}
+
+
+def aux_layer_list(text: str) -> str:
+    """'none', 'eagle3' (resolved against the model: 2, L/2, L - 3) or distinct layer indices."""
+    text = str(text).strip()
+    if text in ("", "none", "eagle3"):
+        return text or "none"
+    try:
+        out = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'eagle3', 'none' or comma-separated layer indices, got {text!r}") \
+            from None
+    if any(i < 0 for i in out) or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"layer indices must be distinct and >= 0, got {text!r}")
+    return ",".join(map(str, sorted(out)))
+
+
+def eagle3_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high feature layers."""
+    return sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)})
+
+
+def resolve_aux_layers(spec: str, n_layers: int) -> list[int]:
+    spec = aux_layer_list(spec)
+    layers = eagle3_layers(n_layers) if spec == "eagle3" else [] if spec == "none" else [int(t) for t in spec.split(",")]
+    if any(i >= n_layers for i in layers):
+        raise SpecdecError(f"--aux-layers {','.join(map(str, layers))}: the target has {n_layers} layers")
+    return layers
 
 
 # ---- model work ----
@@ -125,8 +155,10 @@ def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 @torch.inference_mode()
-def teacher_force(model, seqs: list[list[int]], batch_tokens: int = 8192) -> list[torch.Tensor]:
-    """Target features (after the final norm) of each sequence; right-padded batches by length."""
+def teacher_force(model, seqs: list[list[int]], batch_tokens: int = 8192, aux_layers: tuple[int, ...] = (),
+                  ) -> list[torch.Tensor]:
+    """Target features (after the final norm, then the hidden state entering each aux layer) of each
+    sequence; right-padded batches by length."""
     dev = next(model.parameters()).device
     decoder = model.get_decoder()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -143,7 +175,11 @@ def teacher_force(model, seqs: list[list[int]], batch_tokens: int = 8192) -> lis
         for r, g in enumerate(group):
             ids[r, : len(seqs[g])] = torch.tensor(seqs[g])
             att[r, : len(seqs[g])] = 1
-        h = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=False).last_hidden_state
+        out = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=False,
+                      output_hidden_states=bool(aux_layers))
+        h = out.last_hidden_state
+        if aux_layers:  # hidden_states[i] is the input of layer i
+            h = torch.cat([h, *(out.hidden_states[i] for i in aux_layers)], -1)
         for r, g in enumerate(group):
             feats[g] = h[r, : len(seqs[g])].float().cpu()
         i = j
@@ -154,8 +190,9 @@ class AnswerMaker:
     """Batched answers (+ the target's features of prompt + answer). The lean batched path makes the
     features in the generating forwards; other architectures use HF generate, then teacher forcing."""
 
-    def __init__(self, model, lean: bool = True) -> None:
+    def __init__(self, model, lean: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.aux_layers = tuple(aux_layers)
         self.runner = None
         if lean and lean_mod.supports(model):
             runner = lean_mod.LeanRunner(model)
@@ -168,13 +205,15 @@ class AnswerMaker:
         if self.runner is not None:
             params = SamplingParams(temperature, 0, top_p)
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-            answers, feats = batch_generate(self.runner, prompts, max_new_tokens, params, eos_ids, gen, features)
+            answers, feats = batch_generate(self.runner, prompts, max_new_tokens, params, eos_ids, gen, features,
+                                            self.aux_layers)
             return answers, feats if features else None
         torch.manual_seed(seed)
         answers = generate_answers(self.model, prompts, max_new_tokens, temperature, eos_ids, pad_id, top_p)
         if not features:
             return answers, None
-        return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)])
+        return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)],
+                                      aux_layers=self.aux_layers)
 
 
 def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclude_dir,
@@ -214,9 +253,10 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
 
     gsm_path, excl = check_run(out_dir, n_shards, plan, batch_size, gsm8k, exclude_dir, feature_dtype)
     out = Path(out_dir)
+    aux = resolve_aux_layers(plan.aux_layers, model.config.num_hidden_layers)
     meta = {"target": target_fingerprint(model), "hidden_size": model.config.hidden_size,
-            "vocab_size": int(model.get_input_embeddings().weight.shape[0]), "plan": asdict(plan),
-            "feature_dtype": feature_dtype, "format": 1}
+            "vocab_size": int(model.config.vocab_size), "plan": asdict(plan),
+            "feature_dtype": feature_dtype, "aux_layers": aux, "format": 1}
     meta_file = out / "meta.json"
     old = json.loads(meta_file.read_text()) if meta_file.is_file() else None
     if old is not None and (old.get("target") != meta["target"] or old.get("plan") != meta["plan"]):
@@ -226,7 +266,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         _say(f"datagen: {out} holds the settings of a run that made no shard: replacing them")
         old = None
     bench = benchmark_prompts(excl)
-    maker = AnswerMaker(model)
+    maker = AnswerMaker(model, aux_layers=tuple(aux))
     prompts = PromptSource(maker, tok, plan, gsm_path, bench, batch_size)
     eos = eos_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
@@ -268,12 +308,13 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         keep = [j for j in range(len(ps)) if answers[j]]
         seqs = [ps[j] + answers[j] for j in keep]
         missing = [n for n, j in enumerate(keep) if feats[j] is None]
-        tf = teacher_force(model, [seqs[n] for n in missing]) if missing else []
+        tf = teacher_force(model, [seqs[n] for n in missing], aux_layers=tuple(aux)) if missing else []
         feats = [feats[j] for j in keep]
         for n, f in zip(missing, tf):
             feats[n] = f
         t2 = time.perf_counter()
-        tensors = pack_shard(seqs, [len(ps[j]) for j in keep], feats, _DTYPES[feature_dtype], model.config.hidden_size)
+        tensors = pack_shard(seqs, [len(ps[j]) for j in keep], feats, _DTYPES[feature_dtype],
+                             model.config.hidden_size, len(aux))
         n_ans = int(tensors["loss_mask"].sum())
         info = {"source": src, "temperature": temp, "sequences": len(seqs), "tokens": int(tensors["offsets"][-1]),
                 "answer_tokens": n_ans, "gen_seconds": round(t1 - t0, 2), "tf_seconds": round(t2 - t1, 2)}
@@ -319,6 +360,9 @@ def add_parser(sub) -> None:
                    "(default: every data dir found)")
     p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES))
     p.add_argument("--seed", type=PLAN_RULES["seed"], default=0)
+    p.add_argument("--aux-layers", type=aux_layer_list, default="none",
+                   help="also store the hidden state entering these layers: 'eagle3' (2, L/2, L-3; what an "
+                   "EAGLE-3 head trains on), comma-separated indices, or 'none'")
     add_flags(p, Runtime, only=("threads", "device"))
     p.set_defaults(func=cmd_datagen)
 
@@ -327,7 +371,7 @@ def cmd_datagen(args) -> int:
     rt = Runtime.parse(flag_values(args, Runtime))
     plan = Plan(shard_size=args.shard_size, sources=args.sources, temperatures=args.temperatures,
                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, top_p=args.top_p,
-                seed=args.seed)
+                seed=args.seed, aux_layers=args.aux_layers)
     check_run(args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir, args.feature_dtype)
     rt.apply()
     model, tok, _ = load_model(args.model, rt.device, torch.float32 if rt.device in (None, "cpu") else None)

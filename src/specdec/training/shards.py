@@ -22,18 +22,24 @@ MANIFEST = "manifest.json"
 # ---- shards on disk ----
 
 def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor],
-               dtype: torch.dtype = torch.float16, hidden_size: int = 0) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype = torch.float16, hidden_size: int = 0, n_aux: int = 0) -> dict[str, torch.Tensor]:
+    """feats: per sequence [len, H * (1 + n_aux)] (f_t, then the aux layers' hidden states)."""
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
     mask = torch.zeros(offsets[-1], dtype=torch.uint8)
     for s, p in enumerate(prompt_lens):
         mask[offsets[s] + p: offsets[s + 1]] = 1
-    f = torch.cat(feats).to(dtype) if feats else torch.zeros(0, hidden_size, dtype=dtype)
+    width = hidden_size * (1 + n_aux)
+    f = torch.cat(feats).to(dtype) if feats else torch.zeros(0, width, dtype=dtype)
     if not torch.isfinite(f).all():
         raise SpecdecError(f"target features overflow {dtype}: use --feature-dtype float32")
-    return {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32), "features": f.contiguous(),
-            "loss_mask": mask, "offsets": torch.tensor(offsets, dtype=torch.int64)}
+    out = {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+           "features": f[:, :hidden_size].contiguous() if n_aux else f.contiguous(),
+           "loss_mask": mask, "offsets": torch.tensor(offsets, dtype=torch.int64)}
+    if n_aux:
+        out["aux_features"] = f[:, hidden_size:].contiguous()
+    return out
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> dict:

@@ -228,79 +228,156 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
+// One output of one weight row over activation rows n0..n0+R-1, its decoded super-blocks shared: each
+// weight vector and scale vector is loaded once per R rows. Per row, the integer lanes and the float steps
+// are those of any other R (and of dot_q4k_one), so an output's bits never depend on the tile.
+template <int R>
+void dot_k_rows(const SuperBlock* buf, int64_t nb, int64_t K, const Acts& a, int64_t n0, float* y, int64_t ystride) {
+  const int8_t* xq[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) {
+    xq[r] = a.q.data() + (n0 + r) * K;
+    acc[r] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < nb; i++) {
+    const SuperBlock& s = buf[i];
+    __m256i isum[R];
+#ifdef __AVX512BW__
+    // two sub-blocks per instruction; adding the halves gives every lane the very integer the AVX2
+    // loop sums (integer sums are exact), so both builds give the same bits
+    __m512i wide[R];
+    for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) {
+      const __m512i w = _mm512_load_si512(s.c + 64 * k);
+      const __m512i sc = _mm512_load_si512(s.sc[2 * k]);
+      for (int r = 0; r < R; r++) {
+        const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(xq[r] + i * 256 + 64 * k));
+#ifdef __AVX512VNNI__
+        wide[r] = _mm512_dpwssd_epi32(wide[r], p, sc);  // the same integer as madd + add
+#else
+        wide[r] = _mm512_add_epi32(wide[r], _mm512_madd_epi16(p, sc));
+#endif
+      }
+    }
+    for (int r = 0; r < R; r++)
+      isum[r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r]), _mm512_extracti64x4_epi64(wide[r], 1));
+#else
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c + 32 * k));
+      const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.sc[k]));
+      for (int r = 0; r < R; r++) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + i * 256 + 32 * k));
+        const __m256i p = _mm256_maddubs_epi16(w, x);  // |pair| <= 2 * 63 * 127: no saturation
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, sc));
+      }
+    }
+#endif
+    const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.m));
+    for (int r = 0; r < R; r++) {
+      const int16_t* bs = a.bsum.data() + (n0 + r) * (K / 16) + i * 16;
+      const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)), m);
+      const float xd = a.d256[(n0 + r) * nb + i];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(s.D * xd), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-s.M * xd), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum(acc[r]);
+}
+
+#ifdef __AVX512BW__
+constexpr int KTILE = 8;
+#else
+constexpr int KTILE = 4;
+#endif
+
 // one output of one weight row over N activation rows
-void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, std::vector<SuperBlock>& buf, float* y, int64_t ystride,
-           int64_t N) {
+// (rows n0..n0+N-1; y points at row n0's output)
+void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int64_t N, std::vector<SuperBlock>& buf,
+           float* y, int64_t ystride) {
   const int64_t nb = K / 256;
   for (int64_t i = 0; i < nb; i++) decode_k(t, row + i * block_bytes(t), buf[i]);
-  for (int64_t n = 0; n < N; n++) {
-    const int8_t* xq = a.q.data() + n * K;
-    const float* xd = a.d256.data() + n * nb;
-    const int16_t* bs = a.bsum.data() + n * (K / 16);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-      const SuperBlock& s = buf[i];
-#ifdef __AVX512BW__
-      // two sub-blocks per instruction; adding the halves gives every lane the very integer the AVX2
-      // loop sums (integer sums are exact), so both builds give the same bits
-      __m512i wide = _mm512_setzero_si512();
-      for (int k = 0; k < 4; k++) {
-        const __m512i w = _mm512_load_si512(s.c + 64 * k);
-        const __m512i x = _mm512_loadu_si512(xq + i * 256 + 64 * k);
-        wide = _mm512_add_epi32(wide, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_load_si512(s.sc[2 * k])));
-      }
-      const __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
-#else
-      __m256i isum = _mm256_setzero_si256();
-      for (int k = 0; k < 8; k++) {
-        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c + 32 * k));
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 256 + 32 * k));
-        const __m256i p = _mm256_maddubs_epi16(w, x);  // |pair| <= 2 * 63 * 127: no saturation
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.sc[k]))));
-      }
-#endif
-      const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + i * 16)),
-                                             _mm256_load_si256(reinterpret_cast<const __m256i*>(s.m)));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(s.D * xd[i]), acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-s.M * xd[i]), acc);
-    }
-    y[n * ystride] = hsum(acc);
+  y -= n0 * ystride;
+  N += n0;
+  int64_t n = n0;
+  for (; n + KTILE <= N; n += KTILE) dot_k_rows<KTILE>(buf.data(), nb, K, a, n, y, ystride);
+  switch (N - n) {
+    case 7: dot_k_rows<7>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 6: dot_k_rows<6>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 5: dot_k_rows<5>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 4: dot_k_rows<4>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 3: dot_k_rows<3>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 2: dot_k_rows<2>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 1: dot_k_rows<1>(buf.data(), nb, K, a, n, y, ystride); break;
+    default: break;
   }
 }
 
 // Eight blocks at a time: their integer sums gathered into one vector (exact), then one multiply of the
 // weight scales by the activation scales and one FMA per eight blocks, lanes summed in a fixed order.
-void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, Row32& buf, float* y, int64_t ystride, int64_t N) {
-  const int64_t nb = K / 32, groups = Row32::pad8(nb) / 8;
-  for (int64_t i = 0; i < nb; i++) decode_32(t, row + i * block_bytes(t), buf.c.data() + 32 * i, buf.D[i], buf.Moff[i]);
+// Activation rows n0..n0+R-1 share each weight vector load; per row the steps are those of any other R.
+template <int R>
+void dot_32_rows(bool sgn, const Row32& buf, int64_t nb, int64_t K, const Acts& a, int64_t n0, float* y,
+                 int64_t ystride) {
+  const int64_t groups = Row32::pad8(nb) / 8;
   const __m256i ones = _mm256_set1_epi16(1);
-  const bool sgn = t == Q8_0;
-  for (int64_t n = 0; n < N; n++) {
-    const int8_t* xq = a.q.data() + n * K;  // past the row's end: the next row's data or padding, times 0
-    const float* xd = a.d32.data() + n * nb;
-    const float* xs = a.s32.data() + n * nb;
-    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-      __m256i v[8];
-      for (int j = 0; j < 8; j++) {
-        const int64_t i = 8 * g + j;
-        __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.c.data() + 32 * i));
-        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));
-        if (sgn) {  // signed codes: |w| * (x with w's sign)
-          x = _mm256_sign_epi8(x, w);
-          w = _mm256_sign_epi8(w, w);
-        }
-        v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  const int8_t* xq[R];  // past a row's end: the next row's data or padding, times 0
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; r++) {
+    xq[r] = a.q.data() + (n0 + r) * K;
+    acc[r] = off[r] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i v[R][8];
+    for (int j = 0; j < 8; j++) {
+      const int64_t i = 8 * g + j;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.c.data() + 32 * i));
+      const __m256i wa = sgn ? _mm256_sign_epi8(w, w) : w;  // signed codes: |w| * (x with w's sign)
+      for (int r = 0; r < R; r++) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + 32 * i));
+        if (sgn) x = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        v[r][j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, x);  // the same integers, fused
+#else
+        v[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), ones);
+#endif
       }
-      const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-      const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    }
+    const __m256 ws = _mm256_loadu_ps(buf.D.data() + 8 * g), wm = _mm256_loadu_ps(buf.Moff.data() + 8 * g);
+    for (int r = 0; r < R; r++) {
+      const __m256i* u = v[r];
+      const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
+      const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(u[4], u[5]), _mm256_hadd_epi32(u[6], u[7]));
       const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
                                             _mm256_permute2x128_si256(t0, t1, 0x31));  // lane j: block 8g + j
-      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(buf.D.data() + 8 * g), _mm256_loadu_ps(xd + 8 * g));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
-      off = _mm256_fmadd_ps(_mm256_loadu_ps(buf.Moff.data() + 8 * g), _mm256_loadu_ps(xs + 8 * g), off);
+      const float* xd = a.d32.data() + (n0 + r) * nb;
+      const float* xs = a.s32.data() + (n0 + r) * nb;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xd + 8 * g)), acc[r]);
+      off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + 8 * g), off[r]);
     }
-    y[n * ystride] = hsum(acc) + hsum(off);
+  }
+  (void)ones;
+  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum(acc[r]) + hsum(off[r]);
+}
+
+void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int64_t N, Row32& buf, float* y,
+            int64_t ystride) {
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < nb; i++) decode_32(t, row + i * block_bytes(t), buf.c.data() + 32 * i, buf.D[i], buf.Moff[i]);
+  const bool sgn = t == Q8_0;
+  y -= n0 * ystride;
+  N += n0;
+  int64_t n = n0;
+#ifdef __AVX512VL__
+  for (; n + 4 <= N; n += 4) dot_32_rows<4>(sgn, buf, nb, K, a, n, y, ystride);  // 32 vector registers
+#else
+  for (; n + 2 <= N; n += 2) dot_32_rows<2>(sgn, buf, nb, K, a, n, y, ystride);
+#endif
+  switch (N - n) {
+    case 3: dot_32_rows<3>(sgn, buf, nb, K, a, n, y, ystride); break;
+    case 2: dot_32_rows<2>(sgn, buf, nb, K, a, n, y, ystride); break;
+    case 1: dot_32_rows<1>(sgn, buf, nb, K, a, n, y, ystride); break;
+    default: break;
   }
 }
 
@@ -407,17 +484,24 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   std::vector<int64_t> start(ws.size() + 1, 0);
   for (size_t i = 0; i < ws.size(); i++) start[i + 1] = start[i] + ws[i].size(0);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K / 8));
+  // activation rows in chunks that stay in L2 while every weight row of the range meets them (a weight
+  // row is decoded again per chunk: cheap next to a chunk's dot products)
+  const int64_t chunk = std::max<int64_t>(8, (128 << 10) / K / 8 * 8);
   at::parallel_for(0, O, grain, [&](int64_t lo, int64_t hi) {
     std::vector<SuperBlock> kb(k256 ? K / 256 : 0);
     Row32 b32(k32 ? K / 32 : 0);
-    size_t seg = 0;
-    for (int64_t o = lo; o < hi; o++) {
-      while (o >= start[seg + 1]) seg++;
-      const int t = static_cast<int>(types[seg]);
-      const uint8_t* row = ws[seg].data_ptr<uint8_t>() + (o - start[seg]) * ws[seg].size(1);
-      if (t == Q4_K && N == 1) dot_q4k_one(row, K, acts, yp + o);
-      else if (kquant(t)) dot_k(t, row, K, acts, kb, yp + o, O, N);
-      else dot_32(t, row, K, acts, b32, yp + o, O, N);
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      const int64_t nn = std::min(chunk, N - n0);
+      size_t seg = 0;
+      for (int64_t o = lo; o < hi; o++) {
+        while (o >= start[seg + 1]) seg++;
+        const int t = static_cast<int>(types[seg]);
+        const uint8_t* row = ws[seg].data_ptr<uint8_t>() + (o - start[seg]) * ws[seg].size(1);
+        float* yo = yp + n0 * O + o;
+        if (t == Q4_K && N == 1) dot_q4k_one(row, K, acts, yo);
+        else if (kquant(t)) dot_k(t, row, K, acts, n0, nn, kb, yo, O);
+        else dot_32(t, row, K, acts, n0, nn, b32, yo, O);
+      }
     }
   });
   if (bias.has_value()) {
