@@ -61,3 +61,27 @@ def test_sampled_batch_is_seeded_and_follows_the_distribution():
 
     support = p.nonzero().flatten()
     assert chisquare(counts[support], p[support] * 400).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen2"])
+def test_aux_layer_features_are_the_hidden_states_entering_those_layers(fam):
+    """EAGLE-3's inputs: besides f_t, the hidden state entering each named layer, in the batched path
+    and in datagen's teacher-forced fallback alike."""
+    from specdec.training.datagen import eagle3_layers, teacher_force
+
+    model = tiny_model(fam)
+    n_layers = model.config.num_hidden_layers
+    aux = tuple(eagle3_layers(n_layers))
+    assert len(aux) >= 2 and all(0 <= i < n_layers for i in aux)
+    hd = model.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 11, 7)]
+    answers, feats = batch_generate(LeanRunner(model), prompts, 6, SamplingParams(), set(), aux_layers=aux)
+    forced = teacher_force(model, [p + a for p, a in zip(prompts, answers)], aux_layers=aux)
+    for p, a, f, t in zip(prompts, answers, feats, forced):
+        with torch.no_grad():
+            out = model.get_decoder()(torch.tensor([p + a]), output_hidden_states=True)
+        ref = torch.cat([out.last_hidden_state[0], *(out.hidden_states[i][0] for i in aux)], -1)
+        assert f.shape == t.shape == (len(p) + len(a), hd * (1 + len(aux)))
+        torch.testing.assert_close(f, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(t, ref, atol=1e-4, rtol=1e-4)

@@ -63,3 +63,14 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
         ShardData(f"{out},{out}/nowhere")  # a missing dir is an error, not silently less data
     with pytest.raises(SpecdecError, match="different target or plan"):
         run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)
+    # EAGLE-3's features: the hidden states entering layers 2, L/2, L-3, stored beside f_t
+    aux_dir = tmp_path / "aux"
+    run_datagen(model, tok, aux_dir, 1, Plan(shard_size=2, sources=["gsm8k"], max_new_tokens=4,
+                                            aux_layers="eagle3"), batch_size=2, progress=False)
+    from specdec.training.datagen import eagle3_layers
+
+    layers = json.loads((aux_dir / "meta.json").read_text())["aux_layers"]
+    assert layers == eagle3_layers(model.config.num_hidden_layers)
+    with safe_open(str(aux_dir / "shard-00000.safetensors"), "pt") as f:
+        feats, aux = f.get_tensor("features"), f.get_tensor("aux_features")
+    assert feats.shape[1] == 64 and aux.shape == (feats.shape[0], 64 * len(layers)) and aux.dtype == torch.float16

@@ -62,6 +62,8 @@ def parser():
     (["datagen", "--out", "o", "--shards", "2", "--top-p", "0"], "--top-p"),
     (["datagen", "--out", "o", "--shards", "2", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["datagen", "--out", "o", "--shards", "2", "--sources", "gsm8k,bogus"], "--sources"),
+    (["datagen", "--out", "o", "--shards", "2", "--aux-layers", "2,x"], "--aux-layers"),
+    (["datagen", "--out", "o", "--shards", "2", "--aux-layers", "3,3"], "--aux-layers"),
     (["datagen", "--shards", "2"], "--out"),
     (["train", "eagle", "--data", "d", "--out", "o", "--batch-size", "0"], "--batch-size"),
     (["train", "eagle", "--data", "d", "--out", "o", "--epochs", "0"], "--epochs"),
