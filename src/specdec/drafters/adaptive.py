@@ -13,15 +13,14 @@ gets easier or harder within an answer: lists, repeats, code), and a decaying me
 chain's matched length prices the chain. Without observations both drift back to their priors, so a
 stretch of vanilla steps ends with a try. Both read only verdicts of earlier steps, and the costs are
 fixed within a request: a step's draft never depends on that step's verdict (lossless, greedy and
-sampled). Between requests the costs are re-measured if the observed forwards drifted from them
-(costs.StepClock: another load); seeded sampled requests keep drafting with the costs the drafter was
+sampled). Between requests the costs are rescaled to the observed forwards if they drifted from them
+(costs.StepClock: another load; nothing is timed for it); seeded sampled requests keep drafting with the costs the drafter was
 built with, so a seed gives the same text every time on this machine, alone or beside other threads.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -187,14 +186,19 @@ def matched(tree: DraftTree, tokens: list[int]) -> int:
 
 class FollowsTheMachine(Drafter):
     """A drafter priced by measured costs: fixed within a request (a seeded sampled request repeats its
-    text), re-measured between requests once the observed forwards drift from them (another load).
-    Subclasses set costs, clock (costs.StepClock), remeasure (or None) and remeasured = 0."""
+    text), rescaled between requests to what its verify forwards took once they drift from their prices
+    (another load): learned from the steps already run, so no request waits for a measurement.
+    Subclasses set costs, clock (costs.StepClock, or None: costs fixed) and relearned = 0."""
 
     def prepare(self) -> None:
-        if self.remeasure is not None and self.clock.drifted:
-            self.costs = self.remeasure()
-            self.clock = self.clock.after_remeasure()
-            self.remeasured += 1
+        if self.clock is not None and self.clock.drifted:
+            self.costs = self.costs.rescaled(self.clock.factors())
+            self.clock = self.clock.restarted()
+            self.relearned += 1
+
+    @property
+    def costs_source(self) -> str:
+        return f"learned online ({self.relearned}x)" if self.relearned else "as measured"
 
 
 @dataclass
@@ -212,10 +216,7 @@ class AdaptiveDrafter(FollowsTheMachine):
     sampled: list[tuple[TreeBudget, float]] | None = None
     name: str = "eagle2+pld adaptive"
     choices: Counter = field(default_factory=Counter)  # this request's choices (bench, tests)
-    # new costs for this machine (drafters/costs.load_costs, re-measured), called before a request when
-    # the clock finds the priced forwards off the observed ones; None: costs stay as given
-    remeasure: Callable[[], Costs] | None = None
-    clock: StepClock = field(default_factory=StepClock)
+    clock: StepClock | None = None  # None: the costs stay as given
 
     def __post_init__(self) -> None:
         self.pld = PromptLookupDrafter(chain_len=self.lookup) if self.lookup else None
@@ -228,14 +229,14 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
         self.pending: list[tuple] = []
         self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
-        self.remeasured = 0
+        self.relearned = 0
         self.built_costs = self.costs  # what seeded sampled requests draft with (see begin)
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
         prior = {n: p if greedy else p / 2 for n, p in LOOKUP_PRIOR.items()}
         # a seeded sampled request's text follows its drafts: it drafts with the costs this drafter was
-        # built with (the cache's), never with a re-measure another request's timing triggered, so the
+        # built with (the cache's), never with prices another request's timing taught it, so the
         # same seed gives the same text alone or beside other threads (greedy text follows no draft)
         costs = self.built_costs if not greedy and ctx.params.seed is not None else self.costs
         if greedy or self.sampled is None:
@@ -268,8 +269,8 @@ class AdaptiveDrafter(FollowsTheMachine):
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
-        if self.rows:
-            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx))
+        if self.rows and self.clock is not None:
+            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx), self.rows)
             self.rows = 0
         self.eagle.accept(ctx, verdict)
         if self.last is None:

@@ -32,7 +32,7 @@ class Drafter(ABC):
 
     def prepare(self) -> None:
         """Before a request's prefill, with the target held: a drafter may use the target runner here
-        (its cache is rebuilt right after), e.g. to re-measure costs."""
+        (its cache is rebuilt right after), e.g. to update its costs."""
 
     def begin(self, ctx: DecodeContext) -> None:
         """A new generation, or a resumed one (another request used the drafter meanwhile): drop all

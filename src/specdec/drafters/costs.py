@@ -1,9 +1,14 @@
 """The cost model of adaptive speculation: what a step costs on this machine (machine-dependent, unlike
-the acceptance model that ships with a head). Measured in ~3 s at first use and cached per CPU, cores,
-threads, torch, target, precision and head; `recalibrate` re-measures."""
+the acceptance model that ships with a head). Measured in ~3 s when the drafter is built (at load) and
+cached per CPU, cores, threads, torch, target, precision and head; `recalibrate` re-measures for that
+command (and stores it only when no other process was busy). Afterwards the costs follow the machine
+online: StepClock compares every verify forward with its price, and between requests the prices are
+rescaled per size class, never by stopping a request to run probes."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import functools
 import hashlib
 import json
@@ -20,7 +25,7 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.files import atomic_write_text, cache_dir
-from specdec.machine import attention_slope, cpu_name, forward_costs, usable_cpus
+from specdec.machine import ContentionMeter, attention_slope, cpu_name, forward_costs, usable_cpus
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
 from specdec.verify import Verdict
@@ -31,6 +36,14 @@ ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 # the second context the widest forward is timed at: how fast a row's attention grows with the context
 LONG_CTX = 512  # its prefill is most of the ~1 s this adds
 VERSION = 2  # of the measurement (2: the attention slope); part of the cache key, so older files re-measure
+# forward sizes that share an online scale (lower bounds): one row is bandwidth-bound, wide ones compute-bound,
+# and another process's load slows the two differently
+SIZE_CLASSES = (1, 2, 5, 9, 17)
+QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
+
+
+def size_class(n: int) -> int:
+    return max(bisect.bisect_right(SIZE_CLASSES, n) - 1, 0)
 
 
 @dataclass
@@ -72,6 +85,14 @@ class Costs:
             lo, hi = xs[-2], xs[-1]
         t0, t1 = self.target_s[lo], self.target_s[hi]
         return t0 + (t1 - t0) * (n - lo) / (hi - lo)
+
+    def rescaled(self, factors: list[float]) -> Costs:
+        """These costs with each forward size's price times its class's factor (SIZE_CLASSES), and the
+        drafting costs times the one-row factor (the same machine, the same load)."""
+        f1 = factors[0]
+        return Costs({n: t * factors[size_class(n)] for n, t in self.target_s.items()},
+                     {b: t * f1 for b, t in self.draft_s.items()}, self.follow_s * f1, self.lookup_s * f1,
+                     {b: t * f1 for b, t in self.sampled_s.items()}, self.attend_s * f1, self.ctx)
 
     @functools.cached_property
     def sizes(self) -> list[int]:  # sorted once: target() runs for every option of every step
@@ -192,46 +213,50 @@ def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafte
 
 
 class StepClock:
-    """How the observed target forwards compare with their price, over the last ~100 steps of all
-    requests. Why: costs are cached per machine, not per load: measured while another process ran (t(1)
-    35 ms, flat to t(3)), they priced drafting as free on the idle machine (t(1) 15 ms) for good.
+    """How the observed verify forwards compare with their price, over the last ~100 steps of all
+    requests, in total and per size class. Why: costs are cached per machine, not per load: measured
+    while another process ran (t(1) 35 ms, flat to t(3)), they priced drafting as free on the idle
+    machine (t(1) 15 ms) for good; and a forward timed by a probe (the least disturbed of a few) sits
+    below a typical step under load. `factors` turns what was seen into new prices (Costs.rescaled)."""
 
-    The reference ratio is 1 for cached costs (measured at another time). For costs just measured it is
-    the ratio of their first `min_steps` steps: under load a probe's least disturbed repetition sits
-    well below a typical step, and that bias is no drift (judged against 1, a busy machine re-measured
-    every 64 steps, ~10 s each, and ran at 0.7x vanilla)."""
+    MIN_SEEN = 3.0  # decayed steps of a size class before its own ratio is trusted
 
-    def __init__(self, fresh: bool = False, drift: float = 1.5, min_steps: int = 64, decay: float = 0.99) -> None:
+    def __init__(self, drift: float = 1.25, min_steps: int = 64, decay: float = 0.99) -> None:
         self.drift, self.min_steps, self.decay = drift, min_steps, decay
         self.seen = self.priced = 0.0
+        self.by_class = [[0.0, 0.0, 0.0] for _ in SIZE_CLASSES]  # decayed (seen, priced, steps) per size class
         self.steps = 0
-        self.ref: float | None = None if fresh else 1.0
-        self.since_ref = 0  # steps observed against the current reference
 
-    def observe(self, seconds: float, priced: float) -> None:
-        self.seen = self.decay * self.seen + seconds
-        self.priced = self.decay * self.priced + priced
+    def observe(self, seconds: float, priced: float, rows: int = 1) -> None:
+        d = self.decay
+        self.seen = d * self.seen + seconds
+        self.priced = d * self.priced + priced
+        for i, c in enumerate(self.by_class):
+            hit = i == size_class(rows)
+            c[0] = d * c[0] + (seconds if hit else 0.0)
+            c[1] = d * c[1] + (priced if hit else 0.0)
+            c[2] = d * c[2] + hit
         self.steps += 1
-        if self.ref is None:
-            if self.steps >= self.min_steps and self.priced > 0:
-                self.ref = self.seen / self.priced
-        else:
-            self.since_ref += 1
-
-    def after_remeasure(self) -> StepClock:
-        """The clock for costs just re-measured. Each re-measure waits twice as long for the next: under a
-        fluctuating load (measured: a busy loop beside 2 threads) one re-measure costs ~10 s and the next
-        drift comes soon."""
-        return StepClock(True, self.drift, 2 * self.min_steps, self.decay)
 
     @property
     def drifted(self) -> bool:
-        """Enough steps ran against the reference, and they took more than `drift` times, or less than
-        1/drift of, its ratio to their price."""
-        if self.ref is None or self.since_ref < self.min_steps or self.priced <= 0:
+        """Enough steps ran, and they took more than `drift` times, or less than 1/drift of, their price."""
+        if self.steps < self.min_steps or self.priced <= 0:
             return False
-        r = self.seen / self.priced / self.ref
-        return not 1 / self.drift <= r <= self.drift
+        return not 1 / self.drift <= self.seen / self.priced <= self.drift
+
+    def factors(self) -> list[float]:
+        """Observed / priced per size class; a class seen fewer than MIN_SEEN times takes the nearest
+        class's that was (the smaller on a tie), or the overall ratio."""
+        seen = [i for i, c in enumerate(self.by_class) if c[2] >= self.MIN_SEEN and c[1] > 0]
+        if not seen:
+            return [self.seen / self.priced if self.priced > 0 else 1.0] * len(SIZE_CLASSES)
+        own = {i: self.by_class[i][0] / self.by_class[i][1] for i in seen}
+        return [own[min(seen, key=lambda j: (abs(j - i), j))] for i in range(len(SIZE_CLASSES))]
+
+    def restarted(self) -> StepClock:
+        """A clock for the prices just learned from this one."""
+        return StepClock(self.drift, self.min_steps, self.decay)
 
 
 def floor_one_row(target_s: dict[int, float]) -> dict[int, float]:
@@ -281,15 +306,21 @@ def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[t
 
 
 def cached_costs(key: dict, measure: Callable[[], Costs], recalibrate: bool = False) -> tuple[Costs, Path, bool]:
+    """A re-measure asked for (`recalibrate`) serves its own command; it replaces the stored costs only if
+    no other process was busy meanwhile (one taken under load would misprice every later process)."""
     path = cost_file(key)
-    rec = None if recalibrate else read_cost_file(path, key)
+    rec = read_cost_file(path, key)
+    stored = None
     if rec is not None:
-        try:
-            return Costs.from_json(rec["costs"]), path, False
-        except (KeyError, TypeError, ValueError):
-            pass  # a damaged cache entry is measured again
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # a damaged entry is measured again
+            stored = Costs.from_json(rec["costs"])
+    if stored is not None and not recalibrate:
+        return stored, path, False
+    meter = ContentionMeter()
     costs = measure()
-    write_cost_file(path, key, costs=costs.to_json())
+    busy = meter.result().get("other_cpu_frac")
+    if stored is None or busy is None or busy <= QUIET:
+        write_cost_file(path, key, costs=costs.to_json())
     return costs, path, True
 
 

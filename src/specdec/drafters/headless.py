@@ -20,7 +20,6 @@ import bisect
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,9 +115,7 @@ class HeadlessDrafter(FollowsTheMachine):
     costs: Costs
     draft: DraftModelDrafter | None = None
     menu: list[tuple[TreeBudget, float]] = field(default_factory=list)  # draft-model chains, prior gains
-    # as AdaptiveDrafter's: new costs for this machine when the clock finds the observed forwards drifted
-    remeasure: Callable[[], Costs] | None = None
-    clock: StepClock = field(default_factory=StepClock)
+    clock: StepClock | None = None  # None: the costs stay as given
     choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
 
     def __post_init__(self) -> None:
@@ -130,7 +127,7 @@ class HeadlessDrafter(FollowsTheMachine):
         self.name = "+".join(parts) + " adaptive (auto, no head)"
         self.draft_depth = max([self.ngram.tree_size if self.ngram else 0] + [b.depth for b, _ in self.menu])
         self.built_costs = self.costs  # what seeded sampled requests draft with (see AdaptiveDrafter.begin)
-        self.remeasured = 0
+        self.relearned = 0
         self.rows = self.rows_ctx = 0
         self.pending: list[_Pending] = []
         self.last: tuple[DraftTree | None, float] | None = None
@@ -169,8 +166,8 @@ class HeadlessDrafter(FollowsTheMachine):
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
-        if self.rows:
-            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx))
+        if self.rows and self.clock is not None:
+            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx), self.rows)
             self.rows = 0
         for d in (self.ngram, self.draft):
             if d is not None:
@@ -212,8 +209,5 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
         return NoDrafter()
     menu = draft_menu() if draft is not None else []
 
-    def measure(recalibrate: bool = True):
-        return load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
-
-    costs, _, fresh = measure(recalibrate)
-    return HeadlessDrafter(ngram, costs, draft, menu, remeasure=lambda: measure()[0], clock=StepClock(fresh))
+    costs, _, _ = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
+    return HeadlessDrafter(ngram, costs, draft, menu, clock=StepClock())

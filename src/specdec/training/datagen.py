@@ -6,7 +6,8 @@ run is resumable: finished shards are skipped, each shard is written atomically 
 sha256) in manifest.json, and a resumed run redoes a shard that fails that check. Shard tensors:
 input_ids int32 [N], features fp16 [N, H] (f_t, the target's last hidden state after the final norm),
 aux_features fp16 [N, k * H] when the plan names aux layers (the hidden state entering each of those k
-layers: EAGLE-3's low/middle/high features, layers 2, L/2 and L - 3 by default), loss_mask uint8 [N] (1 = answer token), offsets int64 [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
+layers: EAGLE-3's low/middle/high features, layers 2, L/2 and L - 3 by default),
+loss_mask uint8 [N] (1 = answer token), offsets int64 [S + 1] (sequence s is rows offsets[s]:offsets[s+1]).
 
 Prompts never come from benchmarks: GSM8K *train* questions, prompts the target writes itself from a
 bare chat template (the user turn generated first), and optionally GSM8K train's own solutions
@@ -124,7 +125,10 @@ def eagle3_layers(n_layers: int) -> list[int]:
 
 def resolve_aux_layers(spec: str, n_layers: int) -> list[int]:
     spec = aux_layer_list(spec)
-    layers = eagle3_layers(n_layers) if spec == "eagle3" else [] if spec == "none" else [int(t) for t in spec.split(",")]
+    if spec == "eagle3":
+        layers = eagle3_layers(n_layers)
+    else:
+        layers = [] if spec == "none" else [int(t) for t in spec.split(",")]
     if any(i >= n_layers for i in layers):
         raise SpecdecError(f"--aux-layers {','.join(map(str, layers))}: the target has {n_layers} layers")
     return layers
