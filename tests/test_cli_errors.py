@@ -61,3 +61,53 @@ def test_a_tiny_temperature_is_valid_and_greedy(tmp_path, capsys):
     greedy = capsys.readouterr().out
     assert main([*base, "--temperature", "1e-45", "--seed", "3"]) == 0
     assert capsys.readouterr().out == greedy
+
+
+def _tiny_dir(tmp_path):
+    tok = word_tokenizer([f"w{i}" for i in range(5)])
+    tiny_model("llama", vocab_size=7).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _cli(args, **kw):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "specdec.cli", "generate", *args], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_a_piped_prompt_is_the_prompt_and_dash_reads_stdin(tmp_path):
+    model = _tiny_dir(tmp_path)
+    base = ["--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]
+    want = _cli(["w1 w2 w3", *base], stdin=subprocess_devnull())
+    assert want.returncode == 0, want.stderr
+    piped = _cli(base, input="w1 w2 w3")
+    dash = _cli(["-", *base], input="w1 w2 w3")
+    assert piped.returncode == dash.returncode == 0 and piped.stdout == dash.stdout == want.stdout
+    default = _cli(base, stdin=subprocess_devnull())  # nothing piped: the demo prompt, and it says so
+    assert default.returncode == 0 and "no prompt given" in default.stderr
+    empty = _cli(["-", *base], input="  \n")
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "stdin gave no text" in empty.stderr
+
+
+def subprocess_devnull():
+    import subprocess
+
+    return subprocess.DEVNULL
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    """`specdec generate ... | head -1`: no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    model = _tiny_dir(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "w1 w2", "--raw", "--model", model,
+                          "--max-new-tokens", "300", "--method", "vanilla"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first token (loading takes longer than this)
+    _, err = p.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
+    assert p.returncode == 141

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 
 from specdec.api import GenerationParams, check_text, load
@@ -43,15 +45,43 @@ def _method_opts(args) -> dict:
     return opts
 
 
+STDIN_WAIT_S = 0.5  # a pipe that has sent nothing by then is not a prompt (pass "-" to wait for it)
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument; "-" (or none, with text piped in) reads stdin; none at all: the demo prompt,
+    said so on stderr. Checked before any model loads."""
+    if arg == "-" or (arg is None and not sys.stdin.isatty() and _stdin_ready()):
+        text = sys.stdin.read()
+        if arg is None and not text.strip():  # an empty or closed stdin (a script, /dev/null)
+            arg = None
+        else:
+            check_text(text, "prompt")
+            if not text.strip():
+                raise SpecdecError("prompt is empty: stdin gave no text")
+            return text
+    if arg is None:
+        print(f"specdec: no prompt given (as an argument, or piped in): answering {DEFAULT_PROMPT!r}",
+              file=sys.stderr)
+        return DEFAULT_PROMPT
+    check_text(arg, "prompt")
+    if not arg.strip():  # "" is a mistake to report, not a request for the default prompt
+        raise SpecdecError("prompt is empty (omit it for the default prompt)")
+    return arg
+
+
+def _stdin_ready() -> bool:
+    try:
+        return bool(select.select([sys.stdin], [], [], STDIN_WAIT_S)[0])
+    except (OSError, ValueError):  # no selectable stdin (Windows, a closed descriptor)
+        return False
+
+
 def cmd_generate(args) -> int:
     # everything is checked before the slow model load
     params = GenerationParams.parse(flag_values(args, GenerationParams))
     rt = Runtime.parse(flag_values(args, Runtime))
-    if args.prompt is not None:  # "" is a mistake to report, not a request for the default prompt
-        check_text(args.prompt, "prompt")
-        if not args.prompt.strip():
-            raise SpecdecError("prompt is empty (omit it for the default prompt)")
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    prompt = read_prompt(args.prompt)
     if args.system is not None:
         check_text(args.system, "--system")
     opts = _method_opts(args)
@@ -88,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an answer, streaming, with statistics")
-    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("prompt", nargs="?", default=None, help='the prompt; "-" or a pipe: read it from stdin')
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     _add_model(g)
@@ -113,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`specdec generate ... | head -2`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 141
 
 
 if __name__ == "__main__":
