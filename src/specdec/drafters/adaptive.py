@@ -15,7 +15,8 @@ stretch of vanilla steps ends with a try. Both read only verdicts of earlier ste
 fixed within a request: a step's draft never depends on that step's verdict (lossless, greedy and
 sampled). Between requests the costs are rescaled to the observed forwards if they drifted from them
 (costs.StepClock: another load; nothing is timed for it); seeded sampled requests keep drafting with
-the costs the drafter was built with, so a seed gives the same text every time on this machine, alone or beside other threads.
+the costs the drafter was built with, so a seed gives the same text every time on this machine,
+alone or beside other threads.
 """
 
 from __future__ import annotations
