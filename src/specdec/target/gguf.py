@@ -1,5 +1,6 @@
-"""A GGUF file's weights as the file stores them: quantized matrices stay in their block format, mapped
-from the file (never de-quantized to a float copy), and run on kernels/quant.cpp.
+"""A GGUF file's weights as the file stores them: quantized matrices stay in their block format, read
+from the file into one huge-page mapping (never de-quantized to a float copy), and run on
+kernels/quant.cpp.
 
 `GGUFModel` stands where an HF model stands for the lean runner (config, decoder layers, embeddings,
 norms, rotary module), with `QuantTensor`s in place of the quantized weight tensors. The decoded model
