@@ -5,6 +5,7 @@ import pytest
 
 import specdec.api
 from specdec.cli import main
+from specdec.errors import SpecdecError
 from tests.conftest import tiny_model, word_tokenizer
 
 
@@ -111,3 +112,32 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     _, err = p.communicate(timeout=300)
     assert b"Traceback" not in err and b"BrokenPipe" not in err
     assert p.returncode == 141
+
+
+def test_json_output_is_one_object_with_the_text_ids_and_stats(tmp_path, capsys):
+    import json
+
+    model = _tiny_dir(tmp_path)
+    base = ["generate", "w1 w2 w3", "--raw", "--model", model, "--max-new-tokens", "7", "--method", "pld"]
+    assert main(base) == 0
+    streamed = capsys.readouterr().out
+    assert main([*base, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one line: a JSON object and nothing else
+    rec = json.loads(out)
+    assert streamed == rec["text"] + "\n"  # the same answer (streamed text ends its line)
+    assert len(rec["token_ids"]) == rec["stats"]["new_tokens"] == 7
+    assert rec["stats"]["tau"] >= 1.0 and rec["stats"]["target_forwards"] >= 1 and rec["finish_reason"] == "length"
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("specdec ")
+
+
+def test_datagen_without_gsm8k_suggests_self_prompts(tmp_path):
+    from specdec.training.datagen import Plan, check_run
+
+    with pytest.raises(SpecdecError, match="--sources self"):
+        check_run(tmp_path / "o", 1, Plan(sources=["gsm8k"]), 4, tmp_path / "missing.jsonl", None, "float16")

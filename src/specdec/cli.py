@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import select
 import sys
@@ -93,12 +95,21 @@ def cmd_generate(args) -> int:
         prompt = msgs + [{"role": "user", "content": prompt}]
     final = None
     for chunk in dec.stream(prompt, **params.model_dump()):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
         final = chunk.final
     s = final.stats
+    if args.json:  # one object on stdout: the answer, its token ids and every statistic
+        record = {"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason,
+                  "method": args.method, "drafter": dec.drafter.name, "weights": dec.weights,
+                  "stats": {**dataclasses.asdict(s), "tau": s.tau, "tokens_per_second": s.tokens_per_second}}
+        print(json.dumps(record, ensure_ascii=False))
+        return 0
+    sys.stdout.write("\n")  # the answer ends its line on stdout, apart from the statistics on stderr
+    sys.stdout.flush()
     print(
-        f"\n[{dec.drafter.name}, {dec.weights} weights] {s.new_tokens} tokens in {s.total_time:.2f} s = "
+        f"[{dec.drafter.name}, {dec.weights} weights] {s.new_tokens} tokens in {s.total_time:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s | "
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards"
         f"{f' ({s.vanilla_share:.0%} without a draft)' if s.vanilla_share else ''} | "
@@ -114,13 +125,25 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdec")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    ap.add_argument("--version", action="version", version=f"specdec {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an answer, streaming, with statistics")
     g.add_argument("prompt", nargs="?", default=None, help='the prompt; "-" or a pipe: read it from stdin')
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, statistics) "
+                   "instead of the streamed text and the statistics line")
     _add_model(g)
     add_flags(g, GenerationParams)
     g.set_defaults(func=cmd_generate)

@@ -237,7 +237,8 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
         gsm = Path(gsm8k) if gsm8k else find_data("gsm8k/train.jsonl")
         if gsm is None or not gsm.is_file():
             where = gsm or "gsm8k/train.jsonl under $SPECDEC_DATA, ./shared/data or ../shared/data"
-            raise SpecdecError(f"GSM8K train file not found at {where}: pass --gsm8k <train.jsonl>")
+            raise SpecdecError(f"GSM8K train file not found at {where}: pass --gsm8k <train.jsonl>, or use "
+                               "--sources self (prompts the target writes itself)")
     if exclude_dir and not Path(exclude_dir).is_dir():
         raise SpecdecError(f"--exclude-dir {exclude_dir} is not a directory")
     # every data root, not just the first: a benchmark prompt found in any copy is excluded

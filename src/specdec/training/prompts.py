@@ -57,7 +57,8 @@ class PromptSource:
         self.gsm: list[dict] = []
         if any(s.startswith("gsm8k") for s in plan.sources):
             if gsm8k is None or not gsm8k.is_file():
-                raise SpecdecError(f"GSM8K train file not found at {gsm8k}: pass --gsm8k <train.jsonl>")
+                raise SpecdecError(f"GSM8K train file not found at {gsm8k}: pass --gsm8k <train.jsonl>, or use "
+                                   "--sources self")
             rows = [json.loads(line) for line in gsm8k.read_text().splitlines() if line.strip()]
             rows = [r for r in rows if not is_benchmark(r["question"], bench)]
             if not rows:
