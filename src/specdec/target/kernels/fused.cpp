@@ -1,4 +1,4 @@
-// The small per-layer operations of a decode step or verify tree, one call each (issue 23): RMSNorm,
+// The small per-layer operations of a decode step or verify tree, one call each: RMSNorm,
 // RoPE + the K/V cache write, attention, SiLU(gate) * up. Built into the same module as stream.cpp.
 //
 // Why: on a 2-core CPU these ~20 torch ops per layer cost ~4 ms of a ~20 ms SmolLM2 step in dispatch and
