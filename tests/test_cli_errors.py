@@ -141,3 +141,41 @@ def test_datagen_without_gsm8k_suggests_self_prompts(tmp_path):
 
     with pytest.raises(SpecdecError, match="--sources self"):
         check_run(tmp_path / "o", 1, Plan(sources=["gsm8k"]), 4, tmp_path / "missing.jsonl", None, "float16")
+
+
+def _busy_process():
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.3)  # running at full speed
+    return p
+
+
+def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
+    """Beside a busy process the default thread count drops to the free CPUs, and says so; an explicit
+    --threads stays as given."""
+    from specdec.machine import free_cpus, usable_cpus
+    from specdec.target.loading import Runtime
+
+    n = usable_cpus()
+    if n < 2:
+        pytest.skip("needs two usable CPUs")
+    torch_threads = __import__("torch").get_num_threads()
+    p = _busy_process()
+    try:
+        assert free_cpus() == n - 1
+        note = Runtime().apply()
+        assert __import__("torch").get_num_threads() == min(n - 1, torch_threads)
+        assert note is None or "another process" in note
+        model = _tiny_dir(tmp_path)
+        run = _cli(["w1 w2", "--raw", "--model", model, "--max-new-tokens", "40", "--method", "vanilla"],
+                   stdin=subprocess_devnull())
+        assert run.returncode == 0 and "another process is keeping 1 of" in run.stderr
+        assert "other processes used" in run.stderr.splitlines()[-1]  # the stats line says the timing is disturbed
+    finally:
+        p.kill()
+        __import__("torch").set_num_threads(torch_threads)
+    assert Runtime(threads=1).apply() is None and __import__("torch").get_num_threads() == 1
+    __import__("torch").set_num_threads(torch_threads)

@@ -9,11 +9,14 @@ import os
 import select
 import sys
 
+import torch
+
 from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.heads import medusa_cli
+from specdec.machine import ContentionMeter
 from specdec.options import add_flags, flag_values
 from specdec.target.loading import Runtime
 from specdec.training import datagen, train
@@ -47,6 +50,7 @@ def _method_opts(args) -> dict:
     return opts
 
 
+CONTENDED = 0.25  # share of the CPUs other processes used during a generation that the stats line reports
 STDIN_WAIT_S = 0.5  # a pipe that has sent nothing by then is not a prompt (pass "-" to wait for it)
 
 
@@ -88,22 +92,31 @@ def cmd_generate(args) -> int:
         check_text(args.system, "--system")
     opts = _method_opts(args)
     registry.parse(args.method, opts)
+    note = rt.apply()  # the threads: as given, or what other processes leave free now
+    if note:
+        print(f"specdec: {note}", file=sys.stderr)
+    threads = rt.threads or (torch.get_num_threads() if note else None)
     dec = load(args.model, args.method, draft=args.draft, device=rt.device, dtype=rt.dtype, backend=rt.backend,
-               threads=rt.threads, weights=rt.weights, **opts)
+               threads=threads, weights=rt.weights, **opts)
     if not args.raw:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = msgs + [{"role": "user", "content": prompt}]
     final = None
+    meter = ContentionMeter()
     for chunk in dec.stream(prompt, **params.model_dump()):
         if not args.json:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         final = chunk.final
     s = final.stats
+    busy = meter.result().get("other_cpu_frac") or 0.0
+    load_note = (f" | other processes used {busy:.0%} of the CPUs meanwhile: these timings are disturbed"
+                 if busy > CONTENDED else "")
     if args.json:  # one object on stdout: the answer, its token ids and every statistic
         record = {"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason,
                   "method": args.method, "drafter": dec.drafter.name, "weights": dec.weights,
-                  "stats": {**dataclasses.asdict(s), "tau": s.tau, "tokens_per_second": s.tokens_per_second}}
+                  "stats": {**dataclasses.asdict(s), "tau": s.tau, "tokens_per_second": s.tokens_per_second,
+                            "other_cpu_frac": busy}}
         print(json.dumps(record, ensure_ascii=False))
         return 0
     sys.stdout.write("\n")  # the answer ends its line on stdout, apart from the statistics on stderr
@@ -114,7 +127,7 @@ def cmd_generate(args) -> int:
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards"
         f"{f' ({s.vanilla_share:.0%} without a draft)' if s.vanilla_share else ''} | "
         f"draft {s.draft_time:.2f} s, verify {s.verify_time:.2f} s, prefill {s.prefill_time:.2f} s | "
-        f"finish: {final.finish_reason}",
+        f"finish: {final.finish_reason}{load_note}",
         file=sys.stderr,
     )
     return 0

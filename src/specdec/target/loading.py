@@ -17,7 +17,7 @@ from pydantic import field_validator
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
-from specdec.machine import usable_cpus
+from specdec.machine import free_cpus, usable_cpus
 from specdec.options import Options, option
 from specdec.target import stream
 from specdec.target.gguf import GGUFModel
@@ -159,9 +159,20 @@ class Runtime(Options):
             raise ValueError(f"must be between 1 and {usable_cpus()} (the CPUs this process may use), got {v}")
         return v
 
-    def apply(self) -> None:
+    def apply(self) -> str | None:
+        """Sets torch's threads: as given, else no more than the CPUs other processes leave free (measured
+        now). Returns a one-line note when another process made it use fewer than usual."""
         if self.threads:
             torch.set_num_threads(self.threads)
+            return None
+        if self.device not in (None, "cpu"):
+            return None
+        usual, free = torch.get_num_threads(), free_cpus()
+        if free >= usual:
+            return None
+        torch.set_num_threads(free)
+        return (f"another process is keeping {usable_cpus() - free} of {usable_cpus()} CPUs busy: using {free} "
+                f"thread{'s' if free > 1 else ''} (--threads N to choose)")
 
     def torch_dtype(self) -> torch.dtype | None:
         return getattr(torch, self.dtype) if self.dtype else None
