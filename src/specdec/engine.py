@@ -39,6 +39,7 @@ class Stats:
     resumes: int = 0  # times another request took the runner meanwhile and this one rebuilt its state
     acceptance: str = "lossless"  # or the lossy rule that ran (Medusa's typical acceptance at T > 0)
     drafter: str = ""  # what drafted (e.g. what `auto` runs: with a head, or without one and instead)
+    costs: str = ""  # how the step costs the drafter chose by were obtained ("": it uses none)
 
     @property
     def tau(self) -> float:
@@ -148,6 +149,7 @@ def decode(
         with lease.hold():
             stats.wait_time += _clock(dev) - t0
             drafter.prepare()
+            stats.costs = drafter.costs_source
             out = _prefill(runner, prompt_ids)
             first = verify(DraftTree.empty(), out.logits, params, gen).bonus
             ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features)

@@ -189,7 +189,10 @@ class FollowsTheMachine(Drafter):
     """A drafter priced by measured costs: fixed within a request (a seeded sampled request repeats its
     text), rescaled between requests to what its verify forwards took once they drift from their prices
     (another load): learned from the steps already run, so no request waits for a measurement.
-    Subclasses set costs, clock (costs.StepClock, or None: costs fixed) and relearned = 0."""
+    Subclasses set costs, clock (costs.StepClock, or None: costs fixed), relearned = 0 and origin (how the
+    costs were obtained at build: "cached" or "measured at load in 3.1 s")."""
+
+    origin: str = "given"
 
     def prepare(self) -> None:
         if self.clock is not None and self.clock.drifted:
@@ -199,7 +202,7 @@ class FollowsTheMachine(Drafter):
 
     @property
     def costs_source(self) -> str:
-        return f"learned online ({self.relearned}x)" if self.relearned else "as measured"
+        return f"{self.origin}, then learned online ({self.relearned}x)" if self.relearned else self.origin
 
 
 @dataclass
@@ -218,6 +221,7 @@ class AdaptiveDrafter(FollowsTheMachine):
     name: str = "eagle2+pld adaptive"
     choices: Counter = field(default_factory=Counter)  # this request's choices (bench, tests)
     clock: StepClock | None = None  # None: the costs stay as given
+    origin: str = "given"
 
     def __post_init__(self) -> None:
         self.pld = PromptLookupDrafter(chain_len=self.lookup) if self.lookup else None

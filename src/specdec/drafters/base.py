@@ -30,6 +30,11 @@ class Drafter(ABC):
     name: str = "drafter"
     draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
 
+    @property
+    def costs_source(self) -> str:
+        """How the step costs it drafts by were obtained, for the stats ("": it uses none)."""
+        return ""
+
     def prepare(self) -> None:
         """Before a request's prefill, with the target held: a drafter may use the target runner here
         (its cache is rebuilt right after), e.g. to update its costs."""

@@ -202,7 +202,7 @@ def measure_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDra
 
 
 def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafter | None,
-                     menu: list[tuple[TreeBudget, float]], recalibrate: bool = False) -> tuple[Costs, Path, bool]:
+                     menu: list[tuple[TreeBudget, float]], recalibrate: bool = False) -> tuple[Costs, Path, str]:
     """load_costs for `auto` without a head."""
     dcfg = getattr(draft.runner, "config", None) if draft is not None else None
     key = {**cost_key(runner, None, menu, ngram.tree_size if ngram is not None else 0), "drafter": "ngram",
@@ -298,16 +298,17 @@ def write_cost_file(path: Path, key: dict, **fields) -> None:
 
 def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[tuple[TreeBudget, float]],
                lookup: int, recalibrate: bool = False,
-               sampled: list[tuple[TreeBudget, float]] = ()) -> tuple[Costs, Path, bool]:
-    """(costs, cache file, measured now?): this machine's cached measurement for exactly this key, else a
-    new one (written atomically)."""
+               sampled: list[tuple[TreeBudget, float]] = ()) -> tuple[Costs, Path, str]:
+    """(costs, cache file, origin): this machine's cached measurement for exactly this key ("cached"), else
+    a new one (written atomically; origin "measured at load in 3.1 s")."""
     key = cost_key(runner, head_dir, menu, lookup, sampled)
     return cached_costs(key, lambda: measure_costs(runner, drafter, menu, lookup, sampled=sampled), recalibrate)
 
 
-def cached_costs(key: dict, measure: Callable[[], Costs], recalibrate: bool = False) -> tuple[Costs, Path, bool]:
+def cached_costs(key: dict, measure: Callable[[], Costs], recalibrate: bool = False) -> tuple[Costs, Path, str]:
     """A re-measure asked for (`recalibrate`) serves its own command; it replaces the stored costs only if
-    no other process was busy meanwhile (one taken under load would misprice every later process)."""
+    no other process was busy meanwhile (one taken under load would misprice every later process).
+    origin: "cached", or how long the measurement took (at load, before any request)."""
     path = cost_file(key)
     rec = read_cost_file(path, key)
     stored = None
@@ -315,12 +316,16 @@ def cached_costs(key: dict, measure: Callable[[], Costs], recalibrate: bool = Fa
         with contextlib.suppress(KeyError, TypeError, ValueError):  # a damaged entry is measured again
             stored = Costs.from_json(rec["costs"])
     if stored is not None and not recalibrate:
-        return stored, path, False
+        return stored, path, "cached"
     meter = ContentionMeter()
+    t0 = time.perf_counter()
     costs = measure()
+    origin = f"measured at load in {time.perf_counter() - t0:.1f} s"
     busy = meter.result().get("other_cpu_frac")
     if stored is None or busy is None or busy <= QUIET:
         write_cost_file(path, key, costs=costs.to_json())
-    return costs, path, True
+    else:
+        origin += f" (not stored: other processes used {busy:.0%} of the CPUs)"
+    return costs, path, origin
 
 

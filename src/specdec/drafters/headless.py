@@ -116,6 +116,7 @@ class HeadlessDrafter(FollowsTheMachine):
     draft: DraftModelDrafter | None = None
     menu: list[tuple[TreeBudget, float]] = field(default_factory=list)  # draft-model chains, prior gains
     clock: StepClock | None = None  # None: the costs stay as given
+    origin: str = "given"
     choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
 
     def __post_init__(self) -> None:
@@ -209,5 +210,5 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
         return NoDrafter()
     menu = draft_menu() if draft is not None else []
 
-    costs, _, _ = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
-    return HeadlessDrafter(ngram, costs, draft, menu, clock=StepClock())
+    costs, _, origin = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
+    return HeadlessDrafter(ngram, costs, draft, menu, clock=StepClock(), origin=origin)
