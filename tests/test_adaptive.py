@@ -54,6 +54,16 @@ def test_choice_follows_the_cost_of_a_wider_forward():
     assert mid.choose(0, 0).vanilla  # no room left in the context
 
 
+def test_a_draft_must_beat_a_plain_step_by_the_hurdle():
+    """Near break-even a plain step is taken: a tree promising 3% more tokens per second than vanilla is
+    not drafted, one promising 8% more is (the hurdle is 5%)."""
+    c = Costs({1: 1.0, 5: 1.5, 9: 2.0}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)
+    menu = [(B4, 0.5)]  # B4: 1.5 expected tokens for t(5) = 1.5: break-even at scale 1
+    assert Controller(menu, c, 1.03, {}).choose(0, 100).vanilla
+    assert Controller(menu, c, 1.03, {}, hurdle=0.0).choose(0, 100) == Choice(B4, False)
+    assert Controller(menu, c, 1.25, {}).choose(0, 100) == Choice(B4, False)  # 1.625 / 1.5 = 1.083
+
+
 def test_a_longer_context_prices_every_row_its_attention():
     """Each verified row attends over the whole context: t(n) grows by n * slope per cached token, so a
     tree that pays at a short context is dropped at a long one (long summarization prompts drafted at
@@ -242,7 +252,8 @@ SAMPLED_MENU = [(TreeBudget(1, 1, 1), 0.4), (TreeBudget(2, 2, 3), 0.7), (TreeBud
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
                          ids=["T1", "T0.8-topk3-topp0.9"])
-def test_adaptive_sampled_children_match_the_target_distribution(params):
+@pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])
+def test_adaptive_sampled_children_match_the_target_distribution(params, coupled):
     """Sampled requests draft children drawn from the head (sized from the sampled menu), a chain alone
     or nothing, chosen step by step: the first three tokens still follow the target's exact joint."""
     model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
@@ -254,9 +265,10 @@ def test_adaptive_sampled_children_match_the_target_distribution(params):
     drafter.eagle.propose = lambda ctx, b=None: seen.append(t := orig(ctx, b)) or t
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
-    counts, sizes = sample_first3(target, drafter, prompt, params)
+    counts, sizes = sample_first3(target, drafter, prompt, params, coupled=coupled)
     assert 0 in sizes and len(set(sizes)) >= 3  # vanilla steps and trees of several sizes
-    assert seen and all(t.draft_probs is not None for t in seen if len(t))  # the trees were sampled ones
+    # unseeded: the trees were sampled ones; seeded: ranked by the coupling's noise (point masses)
+    assert seen and all((t.draft_probs is not None) != coupled for t in seen if len(t))
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
 
@@ -398,7 +410,7 @@ def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, 
     d = adaptive_for(tiny, head, 0.02)  # priced nearly flat: wide trees pay
     d.clock = StepClock(min_steps=50)
     seeded = SamplingParams(1.0, seed=3)
-    want_seeded, before = run(target, d, PROMPTS[0], seeded, 40)
+    want_seeded, _ = run(target, d, PROMPTS[0], seeded, 40)
     want, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 40)
     got, first = run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert got == want and max(first.tree_sizes) > 0 and d.relearned == 0 and first.costs == "given"
@@ -407,10 +419,10 @@ def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, 
     # priced as they ran (steep), wide trees no longer pay: smaller drafts, the same text
     assert got == want and d.relearned == 1 and after.costs == "given, then learned online (1x)"
     assert sum(after.tree_sizes) / len(after.tree_sizes) < sum(first.tree_sizes) / len(first.tree_sizes)
-    # a seeded sampled request drafts by the costs the drafter was built with: the same text after the
-    # prices changed (another thread's load must not change it)
-    got_seeded, again = run(target, d, PROMPTS[0], seeded, 40)
-    assert got_seeded == want_seeded and again.tree_sizes == before.tree_sizes
+    # a seeded sampled request's text is the target's coupled draws: the same after the prices changed
+    # the drafts (another thread's load must not change it), and vanilla's
+    got_seeded, _ = run(target, d, PROMPTS[0], seeded, 40)
+    assert got_seeded == want_seeded == run(target, NoDrafter(), PROMPTS[0], seeded, 40)[0]
     assert not measured
 
 

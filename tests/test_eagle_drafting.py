@@ -128,14 +128,16 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
 @pytest.mark.parametrize("params,draft_vocab", [
     (SamplingParams(1.0), None), (SamplingParams(0.8, top_k=3), None),
     (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)))], ids=["T1", "T0.8-topk3", "T1.2-topp-reduced"])
-def test_eagle2_sampled_children_match_vanilla_distribution(params, draft_vocab):
-    """Children drawn without replacement from the draft, each with its q: recursive rejection stays exact."""
+@pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])
+def test_eagle2_sampled_children_match_vanilla_distribution(params, draft_vocab, coupled):
+    """Unseeded: children drawn without replacement from the draft, each with its q (recursive rejection).
+    Seeded: children ranked by log q + the coupling's noise (point masses). Both exact."""
     model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.25)
     head = make_head(model, seed=3, draft_vocab=draft_vocab)
     drafter = drafter_for(model, head, True, depth=3, topk=2, tree_size=5, children="sample")
-    counts, sizes = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], params)
+    counts, sizes = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], params, coupled=coupled)
     assert max(sizes) >= 4
     assert chi2_pvalue(counts, exact_first3(model, [1, 3, 0, 2], params)) > 1e-3
 

@@ -36,13 +36,16 @@ def run(runner, drafter, prompt, params, n, eos=()):
     return out, stats
 
 
-def sample_first3(target, drafter, prompt, params, n=2500):
+def sample_first3(target, drafter, prompt, params, n=2500, coupled=True):
     """Counts of the first 3 tokens over n seeds, and every draft size verified. 6 tokens are decoded
     so that whole trees get drafted (the engine drafts no more than it may still emit); the first 3
-    must follow the target's exact joint."""
+    must follow the target's exact joint. coupled: seeded requests (sampling.Coupling); else unseeded
+    ones (recursive rejection sampling) after seeding torch's global generator once."""
     counts, sizes = np.zeros(SMALL_V**3), []
+    torch.manual_seed(0)
     for seed in range(n):
-        toks, st = run(target, drafter, prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed), 6)
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, seed if coupled else None)
+        toks, st = run(target, drafter, prompt, p, 6)
         counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
         sizes += st.tree_sizes
     return counts, sizes
@@ -108,19 +111,20 @@ def exact_first3(model, prompt, params):
     return (p1[:, None, None] * p2[:, :, None] * p3).numpy().reshape(-1)
 
 
+@pytest.mark.parametrize("coupled", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize(
     "params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3), SamplingParams(1.2, top_p=0.85)],
     ids=["T1", "T0.8-topk3", "T1.2-topp0.85"],
 )
-def test_speculative_sampling_matches_vanilla_distribution(shape, params):
+def test_speculative_sampling_matches_vanilla_distribution(shape, params, coupled):
     model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
     with torch.no_grad():  # keep the distributions spread out so every branch of the verifier runs
         model.lm_head.weight.mul_(0.25)
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))
     drafter = DraftModelDrafter(draft, SMALL_V, 3, TreeBudget(3, 2, 5) if shape == "tree" else None)
     prompt = [1, 3, 0, 2]
-    counts, sizes = sample_first3(target, drafter, prompt, params, n=3000)
+    counts, sizes = sample_first3(target, drafter, prompt, params, n=3000, coupled=coupled)
     assert max(sizes) >= 3
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
@@ -134,6 +138,27 @@ def test_seeded_generation_is_reproducible():
     b, _ = run(target, drafter, PROMPTS[0], p, 30)
     c, _ = run(target, drafter, PROMPTS[0], SamplingParams(1.0, seed=12), 30)
     assert a == b and a != c
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=3), SamplingParams(0.8, top_k=5, seed=4),
+                                    SamplingParams(1.2, top_p=0.9, seed=5)], ids=["T1", "topk", "topp"])
+def test_a_seed_gives_vanilla_text_whatever_drafts(params):
+    """Seeded requests sample through the coupling: the text is the target's draws, so a draft model
+    chain, a draft tree and an n-gram draft all give vanilla's text for the same seed."""
+    from specdec.drafters.ngram import NgramDrafter
+
+    model = tiny_model("qwen2")
+    target = LeanRunner(model)
+    prompt = PROMPTS[1] * 3  # repeats: the n-gram index drafts
+    want, _ = run(target, NoDrafter(), prompt, params, 40)
+    for drafter in (DraftModelDrafter(LeanRunner(noisy_copy(model)), target.vocab_size, chain_len=3),
+                    DraftModelDrafter(LeanRunner(noisy_copy(model)), target.vocab_size, 4, TreeBudget(3, 2, 6)),
+                    NgramDrafter(8)):
+        got, st = run(target, drafter, prompt, params, 40)
+        assert got == want and sum(st.tree_sizes) > 0, type(drafter).__name__
+    exact, _ = run(target, DraftModelDrafter(LeanRunner(copy.deepcopy(model)), target.vocab_size, chain_len=3),
+                   prompt, params, 40)
+    assert exact == want
 
 
 # ---- stops ----

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import SamplingParams, probs_from_logits, sample
+from specdec.sampling import Coupling, SamplingParams, probs_from_logits, sample
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
@@ -172,3 +172,70 @@ def test_invalid_sampling_parameters(kw):
 
     with pytest.raises(SpecdecError):
         SamplingParams(**kw)
+
+
+# ---- coupled draws (seeded requests): the token at a position is a function of seed, position and p ----
+
+def coupled_joint(verify_fn, shape, params, root=0, trials=6000, position=4):
+    """Trial s: seed s; drafts from make_tree (its own generator: the drafts must not matter)."""
+    g = torch.Generator().manual_seed(99)
+    counts = np.zeros(V * V)
+    p2 = probs_from_logits(TARGET, params)
+    for s in range(trials):
+        c = Coupling(s, V)
+        tree = make_tree(shape, root, params, g)
+        out = verify_fn(tree, target_logits(tree, root), params, c, position)
+        if len(out) == 1:  # continue as vanilla would: the draw at the next position
+            out = out + [c.pick(p2[out[0]], position + 1)]
+        counts[out[0] * V + out[1]] += 1
+    return counts
+
+
+def coupled_verify(tree, logits, params, coupling, position):
+    return verify(tree, logits, params, coupling=coupling, position=position).tokens
+
+
+@pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
+def test_coupled_verifier_is_exact_in_distribution(shape, params):
+    counts = coupled_joint(coupled_verify, shape, params)
+    assert chi2_pvalue(counts, exact_joint(params, 0)) > 1e-3
+
+
+def test_the_coupled_test_has_power_against_noise_reused_across_positions():
+    """The classic bug of a coupling: one noise vector for every position correlates consecutive tokens."""
+    def reused(tree, logits, params, coupling, position):
+        probs = probs_from_logits(logits, params)
+        first = coupling.pick(probs[0], position)
+        node = next((i for i in tree.children()[0] if int(tree.tokens[i]) == first), None)
+        if node is None:
+            return [first]
+        return [first, coupling.pick(probs[node + 1], position)]  # the bug: the same position's noise again
+
+    params = SETTINGS[0]
+    counts = coupled_joint(reused, "topk", params)
+    assert chi2_pvalue(counts, exact_joint(params, 0)) < 1e-6
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
+def test_coupled_tokens_do_not_depend_on_the_draft(params):
+    """For one seed the emitted tokens are the target's draws, whatever tree was verified."""
+    g = torch.Generator().manual_seed(5)
+    for s in range(200):
+        c = Coupling(s, V)
+        want = [c.pick(probs_from_logits(TARGET[0], params), 7)]
+        want.append(c.pick(probs_from_logits(TARGET[want[0]], params), 8))
+        for shape in ("chain", "siblings", "topk"):
+            tree = make_tree(shape, 0, params, g)
+            out = verify(tree, target_logits(tree, 0), params, coupling=c, position=7).tokens
+            assert out[:2] == want[:len(out)]
+
+
+def test_coupling_draws_depend_on_seed_and_position_only():
+    a, b = Coupling(3, 50), Coupling(3, 50)
+    assert torch.equal(a.gumbel(10), b.gumbel(10)) and not torch.equal(a.gumbel(10), a.gumbel(11))
+    assert not torch.equal(a.gumbel(10), Coupling(4, 50).gumbel(10))
+    lp = torch.log_softmax(torch.randn(2, 20), -1)
+    ids = torch.arange(30, 50)  # a reduced draft vocabulary: columns are target ids 30..49
+    want = torch.log_softmax(lp + torch.stack([a.gumbel(10)[ids], a.gumbel(11)[ids]]).float(), -1)
+    assert torch.allclose(a.perturb(lp, [10, 11], ids), want)

@@ -138,6 +138,7 @@ def decode(
         )
     dev = runner.device
     gen = params.generator(dev)
+    coupling = params.coupling(runner.vocab_size)
     typical = getattr(drafter, "typical", None)  # a lossy acceptance rule the drafter asks for (Medusa's)
     if typical is not None and not params.greedy:
         stats.acceptance = f"LOSSY {typical}"
@@ -151,8 +152,10 @@ def decode(
             drafter.prepare()
             stats.costs = drafter.costs_source
             out = _prefill(runner, prompt_ids)
-            first = verify(DraftTree.empty(), out.logits, params, gen).bonus
-            ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features)
+            first = verify(DraftTree.empty(), out.logits, params, gen, coupling=coupling,
+                           position=len(prompt_ids)).bonus
+            ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features,
+                                coupling=coupling)
             drafter.begin(ctx)
         stats.prefill_time = _clock(dev) - t0 - stats.wait_time
         n = 1
@@ -183,7 +186,7 @@ def decode(
                 positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
                 mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
                 out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask)
-                verdict = verify(tree, out.logits, params, gen, typical)
+                verdict = verify(tree, out.logits, params, gen, typical, coupling, len(ctx.tokens))
                 keep = [0] + [i + 1 for i in verdict.path]
                 runner.commit(keep)
                 t2 = _clock(dev)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from specdec.options import Options, option
@@ -23,6 +25,11 @@ class SamplingParams(Options):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def coupling(self, vocab: int) -> Coupling | None:
+        """A seeded sampled request samples through a Coupling over the target's `vocab`: its text is a
+        function of the seed and the target alone, the same for every method."""
+        return Coupling(self.seed, vocab) if self.seed is not None and not self.greedy else None
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         if self.seed is None:
@@ -80,3 +87,44 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     u = torch.rand(1, generator=generator, device=probs.device, dtype=torch.float64) * cdf[-1]
     i = int(torch.searchsorted(cdf, u, right=True))  # the first token whose cumulative mass exceeds u
     return i if i < probs.numel() else int(torch.nonzero(probs).max())  # u rounded up to the total
+
+
+class Coupling:
+    """Sampling keyed by (seed, position): the token at position i is argmax_x(log p_i(x) + G_i(x)), where
+    G_i is iid Gumbel noise over the target's vocabulary from a generator seeded by (seed, i) alone. By
+    the Gumbel-max trick that is an exact draw from p_i (after temperature, top-k, top-p), and it depends
+    on nothing but the seed, i and the target's distribution there. A draft token is accepted iff it
+    equals the target's draw, so every method gives vanilla's text for a seed, however it drafts; a
+    drafter that ranks by its own log-probabilities plus the same noise proposes the likeliest match."""
+
+    KEEP = 64  # positions whose noise stays cached (a step reads a few consecutive ones)
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.seed, self.vocab = seed, vocab
+        self._noise: dict[int, torch.Tensor] = {}
+
+    def gumbel(self, position: int) -> torch.Tensor:
+        """G_position [vocab], fp64, drawn on the CPU (the same on every device)."""
+        g = self._noise.get(position)
+        if g is None:
+            h = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(h, "little") >> 1)
+            u = torch.rand(self.vocab, generator=gen, dtype=torch.float64).clamp_min_(1e-300)
+            g = -torch.log(-torch.log(u))
+            if len(self._noise) >= self.KEEP:
+                self._noise.pop(next(iter(self._noise)))
+            self._noise[position] = g
+        return g
+
+    def pick(self, probs: torch.Tensor, position: int) -> int:
+        """The target's draw at `position` from `probs` [vocab]."""
+        return int((torch.log(probs.double().cpu()) + self.gumbel(position)).argmax())
+
+    def perturb(self, logprobs: torch.Tensor, positions: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """log_softmax(log q + G) for rows of a drafter's `logprobs` [n, V_d], row r at positions[r]: its
+        argmax is the draft's best guess of the target's draw there, and, being log-probabilities, the
+        scores never grow along a path (what EAGLE-2's tree ranking assumes). ids [V_d] maps the columns
+        to target ids (a reduced draft vocabulary; default: the first V_d target ids)."""
+        g = torch.stack([self.gumbel(p) for p in positions])
+        g = g[:, ids.cpu()] if ids is not None else g[:, : logprobs.shape[-1]]
+        return torch.log_softmax(logprobs + g.to(logprobs.device, logprobs.dtype), -1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingParams, probs_from_logits, sample
+from specdec.sampling import Coupling, SamplingParams, probs_from_logits, sample
 from specdec.tree import DraftTree
 
 
@@ -36,11 +36,14 @@ class Verdict:
 
 def verify(
     tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    typical: Typical | None = None,
+    typical: Typical | None = None, coupling: Coupling | None = None, position: int = 0,
 ) -> Verdict:
-    """Lossless unless `typical` is given (then lossy at T > 0)."""
+    """Lossless unless `typical` is given (then lossy at T > 0). coupling: a seeded request's draws, row 0
+    predicting the token at `position` (its index in prompt + answer)."""
     if params.greedy:
         return _verify_greedy(tree, logits)
+    if coupling is not None and typical is None:
+        return _verify_coupled(tree, logits, params, coupling, position)
     if typical is not None:
         return _verify_typical(tree, probs_from_logits(logits, params), generator, typical)
     return _verify_stochastic(tree, probs_from_logits(logits, params), generator)
@@ -66,6 +69,24 @@ def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     path, row = greedy_walk(tree, lambda r, _: best[r])
     toks = tree.tokens.tolist()
     return Verdict(path, [toks[i] for i in path] + [best[row]], best[row])
+
+
+def _verify_coupled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, coupling: Coupling,
+                    position: int) -> Verdict:
+    """The greedy walk with the target's coupled draw in place of its argmax: a node at depth d is
+    accepted iff its token is the draw at position + d - 1 from its parent's row. Only visited rows are
+    drawn. Exact: the emitted token at each position is the target's draw there, whatever was drafted."""
+    drawn: dict[int, int] = {}
+
+    def draw(row: int, k: int) -> int:
+        if row not in drawn:
+            drawn[row] = coupling.pick(probs_from_logits(logits[row], params), position + k)
+        return drawn[row]
+
+    path, row = greedy_walk(tree, draw)
+    toks = tree.tokens.tolist()
+    bonus = draw(row, len(path))
+    return Verdict(path, [toks[i] for i in path] + [bonus], bonus)
 
 
 def _verify_stochastic(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import Coupling, SamplingParams
 from specdec.tree import DraftTree
 from specdec.verify import Verdict
 
@@ -24,6 +24,9 @@ class DecodeContext:
     features: torch.Tensor | None = None  # target features of the rows committed by the last forward
     max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
     verify_s: float = 0.0  # seconds the last step's target forward + verification took (at accept())
+    # a seeded sampled request's draws (sampling.Coupling): the token at index i of `tokens` will be the
+    # target's draw with coupling.gumbel(i); a drafter ranks by log q + that noise to match it
+    coupling: Coupling | None = None
 
 
 class Drafter(ABC):

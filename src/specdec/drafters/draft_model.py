@@ -73,7 +73,12 @@ class DraftModelDrafter(Drafter):
         toks, qs = [], []
         for i in range(depth):
             q = probs_from_logits(logits, ctx.params)
-            x = int(q.argmax()) if ctx.params.greedy else sample(q, ctx.generator)
+            if ctx.params.greedy:
+                x = int(q.argmax())
+            elif ctx.coupling is not None:  # the likeliest match of the target's draw at this position
+                x = ctx.coupling.pick(q, len(ctx.tokens) + i)
+            else:
+                x = sample(q, ctx.generator)
             toks.append(x)
             qs.append(q)
             if i + 1 < depth:
@@ -92,9 +97,15 @@ class DraftModelDrafter(Drafter):
             mask = slots.mask(sel_l, par, committed)
             pos = torch.tensor([root_pos + _depth(n, par) for n in sel_l])
             out = self.runner.forward(tokens[sel], pos, mask)
-            return tempered_log_probs(self._pad(out.logits), ctx.params)
+            lp = tempered_log_probs(self._pad(out.logits), ctx.params)
+            # a seeded request: rank by log q + the noise of the target's draw at the children's position
+            return lp if coupling is None else coupling.perturb(lp, (pos + 1).tolist())
 
-        tree = build_dynamic_tree(tempered_log_probs(logits, ctx.params), step, *astuple(budget))
+        coupling = None if ctx.params.greedy else ctx.coupling
+        root_lp = tempered_log_probs(logits, ctx.params)
+        if coupling is not None:
+            root_lp = coupling.perturb(root_lp[None], [root_pos + 1])[0]
+        tree = build_dynamic_tree(root_lp, step, *astuple(budget))
         self.runner.rollback()
         return tree
 

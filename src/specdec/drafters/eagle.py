@@ -173,6 +173,9 @@ class EagleDrafter(Drafter):
             raise RuntimeError("EAGLE drafter out of step with the engine")
         sample = self.children == "sample" and not ctx.params.greedy
         budget = budget or (self.sampled_budget if sample else self.budget)
+        # a seeded request: children ranked by log q + the noise of the target's draw at their position
+        coupling = None if ctx.params.greedy else ctx.coupling
+        at = len(ctx.tokens)  # index of the token the root's children stand for
         slots = NodeSlots()
         hid: dict[int, torch.Tensor] = {}
         depth_of: dict[int, int] = {}
@@ -191,10 +194,13 @@ class EagleDrafter(Drafter):
             h, g = run.forward(tokens[sel].to(run.device), feats, pos, mask, draft=True, feature=not last)
             for r, i in enumerate(sel_l):
                 hid[i] = None if last else h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
-            return tempered_log_probs(run.logits(g), ctx.params)
+            lp = tempered_log_probs(run.logits(g), ctx.params)
+            return lp if coupling is None else coupling.perturb(lp, [at + depth_of[i] for i in sel_l], run.d2t)
 
         root_lp = tempered_log_probs(self.root_logits, ctx.params)
-        if budget is not None and sample:
+        if coupling is not None:
+            root_lp = coupling.perturb(root_lp[None], [at], run.d2t)[0]
+        if budget is not None and sample and coupling is None:
             tree = build_sampled_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), ctx.generator)
             run.rollback()
             return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores,

@@ -127,7 +127,6 @@ class HeadlessDrafter(FollowsTheMachine):
         parts = (["ngram"] if self.ngram is not None else []) + (["sps"] if self.draft is not None else [])
         self.name = "+".join(parts) + " adaptive (auto, no head)"
         self.draft_depth = max([self.ngram.tree_size if self.ngram else 0] + [b.depth for b, _ in self.menu])
-        self.built_costs = self.costs  # what seeded sampled requests draft with (see AdaptiveDrafter.begin)
         self.relearned = 0
         self.rows = self.rows_ctx = 0
         self.pending: list[_Pending] = []
@@ -135,7 +134,7 @@ class HeadlessDrafter(FollowsTheMachine):
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
-        costs = self.built_costs if not greedy and ctx.params.seed is not None else self.costs
+        costs = self.costs
         # a sampled draft-model chain carries its q: it cannot share a verify with point masses
         self.ctrl = Controller(self.menu, costs, 1.0 if greedy else SAMPLED_SCALE, {}, union=greedy)
         self.cal = Calibration(1.0 if greedy else SAMPLED_CONF)
