@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- data generation ----
 
 def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
-    from specdec.files import cache_dir
-    from specdec.files import packaged_data_dir
+    from specdec.files import cache_dir, packaged_data_dir
     from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
 
     conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))

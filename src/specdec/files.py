@@ -7,8 +7,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from importlib import resources
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 
