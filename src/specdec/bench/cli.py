@@ -48,7 +48,8 @@ def add_bench_parser(sub) -> None:
                         "num_tokens=10; peers: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-server "
                         "(option gguf=f32|q4_1|PATH; pip install -e \".[peers]\"). hf and vanilla are always added "
                         "(the baseline is the faster). " + DEFAULT_HELP)
-    b.add_argument("--model", default=None, help="target: HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--model", default=None, help="target: HF dir, .gguf or hub id org/name (default: embedded "
+                   "SmolLM2-135M-Instruct)")
     b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
     add_flags(b, Runtime, only=("device", "backend", "threads", "weights"))
     # HF generate's set_seed also seeds numpy, which takes 32 bits
