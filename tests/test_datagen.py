@@ -15,21 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- data generation ----
 
 def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
-    from specdec.files import cache_dir
-    from specdec.files import shared_data_dir as default_shared_data
+    from specdec.files import cache_dir, packaged_data_dir
     from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
 
     conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))
-    gsm = default_shared_data() / "gsm8k" / "train.jsonl"
-    if not conv or not gsm.is_file():
-        pytest.skip("needs the converted SmolLM2 tokenizer and ../shared/data")
+    if not conv:
+        pytest.skip("needs the converted SmolLM2 tokenizer")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(conv[0])
     model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
-    bench = benchmark_prompts(default_shared_data())
-    assert len(bench) >= 480  # Spec-Bench turns (MT-bench included)
-    q = json.loads((default_shared_data() / "mt_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
+    bench = benchmark_prompts(packaged_data_dir())
+    assert len(bench) >= 480 + 1319  # Spec-Bench turns (MT-bench included) and GSM8K test
+    q = json.loads((packaged_data_dir() / "spec_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
     assert is_benchmark(q, bench) and is_benchmark("  " + q.upper() + " ", bench)
     assert not is_benchmark("What is 2 + 2?", bench)
     plan = Plan(shard_size=4, sources=["gsm8k", "self", "gsm8k-gold"], temperatures=[0.0, 1.0], max_new_tokens=6,

@@ -164,21 +164,26 @@ def test_datagen_resume_redoes_a_truncated_or_changed_shard(chat, tmp_path, caps
 
 
 def test_datagen_finds_its_data_like_the_rest_of_the_package(chat, tmp_path, monkeypatch):
-    """$SPECDEC_DATA first, then the other data roots: the GSM8K file wherever it is found first, and
-    benchmark prompts from every root (a copy in any of them is excluded)."""
+    """$SPECDEC_DATA first, then the package's own copy: the GSM8K file wherever it is found first, and
+    benchmark prompts from every root and --exclude-dir (a copy in any of them is excluded)."""
+    from specdec.files import packaged_data_dir
+
     model, tok = chat
-    env, cwd = tmp_path / "env", tmp_path / "cwd"
-    write_jsonl(env / "gsm8k" / "train.jsonl", GSM + [{"question": BENCH_Q, "answer": "zebra #### two"}])
-    write_jsonl(cwd / "shared" / "data" / "mt_bench" / "question.jsonl", [{"turns": [BENCH_Q]}])
+    env, other = tmp_path / "env", tmp_path / "other"
+    lines = (packaged_data_dir() / "spec_bench" / "question.jsonl").read_text().splitlines()
+    shipped = json.loads(lines[100])["turns"][0]  # a benchmark question only the package holds
+    write_jsonl(env / "gsm8k" / "train.jsonl", GSM + [{"question": shipped, "answer": "zebra #### two"},
+                                                    {"question": BENCH_Q, "answer": "zebra #### four"}])
+    write_jsonl(other / "mt_bench" / "question.jsonl", [{"turns": [BENCH_Q]}])
     monkeypatch.setenv("SPECDEC_DATA", str(env))
-    monkeypatch.chdir(cwd)
-    run_datagen(model, tok, tmp_path / "a", 1, Plan(shard_size=5, sources=["gsm8k-gold"]), progress=False)
+    monkeypatch.chdir(tmp_path)
+    run_datagen(model, tok, tmp_path / "a", 1, Plan(shard_size=6, sources=["gsm8k-gold"]), exclude_dir=other,
+                progress=False)
     ids = _tensors(tmp_path / "a" / "shard-00000.safetensors")["input_ids"]
     assert tok.convert_tokens_to_ids("plus") in ids.tolist()  # the GSM8K rows from $SPECDEC_DATA
-    assert tok.convert_tokens_to_ids("zebra") not in ids.tolist()  # the benchmark question is not
-    # the GSM8K file found in a later root when $SPECDEC_DATA holds only benchmarks
+    assert tok.convert_tokens_to_ids("zebra") not in ids.tolist()  # neither benchmark question is
+    # the package's GSM8K train file when $SPECDEC_DATA has none
     (env / "gsm8k" / "train.jsonl").unlink()
-    write_jsonl(cwd / "shared" / "data" / "gsm8k" / "train.jsonl", GSM)
     assert run_datagen(model, tok, tmp_path / "b", 1, GOLD, progress=False)["shards"] == 1
 
 

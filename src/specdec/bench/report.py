@@ -37,12 +37,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _metric_table(summary, run, methods, fn) -> str:
+def _metric_table(summary, run, methods, fn, marks: dict | None = None) -> str:
     rows = []
     for c in _cats(summary, run):
         name = f"**{c}**" if c == OVERALL else c
         rows.append([name] + [fn(summary[m].get(c)) if summary[m].get(c) else "—" for m in methods])
-    return _table(["category"] + [f"`{m}`" for m in methods], rows)
+    return _table(["category"] + [f"`{m}`{(marks or {}).get(m, '')}" for m in methods], rows)
 
 
 def _floor_table(summary, run, methods) -> str:
@@ -58,6 +58,25 @@ def _floor_table(summary, run, methods) -> str:
             row.append(_f(cell["tokens_per_s"] / limit) if cell else "—")
         rows.append(row)
     return _table(["category"] + [f"`{m}`" for m in methods], rows)
+
+
+def loaded(run: dict) -> dict[str, float]:
+    """label -> share of the CPUs other processes used while it or the baseline ran, for the methods whose
+    speedup that load may have moved (above CONTENTION_WARN); a speedup compares both methods' times."""
+    by = (run.get("contention") or {}).get("by_method") or {}
+    base = by.get(run.get("baseline")) or 0.0
+    out = {}
+    for lab, frac in by.items():
+        worst = max(frac or 0.0, base)
+        if lab != run.get("baseline") and worst > CONTENTION_WARN:
+            out[lab] = worst
+    return out
+
+
+def setting(run: dict) -> str:
+    """What every figure depends on: temperature, answer length, how many questions."""
+    cfg = run["config"]
+    return f"T={cfg['temperature']:g}, max {cfg['max_new_tokens']} new tokens, {run['questions']} questions"
 
 
 def _mean_size(hist: dict) -> float:
@@ -115,7 +134,12 @@ def render(run: dict, summary: dict, audit: dict) -> str:
     md += [f"## Speedup vs `{base}`", "",
            "Baseline wall time per token / method wall time per token, totals over the same prompts "
            "(at T = 0 every output is the same, so this is the wall-time ratio); mean ± std over repeats.", "",
-           _metric_table(summary, run, methods, lambda c: _pm(c["speedup"], c["speedup_std"], 2, "×")), ""]
+           _metric_table(summary, run, methods, lambda c: _pm(c["speedup"], c["speedup_std"], 2, "×"),
+                         marks={m: " ⚠" for m in loaded(run)}), ""]
+    if loaded(run):
+        md += ["⚠ Another load used CPU while the method or the baseline ran (contention meter, per method): "
+               + "; ".join(f"`{m}` {100 * f:.0f}% of the CPUs" for m, f in loaded(run).items())
+               + ". These speedups measure that load too.", ""]
     md += ["## Tokens per second", "", _metric_table(summary, run, methods,
                                                       lambda c: _pm(c["tokens_per_s"], c["tokens_per_s_std"], 1)), ""]
     fl = run.get("floor")
@@ -275,14 +299,15 @@ def _empty(ax, text: str) -> None:
     ax.set_yticks([])
 
 
-def _grouped(ax, cats, methods, value) -> None:
+def _grouped(ax, cats, methods, value, names: dict | None = None) -> None:
     import numpy as np
 
     x = np.arange(len(cats))
     w = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
         ys = [value(m, c) for c in cats]
-        ax.bar(x + (i - (len(methods) - 1) / 2) * w, [0 if y is None or math.isnan(y) else y for y in ys], w, label=m)
+        ax.bar(x + (i - (len(methods) - 1) / 2) * w, [0 if y is None or math.isnan(y) else y for y in ys], w,
+               label=(names or {}).get(m, m))
     ax.set_xticks(x)
     ax.set_xticklabels(cats, rotation=30, ha="right")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: labels are long
@@ -305,18 +330,21 @@ def plot_all(d: Path, run: dict, summary: dict) -> None:
     cats = _cats(summary, run)
     title = run["config"]["extra"].get("model") or run["target"].get("name_or_path") or run["target"]["model_type"]
     get = lambda m, c, k: (summary[m].get(c) or {}).get(k)  # noqa: E731
+    at = f"\n{setting(run)}"  # every plot: the numbers depend on them
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) + 2) + 3, 4))
-    _grouped(ax, cats, [m for m in methods if m != run["baseline"]], lambda m, c: get(m, c, "speedup"))
+    load = loaded(run)
+    _grouped(ax, cats, [m for m in methods if m != run["baseline"]], lambda m, c: get(m, c, "speedup"),
+             names={m: f"{m} (other load {100 * f:.0f}%)" for m, f in load.items()})
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_ylabel(f"speedup vs {run['baseline']}")
-    _finish(plt, fig, ax, f"Speedup by category: {title}", d / "speedup_by_category.png")
+    _finish(plt, fig, ax, f"Speedup by category: {title}{at}", d / "speedup_by_category.png")
 
     ours = [m for m in methods if get(m, OVERALL, "tau") is not None]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) + 2) + 3, 4))
     _grouped(ax, cats, ours, lambda m, c: get(m, c, "tau"))
     ax.set_ylabel("τ (tokens / target forward)")
-    _finish(plt, fig, ax, "τ by category (decode phase, prefill excluded)", d / "tau_by_category.png")
+    _finish(plt, fig, ax, f"τ by category (decode phase, prefill excluded){at}", d / "tau_by_category.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     spec = [m for m in ours if get(m, OVERALL, "alpha_by_depth")]
@@ -330,7 +358,7 @@ def plot_all(d: Path, run: dict, summary: dict) -> None:
         ax.legend(fontsize=8)
     else:
         _empty(ax, "no speculative method in this run")
-    _finish(plt, fig, ax, "Acceptance by depth", d / "acceptance_by_depth.png")
+    _finish(plt, fig, ax, f"Acceptance by depth{at}", d / "acceptance_by_depth.png")
 
     fig, ax = plt.subplots(figsize=(5, 5))
     cal = [m for m in ours if get(m, OVERALL, "calibration")]
@@ -349,4 +377,4 @@ def plot_all(d: Path, run: dict, summary: dict) -> None:
         ax.legend(fontsize=8)
     else:
         _empty(ax, "no drafter in this run exposes tree scores\n(calibration needs e.g. sps-tree or eagle2)")
-    _finish(plt, fig, ax, "Draft confidence vs acceptance", d / "calibration.png")
+    _finish(plt, fig, ax, f"Draft confidence vs acceptance{at}", d / "calibration.png")

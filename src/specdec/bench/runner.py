@@ -233,7 +233,10 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     floors = {w: memory_floor(model_for(model, w), weights=w) for w in dict.fromkeys(precisions.values())}
     floor = floors[precisions["vanilla"]]
     n_runs = sum(len(q.turns) for q in questions) * cfg.repeats * len(labels)
-    meter = ContentionMeter([m.proc.pid for m in methods.values() if getattr(m, "proc", None) is not None])
+    helpers = [m.proc.pid for m in methods.values() if getattr(m, "proc", None) is not None]
+    meter = ContentionMeter(helpers)
+    # per method too: methods take turns, so a load that came and went disturbs some of them only
+    other_s, wall_s = dict.fromkeys(labels, 0.0), dict.fromkeys(labels, 0.0)
     records: list[dict] = []
     prompts: dict = {}
     skipped: list[dict] = []
@@ -262,8 +265,10 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                     for rep in range(cfg.repeats):
                         k = (qi + turn + rep) % len(labels)
                         for pos, lab in enumerate(labels[k:] + labels[:k]):
-                            bar.set_postfix_str(f"q={q.question_id} t={turn} {lab}", refresh=False)
+                            bar.set_postfix_str(f"q={q.question_id} turn={turn} {lab}", refresh=False)
+                            one, t0 = ContentionMeter(helpers), time.perf_counter()
                             r = _run_one(methods[lab], ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens)
+                            _add_load(one.result(), time.perf_counter() - t0, lab, other_s, wall_s)
                             batch.append({"method": lab, "name": methods[lab].spec.name, "question_id": q.question_id,
                                           "category": q.category, "turn": turn, "repeat": rep, "order": pos,
                                           "prompt_tokens": len(ids), "new_tokens": len(r["tokens"]), **r})
@@ -287,6 +292,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 history = msgs + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
     timed_s = time.time() - started
     contention = meter.result()
+    contention["by_method"] = {lab: other_s[lab] / wall_s[lab] if wall_s[lab] > 0 else None for lab in labels}
 
     if cfg.temperature > 0:  # how far a lossy rule drifts: the target's log-likelihood of what was sampled
         for r in records:
@@ -348,6 +354,12 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
 
 class PeerFailed(Exception):
     """A peer (another engine) raised on one prompt."""
+
+
+def _add_load(c: dict, wall: float, lab: str, other_s: dict, wall_s: dict) -> None:
+    if c.get("other_cpu_frac") is not None:  # None: no /proc/stat to read
+        other_s[lab] += c["other_cpu_frac"] * wall
+        wall_s[lab] += wall
 
 
 def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int) -> dict:

