@@ -254,3 +254,44 @@ def test_rerunning_a_finished_run_says_so_and_does_nothing(tiny, tiny_data, tmp_
     # other settings are still refused, not reported as finished
     with pytest.raises(SpecdecError, match="lr="):
         train_eagle(TrainConfig(**(kw | {"lr": 1.0})), tiny, progress=False)
+
+
+# ---- datagen's --out must be writable; a warmup as long as the run is cut ----
+
+@pytest.mark.parametrize("out", ["/proc/specdec-test/out", "{tmp}/a-file/out"])
+def test_datagen_refuses_an_unwritable_out_before_loading_the_model(out, tmp_path, monkeypatch, capsys):
+    from specdec.cli import main
+
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "a-file").write_text("x")
+    out = out.format(tmp=tmp_path)
+    assert main(["datagen", "--out", out, "--shards", "1", "--sources", "self"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdec: error: --out {out} is not a writable directory") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_datagen_refuses_a_read_only_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    args = parser().parse_args(["datagen", "--out", str(ro / "d"), "--shards", "1", "--sources", "self"])
+    with pytest.raises(SpecdecError, match="--out .* is not a writable directory"):
+        args.func(args)
+
+
+def test_the_writability_check_leaves_no_directory_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    datagen.check_writable(tmp_path / "new" / "deeper")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_warmup_as_long_as_the_run_is_cut_with_a_note(tiny, tiny_data, tmp_path, capsys):
+    cfg = TrainConfig(data=str(tiny_data), out=str(tmp_path / "run"), steps=3, batch_size=4, lr=1e-2, warmup=100,
+                      save_every=1000, log_every=1)
+    r = train_eagle(cfg, tiny, progress=False)
+    err = capsys.readouterr().err
+    assert "--warmup 100 is not shorter than the run's 3 steps" in err and err.count("--warmup") == 1
+    lrs = [h["lr"] for h in r["history"]]
+    assert lrs[0] > 0.5e-2 and lrs == sorted(lrs, reverse=True)  # near --lr from the start, then decaying
