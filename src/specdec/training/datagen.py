@@ -35,6 +35,7 @@ from specdec.options import add_flags, arg_type, checked, flag_values
 from specdec.sampling import SamplingParams
 from specdec.target import lean as lean_mod
 from specdec.target.batched import batch_generate
+from specdec.target.gguf import GGUFModel
 from specdec.target.loading import Runtime, eos_ids, load_model
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import list_shards, pack_shard, read_manifest, resume_shards, write_manifest, write_shard
@@ -220,6 +221,17 @@ class AnswerMaker:
         return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)],
                                       aux_layers=self.aux_layers)
 
+    def features(self, seqs: list[list[int]], batch_size: int) -> list[torch.Tensor]:
+        """The target's features of whole sequences (GSM8K's gold answers): HF teacher forcing, or for a
+        .gguf target, which has no HF decoder, the lean runner's prefill (no token generated)."""
+        if self.runner is None or not isinstance(self.model, GGUFModel):
+            return teacher_force(self.model, seqs, aux_layers=self.aux_layers)
+        out: list[torch.Tensor] = []
+        for b in range(0, len(seqs), batch_size):
+            out += batch_generate(self.runner, seqs[b:b + batch_size], 0, SamplingParams(), set(), None, True,
+                                  self.aux_layers)[1]
+        return out
+
 
 def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclude_dir,
               feature_dtype: str) -> tuple[Path | None, list[Path]]:
@@ -333,7 +345,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         keep = [j for j in range(len(ps)) if answers[j]]
         seqs = [ps[j] + answers[j] for j in keep]
         missing = [n for n, j in enumerate(keep) if feats[j] is None]
-        tf = teacher_force(model, [seqs[n] for n in missing], aux_layers=tuple(aux)) if missing else []
+        tf = maker.features([seqs[n] for n in missing], batch_size) if missing else []
         feats = [feats[j] for j in keep]
         for n, f in zip(missing, tf):
             feats[n] = f
