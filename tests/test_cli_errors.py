@@ -20,7 +20,7 @@ def no_load(monkeypatch):
     (["--method", "eagle2", "--opt", "depth=abc"], "depth"),
     (["--method", "eagle2", "--opt", "depth=1.5"], "depth"),
     (["--method", "eagle2", "--opt", "topk=1.5"], "topk"),
-    (["--method", "eagle2", "--topk", "0"], "topk"),
+    (["--method", "eagle2", "--tree-topk", "0"], "topk"),
     (["--method", "sps", "--draft", "smollm2", "--gamma", "0"], "gamma"),
     (["--method", "pld", "--opt", "num_tokens=-1"], "num_tokens"),
     (["--method", "pld", "--opt", "nonsense=1"], "nonsense"),

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +260,96 @@ def test_rerunning_a_finished_run_says_so_and_does_nothing(tiny, tiny_data, tmp_
     # other settings are still refused, not reported as finished
     with pytest.raises(SpecdecError, match="lr="):
         train_eagle(TrainConfig(**(kw | {"lr": 1.0})), tiny, progress=False)
+
+
+# ---- datagen's --out must be writable; a warmup as long as the run is cut ----
+
+@pytest.mark.parametrize("out", ["/proc/specdec-test/out", "{tmp}/a-file/out"])
+def test_datagen_refuses_an_unwritable_out_before_loading_the_model(out, tmp_path, monkeypatch, capsys):
+    from specdec.cli import main
+
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "a-file").write_text("x")
+    out = out.format(tmp=tmp_path)
+    assert main(["datagen", "--out", out, "--shards", "1", "--sources", "self"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specdec: error: --out {out} is not a writable directory") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_datagen_refuses_a_read_only_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    args = parser().parse_args(["datagen", "--out", str(ro / "d"), "--shards", "1", "--sources", "self"])
+    with pytest.raises(SpecdecError, match="--out .* is not a writable directory"):
+        args.func(args)
+
+
+def test_the_writability_check_leaves_no_directory_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    datagen.check_writable(tmp_path / "new" / "deeper")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_warmup_as_long_as_the_run_is_cut_with_a_note(tiny, tiny_data, tmp_path, capsys):
+    cfg = TrainConfig(data=str(tiny_data), out=str(tmp_path / "run"), steps=3, batch_size=4, lr=1e-2, warmup=100,
+                      save_every=1000, log_every=1)
+    r = train_eagle(cfg, tiny, progress=False)
+    err = capsys.readouterr().err
+    assert "--warmup 100 is not shorter than the run's 3 steps" in err and err.count("--warmup") == 1
+    lrs = [h["lr"] for h in r["history"]]
+    assert lrs[0] > 0.5e-2 and lrs == sorted(lrs, reverse=True)  # near --lr from the start, then decaying
+
+
+# ---- docs/training.md's toy run: its exact commands, with a tiny model as M ----
+
+def toy_run_commands() -> tuple[dict[str, str], list[list[str]]]:
+    """The variables and the `specdec` commands of the code block after the "toy-run" marker."""
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    block = re.search(r"<!-- toy-run:.*?-->\s*```bash\n(.*?)```", doc, re.S).group(1)
+    vars_, cmds = {}, []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if len(words) == 1 and re.fullmatch(r"\w+=.*", words[0]):
+            k, v = words[0].split("=", 1)
+            vars_[k] = v
+        elif words:
+            cmds.append(words)
+    return vars_, cmds
+
+
+def test_the_toy_run_in_the_docs_runs_as_written(tmp_path, monkeypatch, capsys):
+    from specdec.cli import main
+
+    variables, cmds = toy_run_commands()
+    assert variables == {"M": "smollm2"} and [c[:2] for c in cmds] == [
+        ["specdec", "datagen"], ["specdec", "train"], ["specdec", "tune"], ["specdec", "generate"]]
+    # the same commands on a tiny model that knows the words of a few GSM8K-like rows
+    words = ["what", "is", "two", "three", "four", "five", "six", "seven", "plus", "answer", "the", "12", "30", "?",
+             "42"]
+    tok = chat_tokenizer_of(words)
+    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    write_jsonl(tmp_path / "data" / "gsm8k" / "train.jsonl", GSM * 3)
+    monkeypatch.setenv("SPECDEC_DATA", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    for cmd in cmds:
+        argv = [w.replace("$M", str(tmp_path / "tiny")) for w in cmd[1:]]
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+    head = tmp_path / "toy" / "run" / "head"
+    assert (head / "config.json").is_file() and (head / "tuning.json").is_file()
+    assert (tmp_path / "toy" / "data" / "shard-00000.safetensors").is_file()
+    assert "tau" in capsys.readouterr().err  # generate's statistics line
+
+
+def chat_tokenizer_of(words):
+    tok = word_tokenizer(words)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}answer {% endif %}")
+    return tok

@@ -45,8 +45,8 @@ class GenerationParams(SamplingParams):
     SamplingParams."""
 
     max_new_tokens: int = option(256, "tokens to generate at most", ge=1)
-    stop: list[Annotated[str, Field(min_length=1)]] = option([], "stop strings: the answer ends before the first one",
-                                                             shown="none")
+    stop: list[Annotated[str, Field(min_length=1)]] = option(
+        [], "a stop string: the answer ends before the first one (repeatable)", shown="none", escapes=True)
 
 
 @dataclass

@@ -32,9 +32,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (same tokenizer) for sps / sps-tree, and for auto "
                    "without an EAGLE head, which then also weighs its chains")
     # one flag per method option, declared once in the registry; the method's options class checks the value
-    for key, (par, alias) in registry.option_params().items():
-        p.add_argument("--" + key.replace("_", "-"), dest=f"opt_{key}", default=None, metavar="V",
-                       help=argparse.SUPPRESS if alias else par.help)
+    registry.add_option_flags(p)
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="any method option, e.g. --opt chain_len=6 (repeatable)")
     add_flags(p, Runtime)

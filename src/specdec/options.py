@@ -27,11 +27,14 @@ from specdec.errors import SpecdecError
 
 
 def option(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-           le: float | None = None, aliases: tuple[str, ...] = (), shown: str | None = None) -> Any:
+           le: float | None = None, aliases: tuple[str, ...] = (), shown: str | None = None,
+           metavar: str | None = None, escapes: bool = False) -> Any:
     """A field: its default (`shown` describes a None default in docs), one line of help, its range,
-    and older names it still accepts."""
+    older names it still accepts, the flag's metavar (default: from the type: N, X, TEXT, {a,b}) and
+    whether a command line's backslash escapes (\\n, \\t, \\uXXXX) are interpreted."""
     return Field(default, description=help, ge=ge, gt=gt, le=le,
-                 json_schema_extra={"aliases": list(aliases), "shown": shown})
+                 json_schema_extra={"aliases": list(aliases), "shown": shown, "metavar": metavar,
+                                    "escapes": escapes})
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class Param:
     aliases: tuple[str, ...]
     shown: str  # the default as docs show it
     allowed: str  # "an integer >= 1", "one of value, confidence", ...
+    metavar: str = "X"  # N, X, TEXT, PATH, {a,b}, ...
+    boolean: bool = False
+    escapes: bool = False  # a command line's backslash escapes are interpreted
 
 
 class Options(BaseModel):
@@ -108,16 +114,64 @@ class Options(BaseModel):
 
 
 def add_flags(parser: argparse.ArgumentParser, schema: type[Options], only: tuple[str, ...] | None = None) -> None:
-    """One command-line flag per declared field (a list field: a repeatable flag). Values stay text
-    until `schema.parse(flag_values(args, schema))`, so a command accepts exactly what the API does
-    and reports errors the same way."""
+    """One command-line flag per declared field (a list field: a repeatable flag; a bool: `--flag` alone
+    means true, `--flag false` still works). Values stay text until `schema.parse(flag_values(args,
+    schema))`, so a command accepts exactly what the API does and reports errors the same way."""
     for par in schema.params():
         if only is not None and par.name not in only:
             continue
         many = isinstance(par.default, list)
-        parser.add_argument("--" + par.name.replace("_", "-"), dest=f"{schema.__name__}.{par.name}", metavar="V",
-                            default=[] if many else None, action="append" if many else "store",
-                            help=f"{par.help} (default {par.shown})")
+        kw: dict[str, Any] = dict(dest=f"{schema.__name__}.{par.name}", metavar=par.metavar,
+                                  default=[] if many else None, help=flag_help(par))
+        if par.boolean:
+            kw |= bool_flag()
+        else:
+            kw["action"] = "append" if many else "store"
+            if par.escapes:
+                kw["type"] = unescape
+        parser.add_argument("--" + par.name.replace("_", "-"), **kw)
+
+
+def flag_help(par: Param, default: str | None = None) -> str:
+    """The help line with its default said once: a help text that already names its default keeps it."""
+    text = par.help + (" (backslash escapes such as \\n and \\t are interpreted)" if par.escapes else "")
+    shown = par.shown if default is None else default
+    return text if "default" in par.help.lower() else f"{text} (default {shown})"
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+BOOL_WORDS = TRUE_WORDS + FALSE_WORDS
+
+
+class _BoolValue(argparse.Action):
+    """`--flag` alone is true; `--flag true|false` as before. Another word after the flag is an error
+    that says what the flag takes (a prompt after a bare switch would otherwise be read as its value).
+    A bool const stores a bool; a text const ("true") keeps the word for an Options model to convert."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        word = None if values is None else str(values).strip().lower()
+        if word is not None and word not in BOOL_WORDS:
+            raise argparse.ArgumentError(self, f"takes true or false, or nothing (= true), got {values!r}; "
+                                         "a prompt goes before the flags")
+        if word is None:
+            value = self.const
+        else:
+            value = word in TRUE_WORDS if isinstance(self.const, bool) else values
+        setattr(namespace, self.dest, value)
+
+
+def bool_flag(const: Any = "true") -> dict[str, Any]:
+    """argparse keywords of a boolean flag: `--flag`, `--flag true`, `--flag false`."""
+    return dict(nargs="?", const=const, action=_BoolValue)
+
+
+def unescape(text: str) -> str:
+    """A command line's backslash escapes as Python reads them: "\\n" -> a newline, "\\t", "\\u00e9"...;
+    other characters, non-ASCII ones included, stay as typed."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"has a broken backslash escape ({e.reason}): {text!r}") from None
 
 
 def flag_values(args: argparse.Namespace, schema: type[Options]) -> dict[str, Any]:
@@ -165,10 +219,18 @@ def _from_text(ann: Any, text: str) -> Any:
 
 
 def _base(ann: Any) -> Any:
-    """int for `int | None`, list for `list[list[int]]`, Literal for a Literal."""
-    if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union:
-        return _base(next(a for a in typing.get_args(ann) if a is not type(None)))
+    """int for `int | None`, list for `list[list[int]]`, Literal for a Literal, str for Annotated[str, ...]."""
+    ann = _base_ann(ann)
     return typing.get_origin(ann) or ann
+
+
+def _base_ann(ann: Any) -> Any:
+    """The annotation without None and Annotated: list[str] for `list[str] | None`."""
+    if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union:
+        return _base_ann(next(a for a in typing.get_args(ann) if a is not type(None)))
+    if typing.get_origin(ann) is Annotated:
+        return _base_ann(typing.get_args(ann)[0])
+    return ann
 
 
 def _allowed(f: FieldInfo) -> str:
@@ -195,7 +257,21 @@ def _param(name: str, f: FieldInfo) -> Param:
     default = f.get_default(call_default_factory=True)
     shown = extra.get("shown") or (json.dumps(default) if isinstance(default, (list, tuple, bool)) or default is None
                                    else str(default))
-    return Param(name, default, f.description or "", tuple(extra.get("aliases") or ()), shown, _allowed(f))
+    return Param(name, default, f.description or "", tuple(extra.get("aliases") or ()), shown, _allowed(f),
+                 extra.get("metavar") or _metavar(f.annotation), _base(f.annotation) is bool,
+                 bool(extra.get("escapes")))
+
+
+def _metavar(ann: Any) -> str:
+    base = _base(ann)
+    if base is typing.Literal:
+        lit = ann if typing.get_origin(ann) is typing.Literal else \
+            next(a for a in typing.get_args(ann) if typing.get_origin(a) is typing.Literal)
+        return "{" + ",".join(map(str, typing.get_args(lit))) + "}"
+    if base in (list, tuple):  # a repeatable flag of strings, or a JSON list
+        inner = typing.get_args(_base_ann(ann))
+        return "TEXT" if inner and _base(inner[0]) is str else "JSON"
+    return {int: "N", float: "X", bool: "{true,false}", str: "TEXT"}.get(base, "X")
 
 
 def _one_line(cls: type[Options], err: ValidationError, given: Mapping[str, Any]) -> str:

@@ -226,7 +226,8 @@ class EagleDrafter(Drafter):
 # ---- registration ----
 
 class HeadOptions(Options):
-    head: str | None = option(None, "EAGLE head dir (default: the one shipped for this target)", shown="shipped")
+    head: str | None = option(None, "EAGLE head dir (default: the one shipped for this target)", shown="shipped",
+                              metavar="PATH")
     full_vocab: bool = option(False, "ablation: a reduced-vocabulary head over the whole target vocabulary")
     lookup: int | None = option(None, "also verify a prompt-lookup chain of this many tokens in every tree "
                                 "(default: none; auto: tuned)", ge=0, shown="0; auto: tuned")

@@ -218,7 +218,7 @@ def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, r
 class MedusaOptions(Options):
     heads: str | None = option(None, "Medusa heads dir: ours (`specdec train medusa`), FasterDecoding's or vLLM's "
                                "layout (default: the Medusa-1 heads shipped for this target)",
-                               aliases=("head",), shown="shipped")
+                               aliases=("head",), shown="shipped", metavar="PATH")
     tree: Literal["sparse", "dense"] = option(
         "sparse", "sparse (from the heads' measured accuracies) or dense (every rank < topk, level by level)")
     tree_size: int | None = option(None, "nodes in the tree (default: the most tokens per second under "

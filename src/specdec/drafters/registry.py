@@ -11,17 +11,20 @@ One name per quantity, everywhere (API keyword, CLI flag, bench spec, docs):
   tree_size  nodes kept in a draft tree
   chain_len  tokens in a draft chain
   lookup     tokens of a prompt-lookup chain joined to a model's tree
+On the command line `topk` is `--tree-topk`, apart from sampling's `--top-k` (FLAG_NAMES).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from specdec.errors import SpecdecError
-from specdec.options import Options, Param, option
+from specdec.options import Options, Param, bool_flag, flag_help, option
 
 __all__ = ["Method", "Options", "Target", "get", "markdown_table", "methods", "names", "option", "parse", "register"]
 
@@ -101,6 +104,47 @@ def option_params() -> dict[str, tuple[Param, bool]]:
             for a in p.aliases:
                 out.setdefault(a, (p, True))
     return out
+
+
+# command-line spellings that differ from the option name; the option name stays a hidden, deprecated flag
+FLAG_NAMES = {"topk": "tree-topk"}
+
+
+class _Deprecated(argparse.Action):
+    """A flag's old spelling: still works, with a one-line note on stderr."""
+
+    def __init__(self, *args, new: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"specdec: note: {option_string} is deprecated, use {self.new} (same meaning)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per method option (dest `opt_<name>`; values stay text for the method's options class
+    to check), with every method's default for it, and the old spellings of renamed flags hidden."""
+    defaults: dict[str, dict[str, list[str]]] = {}
+    for m in methods().values():
+        for p in m.options.params():
+            defaults.setdefault(p.name, {}).setdefault(p.shown, []).append(m.name)
+    for key, (par, alias) in option_params().items():
+        name = FLAG_NAMES.get(key, key.replace("_", "-"))
+        kw = dict(dest=f"opt_{key}", default=None, metavar=par.metavar)
+        if par.boolean:
+            kw |= bool_flag()
+        if alias:
+            parser.add_argument("--" + name, help=argparse.SUPPRESS, **kw)
+            continue
+        by_method = defaults[key]
+        shown = next(iter(by_method)) if len(by_method) == 1 else \
+            "; ".join(f"{v} for {', '.join(ms)}" for v, ms in by_method.items())
+        parser.add_argument("--" + name, help=flag_help(par, shown), **kw)
+        if key in FLAG_NAMES:
+            old = "--" + key.replace("_", "-")
+            parser.add_argument(old, help=argparse.SUPPRESS, action=_Deprecated, new="--" + name,
+                                **{k: v for k, v in kw.items() if k != "action"})
 
 
 def markdown_table() -> str:

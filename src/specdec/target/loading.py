@@ -156,7 +156,8 @@ def default_device() -> torch.device:
 class Runtime(Options):
     """Where and how the models run; checked before anything loads."""
 
-    device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
+    device: str | None = option(None, "cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)",
+                                metavar="DEVICE")
     dtype: Literal["float32", "float16", "bfloat16"] | None = option(
         None, "weight dtype (default: float32 on CPU, bfloat16 on CUDA)", shown="float32 on CPU")
     backend: Literal["auto", "lean", "hf"] = option("auto", "target runner: lean (ours), hf (transformers), auto")

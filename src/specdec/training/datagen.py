@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from specdec.options import add_flags, arg_type, checked, flag_values
 from specdec.sampling import SamplingParams
 from specdec.target import lean as lean_mod
 from specdec.target.batched import batch_generate
+from specdec.target.gguf import GGUFModel
 from specdec.target.loading import Runtime, eos_ids, load_model
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import list_shards, pack_shard, read_manifest, resume_shards, write_manifest, write_shard
@@ -73,7 +75,7 @@ def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 @dataclass
 class Plan:
     shard_size: int = 64  # sequences per shard
-    sources: list[str] = field(default_factory=lambda: ["gsm8k", "self"])
+    sources: list[str] = field(default_factory=lambda: ["self", "gsm8k"])  # docs/training.md's recipe
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = 320
     max_prompt_tokens: int = 256
@@ -219,6 +221,17 @@ class AnswerMaker:
         return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)],
                                       aux_layers=self.aux_layers)
 
+    def features(self, seqs: list[list[int]], batch_size: int) -> list[torch.Tensor]:
+        """The target's features of whole sequences (GSM8K's gold answers): HF teacher forcing, or for a
+        .gguf target, which has no HF decoder, the lean runner's prefill (no token generated)."""
+        if self.runner is None or not isinstance(self.model, GGUFModel):
+            return teacher_force(self.model, seqs, aux_layers=self.aux_layers)
+        out: list[torch.Tensor] = []
+        for b in range(0, len(seqs), batch_size):
+            out += batch_generate(self.runner, seqs[b:b + batch_size], 0, SamplingParams(), set(), None, True,
+                                  self.aux_layers)[1]
+        return out
+
 
 def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclude_dir,
               feature_dtype: str) -> tuple[Path | None, list[Path]]:
@@ -231,6 +244,7 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
         raise SpecdecError(f"--feature-dtype must be one of {', '.join(_DTYPES)}, got {feature_dtype!r}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise SpecdecError(f"--out {out_dir} is a file, not a directory")
+    check_writable(out_dir)
     gsm = None
     if any(s.startswith("gsm8k") for s in plan.sources):
         # like every data file of the package: $SPECDEC_DATA first, then the package's own copy
@@ -247,11 +261,29 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
     return gsm, excl
 
 
+def check_writable(out_dir) -> None:
+    """A SpecdecError naming --out unless a file can be written in `out_dir`; tried for real (permissions
+    alone miss /proc, read-only mounts and root), and whatever the try created is removed again."""
+    out = Path(out_dir).absolute()
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise SpecdecError(f"--out {out_dir} is not a writable directory ({e.strerror or e})") from None
+    finally:
+        for p in made:  # the innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, batch_size: int = 32,
+def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, batch_size: int = 64,
                 gsm8k: str | os.PathLike | None = None, exclude_dir: str | os.PathLike | None = None,
                 feature_dtype: str = "float16", progress: bool = True) -> dict:
     """Make shards 0..n_shards-1 that are not there yet (or fail their check). Returns totals of this call."""
@@ -314,7 +346,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         keep = [j for j in range(len(ps)) if answers[j]]
         seqs = [ps[j] + answers[j] for j in keep]
         missing = [n for n, j in enumerate(keep) if feats[j] is None]
-        tf = teacher_force(model, [seqs[n] for n in missing], aux_layers=tuple(aux)) if missing else []
+        tf = maker.features([seqs[n] for n in missing], batch_size) if missing else []
         feats = [feats[j] for j in keep]
         for n, f in zip(missing, tf):
             feats[n] = f
@@ -347,28 +379,39 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
 def add_parser(sub) -> None:
     p = one_line_errors(sub.add_parser("datagen", help="self-distillation data for draft heads (resumable "
                                        "safetensors shards)"))
-    p.add_argument("--model", default=None, help="target: HF dir, .gguf, or the embedded default")
-    p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
-    p.add_argument("--shards", type=arg_type(int, ge=1), required=True,
+    d = Plan()
+    p.add_argument("--model", default=None, metavar="PATH", help="the target: HF dir, .gguf, or smollm2 (default: "
+                   "the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory, checked writable before the "
+                   "model loads (re-run the same command to resume)")
+    p.add_argument("--shards", type=arg_type(int, ge=1), required=True, metavar="N",
                    help="total shards wanted (existing ones are skipped)")
-    p.add_argument("--shard-size", type=PLAN_RULES["shard_size"], default=64, help="sequences per shard")
-    p.add_argument("--batch-size", type=arg_type(int, ge=1), default=32, help="sequences per generate() call")
-    p.add_argument("--sources", type=source_list, default="gsm8k,self",
-                   help=f"comma list, cycled per shard: {', '.join(SOURCES)}")
-    p.add_argument("--temperatures", type=temperature_list, default="0,1",
-                   help="comma list, cycled per round of sources")
-    p.add_argument("--top-p", type=PLAN_RULES["top_p"], default=1.0)
-    p.add_argument("--max-new-tokens", type=PLAN_RULES["max_new_tokens"], default=320)
-    p.add_argument("--max-prompt-tokens", type=PLAN_RULES["max_prompt_tokens"], default=256)
-    p.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl (default: gsm8k/train.jsonl under "
-                   "$SPECDEC_DATA, else the copy shipped with the package)")
-    p.add_argument("--exclude-dir", default=None, help="another benchmark data dir (same layout) "
+    p.add_argument("--shard-size", type=PLAN_RULES["shard_size"], default=d.shard_size, metavar="N",
+                   help=f"sequences per shard (default {d.shard_size})")
+    p.add_argument("--batch-size", type=arg_type(int, ge=1), default=64, metavar="N",
+                   help="sequences generated together (default 64, docs/training.md's measured recipe)")
+    p.add_argument("--sources", type=source_list, default=",".join(d.sources), metavar="SRC[,SRC...]",
+                   help=f"prompt sources, cycled per shard: {', '.join(SOURCES)} (default {','.join(d.sources)})")
+    p.add_argument("--temperatures", type=temperature_list, default=",".join(f"{t:g}" for t in d.temperatures),
+                   metavar="T[,T...]", help="sampling temperatures of the answers, cycled per round of sources "
+                   f"(default {','.join(f'{t:g}' for t in d.temperatures)})")
+    p.add_argument("--top-p", type=PLAN_RULES["top_p"], default=d.top_p, metavar="X",
+                   help=f"nucleus sampling of the answers at T > 0 (default {d.top_p:g}: off)")
+    p.add_argument("--max-new-tokens", type=PLAN_RULES["max_new_tokens"], default=d.max_new_tokens, metavar="N",
+                   help=f"answer tokens at most (default {d.max_new_tokens})")
+    p.add_argument("--max-prompt-tokens", type=PLAN_RULES["max_prompt_tokens"], default=d.max_prompt_tokens,
+                   metavar="N", help=f"a longer prompt keeps its last N tokens (default {d.max_prompt_tokens})")
+    p.add_argument("--gsm8k", default=None, metavar="PATH", help="GSM8K train.jsonl (default: gsm8k/train.jsonl "
+                   "under $SPECDEC_DATA, else the copy shipped with the package)")
+    p.add_argument("--exclude-dir", default=None, metavar="DIR", help="another benchmark data dir (same layout) "
                    "whose prompts are excluded, besides $SPECDEC_DATA's and the package's")
-    p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES))
-    p.add_argument("--seed", type=PLAN_RULES["seed"], default=0)
-    p.add_argument("--aux-layers", type=aux_layer_list, default="none",
+    p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES),
+                   help="dtype of the stored features (default float16)")
+    p.add_argument("--seed", type=PLAN_RULES["seed"], default=d.seed, metavar="N",
+                   help=f"picks the GSM8K order and the samples; one per parallel process (default {d.seed})")
+    p.add_argument("--aux-layers", type=aux_layer_list, default=d.aux_layers, metavar="LAYERS",
                    help="also store the hidden state entering these layers: 'eagle3' (2, L/2, L-3; what an "
-                   "EAGLE-3 head trains on), comma-separated indices, or 'none'")
+                   f"EAGLE-3 head trains on), comma-separated indices, or 'none' (default {d.aux_layers})")
     add_flags(p, Runtime, only=("threads", "device"))
     p.set_defaults(func=cmd_datagen)
 

@@ -19,42 +19,54 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.options import arg_type, checked
+from specdec.options import arg_type, bool_flag, checked
 from specdec.training.shards import ShardData, global_batch
 
 SCHEDULES = ("cosine", "linear", "constant")
 
 
+def knob(default, help: str, metavar: str | None = None, shown: str | None = None):
+    """A config field with its flag's help (and metavar, and the default as help shows it)."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "shown": shown})
+
+
 @dataclass
 class LoopConfig:
     """What every trainer's config has (data, schedule, checkpoints, logging); train.py and medusa.py add
-    their model's fields and may change a default (Medusa: lr 1e-3, clip 1.0)."""
+    their model's fields and may change a default. The defaults are docs/training.md's recipe for the
+    shipped heads (EAGLE: lr 1e-3, 3 epochs; Medusa: lr 1e-3, warmup 20, clip 1.0; both batch 8)."""
 
     data: str
     out: str
-    steps: int = 0  # 0: derived from epochs
-    epochs: float = 1.0
-    batch_size: int = 16  # sequences per optimizer step, over all processes
-    max_len: int = 1024
-    lr: float = 3e-4
-    warmup: int = 100
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
-    clip: float = 0.5
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    stop_after: int = 0  # testing aid: stop (as if killed) after this many steps of this invocation
-    ship_to: str = ""  # also write a small copy here (fp16; no LM head rows that stayed the target's)
-    init_from: str = ""  # start from these trained weights (warm start on new data, or Medusa-2 from Medusa-1)
+    steps: int = knob(0, "optimizer steps; 0: as many as --epochs passes over the data take", "N")
+    epochs: float = knob(1.0, "passes over the data, when --steps is 0", "X")
+    batch_size: int = knob(8, "sequences per optimizer step, over all processes", "N")
+    max_len: int = knob(1024, "tokens kept per sequence (the rest is cut)", "N")
+    lr: float = knob(3e-4, "peak learning rate (AdamW)", "X")
+    warmup: int = knob(50, "steps of linear warmup to --lr; a warmup as long as the whole run is cut to a tenth "
+                       "of it, with a note", "N")
+    schedule: str = knob("cosine", "the learning rate after warmup: cosine or linear decay to --min-lr-ratio "
+                         "times --lr, or constant")
+    min_lr_ratio: float = knob(0.05, "where the decay ends, as a fraction of --lr", "X")
+    weight_decay: float = knob(0.0, "AdamW weight decay", "X")
+    clip: float = knob(0.5, "gradient-norm clip (0: none)", "X")
+    save_every: int = knob(200, "write a checkpoint every N steps and at the end (a re-run resumes from the "
+                           "newest)", "N")
+    keep_checkpoints: int = knob(2, "checkpoints kept, the newest", "N")
+    log_every: int = knob(10, "a line of log.jsonl (loss, top-1 agreement, lr) every N steps", "N")
+    seed: int = knob(0, "picks the batches and the noise: the same seed, the same run", "N")
+    stop_after: int = knob(0, "testing aid: stop (as if killed) after N steps of this invocation; 0: run to "
+                           "the end", "N")
+    ship_to: str = knob("", "also write a small fp16 copy of the result here (without LM-head rows that "
+                        "stayed the target's)", "PATH", "none")
+    init_from: str = knob("", "start from these trained weights (a warm start on new data, or Medusa-2 from "
+                          "Medusa-1 heads)", "PATH", "none")
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -79,15 +91,23 @@ LOOP_RULES = {
 }
 
 
+def warmup_steps(cfg, total: int) -> int:
+    """cfg.warmup, or a tenth of the run when the warmup would take all of it (the lr would never reach
+    --lr: e.g. the default warmup in a run of a few steps)."""
+    return cfg.warmup if cfg.warmup < total else total // 10
+
+
 def lr_lambda(cfg, total: int):
     """Linear warmup, then cosine / linear decay to min_lr_ratio, or constant (cfg: warmup, schedule,
     min_lr_ratio)."""
+    warmup = warmup_steps(cfg, total)
+
     def f(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / (cfg.warmup + 1)
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
         if cfg.schedule == "constant":
             return 1.0
-        frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
         decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
     return f
@@ -176,6 +196,9 @@ def load_data(cfg, resume: dict | None, fingerprint: dict, hidden_size: int, wor
         print(f"specdec: warning: {data.dropped} of the {data.n_sequences} sequences have no answer token "
               f"within --max-len {cfg.max_len}: training on the other {len(data)}", file=sys.stderr, flush=True)
     total = cfg.steps or max(1, int(cfg.epochs * len(data) / cfg.batch_size))
+    if warmup_steps(cfg, total) != cfg.warmup and main:
+        print(f"specdec: note: --warmup {cfg.warmup} is not shorter than the run's {total} steps: warming up "
+              f"over {warmup_steps(cfg, total)} instead", file=sys.stderr, flush=True)
     if cfg.batch_size < world:
         raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
     return data, total
@@ -265,20 +288,24 @@ def global_sum(acc, x: torch.Tensor) -> torch.Tensor:
 # ---- CLI ----
 
 def add_config_flags(p, cls, rules: dict, choices: dict[str, tuple] | None = None, skip=()) -> None:
-    """One flag per field of the config dataclass `cls` (data/out and `skip` aside): booleans as switches,
-    `choices` as choices, the rest typed by `rules` (argparse types with range checks)."""
+    """One flag per field of the config dataclass `cls` (data/out and `skip` aside), with the field's help
+    and default: booleans as `--flag` (or `--flag true|false`), `choices` as choices, the rest typed by
+    `rules` (argparse types with range checks)."""
     d = cls(data="", out="")
     for f in fields(cls):
         if f.name in ("data", "out", *skip):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(d, f.name)
+        shown = f.metadata.get("shown") or (str(default).lower() if isinstance(default, bool) else str(default))
+        kw = dict(default=default, help=f"{f.metadata.get('help', '')} (default {shown})",
+                  metavar=f.metadata.get("metavar"))
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=default)
+            p.add_argument(flag, **(kw | {"metavar": "{true,false}"}), **bool_flag(const=True))
         elif f.name in (choices or {}):
-            p.add_argument(flag, choices=choices[f.name], default=default)
+            p.add_argument(flag, choices=choices[f.name], **(kw | {"metavar": "{" + ",".join(choices[f.name]) + "}"}))
         else:
-            p.add_argument(flag, type=rules.get(f.name, type(default)), default=default)
+            p.add_argument(flag, type=rules.get(f.name, type(default)), **kw)
 
 
 def load_target(path, spec):

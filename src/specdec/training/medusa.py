@@ -31,6 +31,7 @@ from specdec.training.loop import (
     add_config_flags,
     finished_run,
     global_sum,
+    knob,
     load_data,
     load_resume,
     load_target,
@@ -46,25 +47,31 @@ __all__ = ["MedusaTrainConfig", "train_medusa", "head_accuracies", "held_in", "M
 
 @dataclass
 class MedusaTrainConfig(LoopConfig):
-    lr: float = 1e-3  # Medusa's
-    clip: float = 1.0
-    num_heads: int = 4
-    num_layers: int = 1  # residual blocks per head
-    lm_head: str = "target"  # target (shared, frozen) | own (one per head, from the target's rows, trained)
-    draft_vocab: int = 0  # 0 = the full target vocabulary
-    decay: float = 0.8  # head k's loss weight: decay^(k+1)
+    # Medusa's own settings and docs/training.md section 5's recipe
+    lr: float = knob(1e-3, "peak learning rate (AdamW; Medusa's)", "X")
+    warmup: int = knob(20, "steps of linear warmup to --lr; a warmup as long as the whole run is cut to a "
+                       "tenth of it, with a note", "N")
+    clip: float = knob(1.0, "gradient-norm clip (0: none)", "X")
+    num_heads: int = knob(4, "heads; head k predicts the token k + 2 positions ahead", "N")
+    num_layers: int = knob(1, "residual blocks per head", "N")
+    lm_head: str = knob("target", "target (the target's, shared and frozen) or own (one per head, from the "
+                        "target's rows, trained)")
+    draft_vocab: int = knob(0, "LM heads over the N most frequent answer tokens (the shipped SmolLM2 heads: "
+                            "8192); 0: the full target vocabulary", "N")
+    decay: float = knob(0.8, "head k's loss weight is decay^(k+1)", "X")
     # Medusa-2 (--joint): L = KL(p_original || p_new) + lambda0 * the heads' loss, the backbone trained too
-    joint: bool = False
-    lambda0: float = 0.2  # the heads' loss weight (Medusa's medusa_heads_coefficient in its Medusa-2 recipe)
-    backbone_lr: float = 0.0  # 0 = lr / 4 (Medusa's recipe: the heads' lr is 4x the backbone's)
-    heads_warmup: int = -1  # first steps that train only the heads; -1 = a quarter of the run
-    full_finetune: bool = False  # train every backbone weight instead of LoRA adapters
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_layers: int = 0  # adapters on the last N decoder layers only (0 = all): the layers below run
-    # without a graph, so a step's backward covers N layers (SmolLM2-135M: 30 layers)
-    keep_activations: bool = False  # keep the backbone's activations for the backward pass instead of
-    # recomputing them: ~10% faster; SmolLM2-135M, batch 4 (~1,350 tokens): peak RSS 9.8 GB instead of 6.9
+    joint: bool = knob(False, "Medusa-2: train the backbone too; the result is a new target in <out>/target")
+    lambda0: float = knob(0.2, "--joint: the heads' loss weight (Medusa's medusa_heads_coefficient)", "X")
+    backbone_lr: float = knob(0.0, "--joint: the backbone's lr; 0: --lr / 4 (Medusa's ratio)", "X")
+    heads_warmup: int = knob(-1, "--joint: first steps that train only the heads; -1: a quarter of the run", "N")
+    full_finetune: bool = knob(False, "--joint: train every backbone weight instead of LoRA adapters")
+    lora_rank: int = knob(16, "--joint: LoRA rank", "N")
+    lora_alpha: float = knob(32.0, "--joint: LoRA alpha", "X")
+    # the layers below the adapters run without a graph, so a step's backward covers N layers
+    lora_layers: int = knob(0, "--joint: adapters on the last N decoder layers only; 0: all", "N")
+    # recomputing costs ~10%; SmolLM2-135M, batch 4 (~1,350 tokens): peak RSS 9.8 GB instead of 6.9
+    keep_activations: bool = knob(False, "--joint: keep the backbone's activations for the backward pass "
+                                  "instead of recomputing them (faster, far more memory)")
 
     def check(self) -> None:
         """The CLI's rules for API callers too: a SpecdecError naming the flag, before any work."""
@@ -206,10 +213,11 @@ def add_parser(kinds) -> None:
         "medusa", help="Medusa heads: K heads on the target's last feature; Medusa-1 (the target frozen), or "
         "Medusa-2 with --joint (the backbone trained too, saved as a new target); resumes from --out if it "
         "holds checkpoints"))
-    p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
-    p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
-    p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, heads/ (the result; with "
-                   "--joint also target/, the new target the heads are for)")
+    p.add_argument("--model", default=None, metavar="PATH", help="the target, the one the data was made with: "
+                   "HF dir, .gguf, or smollm2 (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", required=True, metavar="DIR[,DIR...]", help="datagen dir(s), comma-separated")
+    p.add_argument("--out", required=True, metavar="DIR", help="run dir: checkpoints/, log.jsonl, heads/ (the "
+                   "result; with --joint also target/, the new target the heads are for)")
     add_config_flags(p, MedusaTrainConfig, RULES, {"schedule": SCHEDULES, "lm_head": LM_HEADS})
     add_flags(p, Runtime, only=("threads",))
     p.set_defaults(func=cmd_train_medusa)

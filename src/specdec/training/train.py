@@ -34,6 +34,7 @@ from specdec.training.loop import (
     add_config_flags,
     finished_run,
     global_sum,
+    knob,
     load_data,
     load_resume,
     load_target,
@@ -49,16 +50,25 @@ __all__ = ["TrainConfig", "train_eagle", "finished_head", "lr_lambda", "unrolled
 
 @dataclass
 class TrainConfig(LoopConfig):
-    ce_weight: float = 0.1
-    tv_weight: float = 0.0  # > 0: also minimise TV(p, q), what a sampled draft token loses at T = 1
-    noise: float = 0.1  # input features get U(-noise, noise)
-    draft_vocab: int = 0  # 0 = the full target vocabulary (frozen target LM head)
-    freeze_lm_head: bool = False  # for a reduced head: keep the rows copied from the target
-    unroll: int = 1  # draft steps trained per row: > 1 also trains on the head's own predictions
-    layers: int = 0  # decoder layers: 0 = 1 (EAGLE), or as many as --init-from has; more grows that head
-    connector: str = "fc"  # fc (EAGLE) | sampler (FSPAD's Feature Sampler)
-    pad: bool = False  # FSPAD's Partial Alignment Distillation
-    sampler_size: int = 0  # the Feature Sampler's intermediate size: 0 = the target's intermediate_size
+    # the shipped head's recipe (docs/training.md section 3; lr 1e-3 beat 3e-4 in a probe)
+    epochs: float = knob(3.0, "passes over the data, when --steps is 0", "X")
+    lr: float = knob(1e-3, "peak learning rate (AdamW)", "X")
+    log_every: int = knob(20, "a line of log.jsonl (loss, top-1 agreement, lr) every N steps", "N")
+    ce_weight: float = knob(0.1, "weight of the cross-entropy to the target's next-token distribution, beside "
+                            "the feature loss", "X")
+    tv_weight: float = knob(0.0, "> 0: also minimise TV(p, q), what a sampled draft token loses at T = 1", "X")
+    noise: float = knob(0.1, "input features get U(-noise, noise)", "X")
+    draft_vocab: int = knob(0, "the head's own LM head over the N most frequent answer tokens (the shipped "
+                            "SmolLM2 head: 8192); 0: the target's full, frozen LM head", "N")
+    freeze_lm_head: bool = knob(False, "with --draft-vocab: keep the LM-head rows copied from the target (the "
+                                "shipped recipe; --ship-to then stores none of them)")
+    unroll: int = knob(1, "draft steps trained per row: > 1 also trains on the head's own predictions", "N")
+    layers: int = knob(0, "decoder layers: 0 = 1 (EAGLE), or as many as --init-from has; more grows that "
+                       "head", "N")
+    connector: str = knob("fc", "fc (EAGLE) or sampler (FSPAD's Feature Sampler)")
+    pad: bool = knob(False, "FSPAD's Partial Alignment Distillation")
+    sampler_size: int = knob(0, "the Feature Sampler's intermediate size; 0: the target's intermediate_size",
+                             "N")
 
     def check(self) -> None:
         """The CLI's rules for API callers too: a SpecdecError before any work."""
@@ -209,9 +219,11 @@ def add_parser(sub) -> None:
                               ("fspad", {"connector": "sampler", "pad": True}, "an FSPAD head: train eagle "
                                "--connector sampler --pad")):
         p = one_line_errors(kinds.add_parser(kind, help=f"{what} (resumes from --out if it holds checkpoints)"))
-        p.add_argument("--model", default=None, help="the target (must be the one the data was made with)")
-        p.add_argument("--data", required=True, help="datagen dir(s), comma-separated")
-        p.add_argument("--out", required=True, help="run dir: checkpoints/, log.jsonl, head/ (the result)")
+        p.add_argument("--model", default=None, metavar="PATH", help="the target, the one the data was made "
+                       "with: HF dir, .gguf, or smollm2 (default: the embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--data", required=True, metavar="DIR[,DIR...]", help="datagen dir(s), comma-separated")
+        p.add_argument("--out", required=True, metavar="DIR", help="run dir: checkpoints/, log.jsonl, head/ "
+                       "(the result); re-run the same command to resume")
         add_config_flags(p, TrainConfig, RULES, {"schedule": SCHEDULES, "connector": CONNECTORS}, skip=fixed)
         add_flags(p, Runtime, only=("threads",))
         p.set_defaults(func=cmd_train_eagle, **fixed)

@@ -33,21 +33,27 @@ CALIBRATION_PROMPTS = (
 
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="pick the EAGLE-2 tree budget (depth, topk, tree_size) for this machine")
-    p.add_argument("--model", default=None, help="target: HF dir, .gguf, or the embedded default")
-    p.add_argument("--head", default=None, help="EAGLE head dir (default: the one shipped for the model)")
-    p.add_argument("--prompts", type=int, default=4, help=f"calibration prompts (1-{len(CALIBRATION_PROMPTS)})")
-    p.add_argument("--tokens", type=int, default=256,
-                   help="greedy tokens generated per prompt (as long as real answers: a small model repeats "
-                        "itself late in an answer, which is where a lookup chain pays)")
+    p.add_argument("--model", default=None, metavar="PATH", help="the target: HF dir, .gguf, or smollm2 "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--head", default=None, metavar="PATH", help="EAGLE head dir (default: the one shipped for the "
+                   "model)")
+    p.add_argument("--prompts", type=int, default=4, metavar="N",
+                   help=f"calibration prompts, 1-{len(CALIBRATION_PROMPTS)} (default 4)")
+    p.add_argument("--tokens", type=int, default=256, metavar="N",
+                   help="greedy tokens generated per prompt, as long as real answers: a small model repeats "
+                        f"itself late in an answer, which is where a lookup chain pays; at least {2 + max(SIZES)} "
+                        "(default 256)")
     add_flags(p, Runtime, only=("threads",))  # tune with the count you will use
-    p.add_argument("--out", default=None, help="result file (default: <head>/tuning.json; for a shipped or "
-                   "read-only head ~/.cache/specdec/tuning/<name>.json, where loading also looks)")
-    p.add_argument("--top", type=int, default=10, help="table rows to print")
-    p.add_argument("--lookups", default=",".join(map(str, LOOKUPS)),
-                   help="prompt-lookup chain lengths to try joined with the tree, for `auto` ('' = none)")
-    p.add_argument("--sampled-tokens", type=int, default=128,
+    p.add_argument("--out", default=None, metavar="PATH", help="result file (default: <head>/tuning.json; for a "
+                   "shipped or read-only head ~/.cache/specdec/tuning/<name>.json, where loading also looks)")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="table rows to print (default 10)")
+    p.add_argument("--lookups", default=",".join(map(str, LOOKUPS)), metavar="N[,N...]",
+                   help="prompt-lookup chain lengths to try joined with the tree, for `auto`; '' = none "
+                        f"(default {','.join(map(str, LOOKUPS))})")
+    p.add_argument("--sampled-tokens", type=int, default=128, metavar="N",
                    help="tokens sampled per prompt (T = 1) to measure each tree's acceptance with sampled "
-                        "children, which adaptive `auto` drafts for sampled requests (0: skip; ~2 min)")
+                        "children, which adaptive `auto` drafts for sampled requests; 0: skip, ~2 min "
+                        "(default 128)")
     p.set_defaults(func=cmd_tune)
 
 
