@@ -6,6 +6,7 @@ imported inside `main` where an interrupt is caught."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -24,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("\nspecdec: interrupted" if _mid_line() else "specdec: interrupted", file=sys.stderr)
+        if argv is None:  # this is the process (the console script, or python -m specdec.cli)
+            # an interrupt that landed in code a library runs through the C API (PyRun_String) marks the
+            # interpreter to kill itself by SIGINT at exit, even though it was caught: exit here instead
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os._exit(INTERRUPTED)
         return INTERRUPTED
     except BrokenPipeError:  # the reader left (`specdec generate ... | head -2`): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
