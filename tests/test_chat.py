@@ -230,3 +230,15 @@ def test_ctrl_c_stops_an_answer_and_returns_to_the_prompt():
     code, err = s.finish()
     assert code == 0 and "(answer stopped)" in err and "Traceback" not in err
     assert "draft tokens accepted" not in err  # the stopped answer has no statistics line
+
+
+def test_a_turn_beyond_the_context_or_an_unknown_command_is_one_line_and_the_chat_goes_on(model_dir):
+    turns = " ".join(["w1"] * 600) + "\n/nonsense\nw2\n"  # the tiny model's context is 512 tokens
+    run = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--model", model_dir, "--method", "pld",
+                          "--max-new-tokens", "4", "--threads", "1"], input=turns, text=True, capture_output=True,
+                         timeout=300)
+    assert run.returncode == 0 and len(run.stdout.splitlines()) == 1  # only w2 was answered
+    errors = [line for line in run.stderr.splitlines() if line.startswith("specdec: error:")]
+    assert len(errors) == 1 and "context" in errors[0] and "/reset" in errors[0]
+    assert sum(line.startswith("unknown command /nonsense") for line in run.stderr.splitlines()) == 1
+    assert "Traceback" not in run.stderr

@@ -158,10 +158,12 @@ def repl(dec: Decoder, params: GenerationParams, args) -> int:
                 write_answer(painter.paint(chunk) if painter else chunk.text)
                 final = chunk.final or final
         except KeyboardInterrupt:  # stop this answer, keep what was shown, back to the prompt
-            end_answer()
+            if any(shown) or tty:  # a terminal shows ^C on the answer's line
+                end_answer()
             say(args, "(answer stopped)")
         except SpecdecError as e:  # e.g. the history outgrew the model's context
-            end_answer()
+            if any(shown):
+                end_answer()
             print(f"specdec: error: {e} (/reset clears the history)", file=sys.stderr, flush=True)
         else:
             end_answer()
