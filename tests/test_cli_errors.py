@@ -192,3 +192,32 @@ def test_the_stats_line_says_when_another_load_disturbed_the_answer(tmp_path, mo
     monkeypatch.setattr(specdec.cli.ContentionMeter, "result", lambda self: {"other_cpu_frac": 0.6})
     assert main(argv) == 0
     assert "other processes used 60% of the CPUs" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("after_s", [0.3, 3.0])  # importing torch; loading the model
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(after_s):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "hi", "--threads", "1"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err, out) == (130, "specdec: interrupted\n", "")
+
+
+def test_quiet_prints_nothing_on_stderr_and_the_default_only_our_lines(tmp_path):
+    model = _tiny_dir(tmp_path)
+    base = ["w1 w2", "--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]
+    quiet, normal = _cli([*base, "-q"], stdin=subprocess_devnull()), _cli(base, stdin=subprocess_devnull())
+    assert quiet.returncode == normal.returncode == 0
+    assert quiet.stderr == "" and quiet.stdout == normal.stdout
+    # no library noise (the `Loading weights` bar, warnings): the statistics line and our notes
+    assert all(line.startswith(("[pld, ", "specdec: ")) for line in normal.stderr.splitlines()), normal.stderr
+    verbose = _cli([*base, "-v"], stdin=subprocess_devnull())
+    assert "alpha by depth" in verbose.stderr.splitlines()[-1]
+    both = _cli([*base, "-q", "-v"], stdin=subprocess_devnull())
+    assert both.returncode == 2 and "not allowed with" in both.stderr

@@ -36,8 +36,11 @@ class Generation:
 @dataclass
 class Chunk:
     text: str  # new text since the previous chunk
-    token_ids: list[int]
+    token_ids: list[int]  # the tokens since the previous chunk: all chunks' together are the Generation's
     final: Generation | None = None  # set on the last chunk
+    # per token of token_ids, how it was produced: 0 sampled by the target (each step's bonus token, and
+    # the first token), k >= 1 a draft token the target accepted at depth k of the draft
+    depths: list[int] = field(default_factory=list)
 
 
 class GenerationParams(SamplingParams):
@@ -121,6 +124,9 @@ class Decoder:
         stats = Stats()
         ids: list[int] = []
         sent = 0  # characters of text already yielded
+        held: list[int] = []  # ids and depths not yet yielded (their text is held back, or was cut)
+        depths: list[int] = []
+        forwards = 0  # verify forwards seen
         finish = None
         steps = decode(self.runner, self.drafter, prompt_ids, params, params.max_new_tokens, self.eos_ids, stats,
                        lease=self.slot.lease())
@@ -128,26 +134,35 @@ class Decoder:
             for new in steps:
                 start = len(ids)
                 ids.extend(new)
+                # a verify step records its accepted path (accepted + 1) before yielding: its first
+                # accepted - 1 tokens are drafts at depths 1, 2, ...; the prefill's token records none
+                drafted = stats.accept_lengths[-1] - 1 if len(stats.accept_lengths) > forwards else 0
+                forwards = len(stats.accept_lengths)
+                step_depths = [i + 1 if i < drafted else 0 for i in range(len(new))]
                 text = self._text(ids)
                 hit = _find_stop(text, stops)
                 if hit is not None:
                     # the output must be what vanilla decoding would give: cut at the token that completes it
                     while len(ids) > start + 1 and _find_stop(self._text(ids[:-1]), stops) is not None:
                         ids.pop()
+                    held += ids[start:]
+                    depths += step_depths[:len(ids) - start]
                     text, finish = text[:hit], "stop"
                     stats.new_tokens = len(ids)
                     stats.finish_reason = finish
                     break
+                held += new
+                depths += step_depths
                 safe = _safe_prefix_len(text, stops)
                 if safe > sent:
-                    yield Chunk(text[sent:safe], new)
-                    sent = safe
+                    yield Chunk(text[sent:safe], held, depths=depths)
+                    sent, held, depths = safe, [], []
         finally:
             steps.close()
         text = self._text(ids) if finish is None else text
         finish = finish or stats.finish_reason
         gen = Generation(text, ids, prompt_ids, stats, finish)
-        yield Chunk(text[sent:], [], gen)
+        yield Chunk(text[sent:], held, gen, depths)
 
     def generate(self, prompt: str | Messages, **kw) -> Generation:
         for chunk in self.stream(prompt, **kw):
