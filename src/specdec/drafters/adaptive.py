@@ -192,7 +192,8 @@ def matched(tree: DraftTree, tokens: list[int]) -> int:
 
 class FollowsTheMachine(Drafter):
     """A drafter priced by measured costs: fixed within a request, rescaled between requests to what its
-    verify forwards took once they drift from their prices (another load): learned from the steps already run, so no request waits for a measurement.
+    verify forwards took once they drift from their prices (another load): learned from the steps
+    already run, so no request waits for a measurement.
     Subclasses set costs, clock (costs.StepClock, or None: costs fixed), relearned = 0 and origin (how the
     costs were obtained at build: "cached" or "measured at load in 3.1 s")."""
 
