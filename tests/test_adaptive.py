@@ -408,7 +408,7 @@ def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     d = adaptive_for(tiny, head, 0.02)  # priced nearly flat: wide trees pay
-    d.clock = StepClock(min_steps=50)
+    d.clock = StepClock(min_steps=30)
     seeded = SamplingParams(1.0, seed=3)
     want_seeded, _ = run(target, d, PROMPTS[0], seeded, 40)
     want, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 40)
