@@ -15,7 +15,7 @@ import time
 import pytest
 
 from specdec.api import GenerationParams, from_models
-from specdec.chat import Conversation
+from specdec.cli.chat import Conversation
 from tests.conftest import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(5)]

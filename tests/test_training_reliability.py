@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.training import datagen, train
+from specdec.training import datagen, datagen_cli, train
 from specdec.training.datagen import Plan, run_datagen
 from specdec.training.train import TrainConfig, train_eagle
 from tests.conftest import tiny_model, word_tokenizer
@@ -47,7 +47,7 @@ GOLD = Plan(shard_size=4, sources=["gsm8k-gold"], temperatures=[0.0])  # teacher
 def parser():
     ap = argparse.ArgumentParser(prog="specdec")
     sub = ap.add_subparsers(dest="command", required=True)
-    datagen.add_parser(sub)
+    datagen_cli.add_parser(sub)
     train.add_parser(sub)
     return ap
 
@@ -75,7 +75,7 @@ def parser():
     (["train", "eagle", "--data", "d", "--out", "o", "--schedule", "cubic"], "--schedule"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, flag, capsys, monkeypatch):
-    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(datagen_cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as e:
         parser().parse_args(argv)
     err = capsys.readouterr().err
@@ -96,7 +96,7 @@ def test_api_callers_get_the_same_rules():
 
 
 def test_datagen_checks_its_files_before_loading_the_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(datagen_cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     args = parser().parse_args(["datagen", "--out", str(tmp_path / "d"), "--shards", "1",
                                 "--gsm8k", str(tmp_path / "nope.jsonl")])
     with pytest.raises(SpecdecError, match="GSM8K train file not found at .*nope.jsonl"):
@@ -268,7 +268,7 @@ def test_rerunning_a_finished_run_says_so_and_does_nothing(tiny, tiny_data, tmp_
 def test_datagen_refuses_an_unwritable_out_before_loading_the_model(out, tmp_path, monkeypatch, capsys):
     from specdec.cli import main
 
-    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(datagen_cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     (tmp_path / "a-file").write_text("x")
     out = out.format(tmp=tmp_path)
     assert main(["datagen", "--out", out, "--shards", "1", "--sources", "self"]) == 2
@@ -278,7 +278,7 @@ def test_datagen_refuses_an_unwritable_out_before_loading_the_model(out, tmp_pat
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
 def test_datagen_refuses_a_read_only_out(tmp_path, monkeypatch):
-    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(datagen_cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
@@ -288,7 +288,7 @@ def test_datagen_refuses_a_read_only_out(tmp_path, monkeypatch):
 
 
 def test_the_writability_check_leaves_no_directory_behind(tmp_path, monkeypatch):
-    monkeypatch.setattr(datagen, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(datagen_cli, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     datagen.check_writable(tmp_path / "new" / "deeper")
     assert list(tmp_path.iterdir()) == []
 

@@ -12,8 +12,9 @@ from specdec.bench.compare import compare
 from specdec.bench.data import first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
+from specdec.bench.outdir import check_out_dir, ensure_writable_dir
 from specdec.bench.report import loaded
-from specdec.bench.runner import BenchConfig, check_out_dir, ensure_writable_dir, run_bench
+from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values

@@ -11,9 +11,7 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from specdec.bench import metrics, report
 from specdec.bench.audit import TIE_TOL, audit_groups, runner_logits
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
+from specdec.bench.outdir import check_out_dir, clear_out_dir
 from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
 from specdec.engine import Stats, decode
@@ -133,47 +132,6 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
 
 def safe_name(label: str) -> str:
     return re.sub(r"[^\w.=-]+", "_", label)
-
-
-# ---------------------------------------------------------------------------------------------- the results dir
-
-
-def ensure_writable_dir(d: Path, what: str) -> None:
-    """Creates d if needed and proves a file can be written in it; else one SpecdecError naming `what`."""
-    if d.exists() and not d.is_dir():
-        raise SpecdecError(f"{what}: {d} exists and is not a directory")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=d):
-            pass
-    except OSError as e:
-        raise SpecdecError(f"{what}: cannot write to {d} ({e.strerror or e})") from None
-
-
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Before anything slow: the results dir must be writable, and empty unless overwrite is given.
-    Nothing is deleted here (see clear_out_dir); --overwrite only replaces an earlier run's results, so
-    a mistyped `--out .` or `--out ~` cannot wipe a directory that holds anything else."""
-    ensure_writable_dir(out, "--out")
-    try:
-        if not any(out.iterdir()):
-            return
-    except OSError as e:
-        raise SpecdecError(f"--out: cannot list {out} ({e.strerror or e})") from None
-    if not overwrite:
-        raise SpecdecError(f"--out {out} is not empty (an earlier run's files would mix with this run's): "
-                           "pass --overwrite to replace them, or choose another directory")
-    if not ((out / "run.json").is_file() or (out / "raw").is_dir()):
-        raise SpecdecError(f"--out {out} is not empty and holds no `specdec bench` results (no run.json or raw/): "
-                           "--overwrite only replaces an earlier run's results; choose another directory")
-
-
-def clear_out_dir(out: Path) -> None:
-    for p in out.iterdir():
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
 
 
 # ---------------------------------------------------------------------------------------------- the run

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 
 from specdec.api import Chunk, Decoder, Generation, GenerationParams
+from specdec.cli.commands import detail_line, end_answer, say, write_answer
 from specdec.errors import SpecdecError
 
 PROMPT = ">>> "
@@ -114,7 +115,6 @@ def _read(tty: bool) -> str | None:
 
 
 def repl(dec: Decoder, params: GenerationParams, args) -> int:
-    from specdec.commands import detail_line, end_answer, say, write_answer
 
     tty = sys.stdin.isatty()
     if tty:

@@ -1,8 +1,8 @@
 """`specdec` command line (the console entry point). Errors users can fix are printed as one line,
 without a traceback; so is a Ctrl-C, even one during the seconds torch takes to import.
 
-This module imports only the standard library at its top: the commands live in specdec.commands,
-imported inside `main` where an interrupt is caught."""
+This package's top imports only the standard library: the commands live in specdec.cli.commands (and
+`chat`), imported inside `main` where an interrupt is caught."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from specdec.commands import run
+        from specdec.cli.commands import run
 
         return run(argv)
     except SpecdecError as e:
@@ -41,16 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mid_line() -> bool:
     """Whether a streamed answer was cut on a terminal line the message must not be glued to."""
-    mod = sys.modules.get("specdec.commands")
+    mod = sys.modules.get("specdec.cli.commands")
     return bool(mod and mod.stdout_mid_line())
 
 
 def __getattr__(name: str):
     # build_parser, DEFAULT_PROMPT, ...: importers of specdec.cli get the commands module's names
-    from specdec import commands
+    import importlib
 
-    return getattr(commands, name)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return getattr(importlib.import_module("specdec.cli.commands"), name)

@@ -1,4 +1,5 @@
-"""The `specdec` subcommands (cli.py is the entry point that runs them and reports errors and Ctrl-C)."""
+"""The `specdec` subcommands (the package's __init__ is the entry point: it runs them and reports errors
+and Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from specdec.heads import medusa_cli
 from specdec.machine import ContentionMeter
 from specdec.options import add_flags, flag_values
 from specdec.target.loading import Runtime
-from specdec.training import datagen, train
+from specdec.training import datagen_cli, train
 from specdec.tune import cli as tune_cli
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -208,7 +209,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from specdec.chat import repl
+    from specdec.cli.chat import repl
 
     params, rt, opts = _answer_setup(args)
     dec = _load(args, rt, opts)
@@ -249,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)
-    datagen.add_parser(sub)
+    datagen_cli.add_parser(sub)
     train.add_parser(sub)
     tune_cli.add_parser(sub)
     medusa_cli.add_parser(sub)
