@@ -263,6 +263,8 @@ def test_save_load_round_trip(tiny, trained3, tmp_path):
         load_head(tmp_path / "official", 64, 97)
     official = load_head(tmp_path / "official", 64, 97, target_layers=2)
     assert official.aux_layers == (0, 1)
+    # the head's default is what datagen --aux-layers eagle3 stores
+    assert all(Eagle3Head.default_layers(n) == eagle3_layers(n) for n in (2, 4, 16, 28, 32))
     torch.testing.assert_close(official.state_dict()["layers.0.hidden_norm.weight"],
                                head.state_dict()["layers.0.hidden_norm.weight"])
 

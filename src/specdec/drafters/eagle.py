@@ -10,9 +10,8 @@ Children are deterministic top-k, so the tree carries no q: the verifier treats 
 replacement from the draft distribution instead, and each carries the q it was drawn from
 (tree.build_sampled_tree).
 
-EAGLE-3 (method `eagle3`) drafts the same way with an Eagle3Head: a committed row reads the target's
-hidden states entering the head's aux layers (fused by the head's fc: runner.target_input), a draft row
-the head's own output; the engine computes those states because the drafter lists them (aux_layers).
+An EAGLE-3 head (drafters.eagle3) drafts the same way: a committed row reads runner.target_input (for
+EAGLE-3 the target's aux-layer states, fused), a draft row the head's own output.
 """
 
 from __future__ import annotations
@@ -382,35 +381,9 @@ def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
     return with_lookup(drafter, opts.lookup or 0)
 
 
-class Eagle3Options(Eagle2Options):
-    # no EAGLE-3 head ships yet: say so when the options are parsed, before any model loads
-    model_config = Eagle2Options.model_config | {"validate_default": True}
-    head: str | None = option(None, "EAGLE-3 head dir (`specdec train eagle3`, or an official EAGLE-3 export); "
-                              "required: none ships yet", shown="required")
-    lookup: int | None = option(None, "a prompt-lookup chain in every tree: not available with eagle3 (0 only)",
-                                ge=0, le=0, shown="0")
-
-    @field_validator("head")
-    @classmethod
-    def _given(cls, v: str | None) -> str | None:
-        if v is None:
-            raise ValueError("must be given: no EAGLE-3 head ships for any target yet; pass head=<dir> "
-                             "(train one with `specdec datagen --aux-layers eagle3` + `specdec train eagle3`)")
-        return v
-
-
-def build_eagle3(target: Target, opts: Eagle3Options) -> Drafter:
-    runner, head_dir = head_runner(target, opts, "eagle3")
-    drafter = eagle2_drafter(runner, opts, head_dir)
-    drafter.name = "eagle3"
-    return drafter
-
-
 register(Method("eagle", "EAGLE-1 head (feature-level draft), static tree of top-k rank paths", EagleOptions,
                 build_eagle))
 register(Method("eagle2", "EAGLE-2: the same head, dynamic tree (expand by value, rerank to the top tree_size)",
                 Eagle2Options, build_eagle2))
 register(Method("fspad", "FSPAD: EAGLE-2 drafting with a head that has the Feature Sampler and PAD (`specdec train "
                 "fspad`; EAGLE+FS or EAGLE+PAD heads run as eagle2)", FspadOptions, build_fspad))
-register(Method("eagle3", "EAGLE-3: EAGLE-2 drafting with an EAGLE-3 head (reads the target's low, middle and high "
-                "layers; `specdec train eagle3`)", Eagle3Options, build_eagle3))

@@ -170,8 +170,6 @@ def _eagle3_head(path: Path, raw: dict, config: LlamaConfig, sd: dict[str, torch
                  vocab_size: int | None, target_lm_head: torch.Tensor | None,
                  target_layers: int | None) -> Eagle3Head:
     """An EAGLE-3 head (ours, or an official export: midlayer.* is our layers.0.*)."""
-    from specdec.training.datagen import eagle3_layers
-
     sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): t for k, t in sd.items()}
     h, v = config.hidden_size, config.vocab_size
     if hidden_size is not None and h != hidden_size:
@@ -185,7 +183,7 @@ def _eagle3_head(path: Path, raw: dict, config: LlamaConfig, sd: dict[str, torch
         if target_layers is None:
             raise SpecdecError(f"EAGLE-3 head {path} does not say which target layers it reads "
                                "(eagle_config.eagle_aux_hidden_state_layer_ids)")
-        layers = eagle3_layers(target_layers)
+        layers = Eagle3Head.default_layers(target_layers)
     if not (isinstance(layers, list) and layers and all(isinstance(i, int) and i >= 0 for i in layers)):
         raise SpecdecError(f"EAGLE-3 head {path}: eagle_aux_hidden_state_layer_ids is {layers!r}, expected "
                            "a list of layer indices")

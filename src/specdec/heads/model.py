@@ -227,6 +227,11 @@ class Eagle3Head(EagleHead):
             setattr(a, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
         self.norm = LlamaRMSNorm(h, eps)
 
+    @staticmethod
+    def default_layers(n_layers: int) -> list[int]:
+        """EAGLE-3's low, middle and high layers of an n-layer target (those of official exports)."""
+        return sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)})
+
     def target_input(self, features: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """fc(the aux layers' hidden states [.., kH]) -> [.., H] (features: unused)."""
         if aux is None:
