@@ -151,11 +151,12 @@ def decode(
             stats.wait_time += _clock(dev) - t0
             drafter.prepare()
             stats.costs = drafter.costs_source
-            out = _prefill(runner, prompt_ids)
+            aux = drafter.aux_layers
+            out = _prefill(runner, prompt_ids, aux)
             first = verify(DraftTree.empty(), out.logits, params, gen, coupling=coupling,
                            position=len(prompt_ids)).bonus
             ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features,
-                                coupling=coupling)
+                                aux_features=out.aux, coupling=coupling)
             drafter.begin(ctx)
         stats.prefill_time = _clock(dev) - t0 - stats.wait_time
         n = 1
@@ -185,7 +186,7 @@ def decode(
                 root = torch.tensor([ctx.tokens[-1]])
                 positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
                 mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
-                out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask)
+                out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask, aux_layers=aux)
                 verdict = verify(tree, out.logits, params, gen, typical, coupling, len(ctx.tokens))
                 keep = [0] + [i + 1 for i in verdict.path]
                 runner.commit(keep)
@@ -205,7 +206,9 @@ def decode(
                 n += len(new)
                 stats.new_tokens = n
                 ctx.tokens.extend(new)
-                ctx.features = out.features[torch.tensor(keep, device=out.features.device)]
+                rows = torch.tensor(keep, device=out.features.device)
+                ctx.features = out.features[rows]
+                ctx.aux_features = None if out.aux is None else out.aux[rows]
                 if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
                     drafter.accept(ctx, verdict)
             yield new  # outside the hold: a suspended request holds no step in progress
@@ -214,9 +217,9 @@ def decode(
         stats.total_time = _clock(dev) - t0
 
 
-def _prefill(runner: Runner, ids: list[int]) -> ForwardOut:
+def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -> ForwardOut:
     runner.reset()
-    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None))
+    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=aux_layers)
     runner.commit(range(len(ids)))
     return out
 
@@ -225,12 +228,13 @@ def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext, n_prompt: int)
     """Rebuild a request's target cache and drafter state from its tokens: the prompt in one forward as
     at the start, then what it emitted but the root in forwards of at most runner.exact_rows rows, whose
     rows equal the original steps' bit for bit. The sampling generator lives in ctx: it continues as is."""
-    done = ctx.tokens[:-1]
-    feats = [_prefill(runner, done[:n_prompt]).features]
+    done, aux = ctx.tokens[:-1], drafter.aux_layers
+    outs = [_prefill(runner, done[:n_prompt], aux)]
     step = runner.exact_rows or len(done)
     for i in range(n_prompt, len(done), step):
         chunk = done[i:i + step]
-        feats.append(runner.forward(torch.tensor(chunk), logits_rows=slice(-1, None)).features)
+        outs.append(runner.forward(torch.tensor(chunk), logits_rows=slice(-1, None), aux_layers=aux))
         runner.commit(range(len(chunk)))
-    ctx.prompt_len, ctx.features = len(done), torch.cat(feats)
+    ctx.prompt_len, ctx.features = len(done), torch.cat([o.features for o in outs])
+    ctx.aux_features = torch.cat([o.aux for o in outs]) if aux else None
     drafter.begin(ctx)

@@ -22,6 +22,7 @@ class DecodeContext:
     generator: torch.Generator | None
     prompt_len: int  # tokens prefilled at begin() (after a resume: the prompt and all emitted but the root)
     features: torch.Tensor | None = None  # target features of the rows committed by the last forward
+    aux_features: torch.Tensor | None = None  # [rows, k * H] of the same rows when the drafter has aux_layers
     max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
     verify_s: float = 0.0  # seconds the last step's target forward + verification took (at accept())
     # a seeded sampled request's draws (sampling.Coupling): the token at index i of `tokens` will be the
@@ -32,6 +33,9 @@ class DecodeContext:
 class Drafter(ABC):
     name: str = "drafter"
     draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
+    # target layers whose input hidden states it reads (ctx.aux_features, e.g. EAGLE-3's low, middle and
+    # high layers); () = none, and the target computes nothing extra
+    aux_layers: tuple[int, ...] = ()
 
     @property
     def costs_source(self) -> str:

@@ -9,6 +9,9 @@ Children are deterministic top-k, so the tree carries no q: the verifier treats 
 (lossless at T > 0). With `children=sample` (T > 0 only) EAGLE-2's children are drawn without
 replacement from the draft distribution instead, and each carries the q it was drawn from
 (tree.build_sampled_tree).
+
+An EAGLE-3 head (drafters.eagle3) drafts the same way: a committed row reads runner.target_input (for
+EAGLE-3 the target's aux-layer states, fused), a draft row the head's own output.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
-from specdec.heads.runner import HeadRunner
+from specdec.heads.runner import HeadRunner, runner_for
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
 from specdec.target import stream
@@ -112,12 +115,20 @@ class EagleDrafter(Drafter):
         if budget is None and (top := max(max(c) for c in self.choices)) >= vocab:
             raise SpecdecError(f"choices: rank {top} exceeds the draft vocabulary ({vocab} tokens)")
         self.rank_by, self.rerank = rank_by, rerank
+        self.aux_layers = runner.aux_layers
         self.name = "eagle" if budget is None else "eagle2"
         self.draft_depth = max(map(len, self.choices)) if budget is None else \
             max(budget.depth, self.sampled_budget.depth)
         self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row (PAD: its f)
         self.root_logits: torch.Tensor | None = None
-        self.pending: list[torch.Tensor] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def _check_rows(self, ctx: DecodeContext, n: int, what: str) -> None:
+        if ctx.features is None or ctx.features.shape[0] != n:
+            raise SpecdecError(f"EAGLE needs the target's features of {what}")
+        if self.aux_layers and (ctx.aux_features is None or ctx.aux_features.shape[0] != n):
+            raise SpecdecError(f"EAGLE-3 needs the target's hidden states entering layers {list(self.aux_layers)} "
+                               f"of {what}")
 
     def _extend(self, tokens: list[int], features: torch.Tensor) -> None:
         h, g = self.runner.forward(torch.tensor(tokens, device=self.runner.device), features)
@@ -135,19 +146,17 @@ class EagleDrafter(Drafter):
         self.runner.reset()
         self.pending = []  # target features of emitted rows the head has not read yet (accept -> sync)
         p = ctx.prompt_len
-        if ctx.features is None or ctx.features.shape[0] != p:
-            raise SpecdecError("EAGLE needs the target's features of the whole prompt")
+        self._check_rows(ctx, p, "the whole prompt")
         if self._fits(ctx):
-            self._extend(ctx.tokens[1:p + 1], ctx.features)
+            self._extend(ctx.tokens[1:p + 1], self.runner.target_input(ctx.features, ctx.aux_features))
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         """Queue the new rows; the head reads them at the next propose(). Why lazy: a caller that skips
         drafting for a while (adaptive `auto`) then pays one head forward for the whole stretch, not one
         per step."""
         self.runner.rollback()  # drop the draft rows
-        if ctx.features is None or ctx.features.shape[0] != len(verdict.path) + 1:
-            raise RuntimeError("EAGLE drafter out of step with the engine")
-        self.pending.append(ctx.features)
+        self._check_rows(ctx, len(verdict.path) + 1, "the root and the accepted nodes")
+        self.pending.append((ctx.features, ctx.aux_features))
 
     def sync(self, ctx: DecodeContext) -> None:
         """Read the queued rows: afterwards the head's cache covers every emitted token but the root."""
@@ -158,7 +167,9 @@ class EagleDrafter(Drafter):
             return
         n = self.runner.length
         new = ctx.tokens[n + 1:]
-        feats = feats[0] if len(feats) == 1 else torch.cat(feats)
+        f, aux = zip(*feats)
+        join = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
+        feats = self.runner.target_input(join(f), join(aux) if self.aux_layers else None)
         if len(new) != feats.shape[0]:
             raise RuntimeError("EAGLE drafter out of step with the engine")
         self._extend(new, feats)
@@ -299,7 +310,12 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
     p = next(model.parameters())
     target_lm = float_weight(model.get_output_embeddings().weight)  # a GGUF file's: its rows in fp32
     head = load_head(head_dir, hidden_size=runner.hidden_size, vocab_size=embed.shape[0], device=p.device,
-                     dtype=p.dtype, target_lm_head=target_lm)
+                     dtype=p.dtype, target_lm_head=target_lm, target_layers=runner.n_layers)
+    if (head.kind == "eagle3") != (method == "eagle3"):
+        use = "eagle3" if head.kind == "eagle3" else "eagle, eagle2 or auto"
+        raise SpecdecError(f"method {method!r}: {head_dir} is an {'EAGLE-3' if head.kind == 'eagle3' else 'EAGLE-1/2'} "
+                           f"head: run it with {use}")
+    runner.check_aux_layers(head.aux_layers, f"EAGLE-3 head {head_dir}")
     if opts.full_vocab and head.d2t is not None:
         # ablation: the same head over the whole target vocabulary. Only meaningful when its rows are
         # the target's own (trained frozen), so that the reduced head is a pure restriction of this one.
@@ -313,7 +329,7 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
         lm = getattr(runner, "lm_head", None)
         if not callable(lm) or isinstance(lm, torch.nn.Module) or weights != getattr(runner, "weights", None):
             lm = model.get_output_embeddings().weight  # a GGUF file's: its quantized blocks, on their kernel
-    return HeadRunner(head, embed, lm, weights=weights), str(head_dir)
+    return runner_for(head, embed, lm, weights=weights), str(head_dir)
 
 
 def draft_weights(runner, head) -> str | None:

@@ -10,6 +10,11 @@ FSPAD's variants (heads.fspad) add top-level fields: "connector" ("fc" | "sample
 sampler.{gate,up,down}_proj.weight and "sampler_intermediate_size" I instead of fc.weight) and "pad"
 (true: the last layer's mlp.down_proj.weight is [2H, intermediate]). A file without them is EAGLE's
 (fc, no PAD), which every head written before FSPAD is.
+
+An EAGLE-3 head (heads.model.Eagle3Head; "specdec": {"kind": "eagle3"}, or an official/SpecForge export:
+architectures LlamaForCausalLMEagle3 or midlayer.* tensors) has fc.weight [H, kH], layers.0.* (or
+midlayer.*) with q/k/v_proj [.., 2H], input_layernorm, hidden_norm, and norm.weight; its target layers
+are eagle_config.eagle_aux_hidden_state_layer_ids (default: EAGLE-3's 2, L/2, L-3 of an L-layer target).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from transformers import LlamaConfig
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir
-from specdec.heads.model import EagleHead
+from specdec.heads.model import Eagle3Head, EagleHead
 
 _LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -32,6 +37,10 @@ _LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 _IGNORED = {"embed_tokens.weight", "model.embed_tokens.weight"}
 _SAMPLER = ("sampler.gate_proj.weight", "sampler.up_proj.weight", "sampler.down_proj.weight")
 _FSPAD_FIELDS = ("connector", "pad", "sampler_intermediate_size")
+_EAGLE3_FIELDS = ("eagle_config", "target_hidden_size")
+_EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
 
 
 def _layer_keys(n_layers: int) -> set[str]:
@@ -60,10 +69,13 @@ def save_head(head: EagleHead, path: str | os.PathLike, extra: dict | None = Non
     cfg.pop("_attn_implementation_autoset", None)
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["draft_vocab_size"] = head.draft_vocab_size or head.vocab_size
-    cfg["connector"], cfg["pad"] = head.connector, head.pad
+    if head.kind == "eagle3":
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}
+    else:
+        cfg["connector"], cfg["pad"] = head.connector, head.pad
     if head.sampler_size is not None:
         cfg["sampler_intermediate_size"] = head.sampler_size
-    cfg["specdec"] = {"kind": "eagle", "reduced_vocab": head.d2t is not None,
+    cfg["specdec"] = {"kind": head.kind, "reduced_vocab": head.d2t is not None,
                       "lm_head": "own" if "lm_head.weight" in sd else "target", **(extra or {})}
     with atomic_dir(path) as tmp:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -72,20 +84,24 @@ def save_head(head: EagleHead, path: str | os.PathLike, extra: dict | None = Non
 
 def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-              target_lm_head: torch.Tensor | None = None) -> EagleHead:
+              target_lm_head: torch.Tensor | None = None, target_layers: int | None = None) -> EagleHead:
     """Load and check against the target (hidden size, vocabulary). Every failure is a SpecdecError.
-    target_lm_head: needed for a reduced head saved without its rows (lm_head=False)."""
+    target_lm_head: needed for a reduced head saved without its rows (lm_head=False); target_layers: the
+    target's layer count, for an EAGLE-3 export that does not name its layers (EAGLE-3's default)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise SpecdecError(f"no EAGLE head at {path}: config.json is missing")
     try:
         raw = json.loads(cfg_file.read_text())
-        skip = ("specdec", "transformers_version", *_FSPAD_FIELDS)
+        skip = ("specdec", "transformers_version", *_FSPAD_FIELDS, *_EAGLE3_FIELDS)
         config = LlamaConfig(**{k: v for k, v in raw.items() if k not in skip})
     except Exception as e:
         raise SpecdecError(f"EAGLE head {path}: config.json is not a valid LlamaConfig ({e})") from None
     sd = _read_tensors(path)
+    if _is_eagle3(raw, sd):
+        head = _eagle3_head(path, raw, config, sd, hidden_size, vocab_size, target_lm_head, target_layers)
+        return _finish(path, head, raw, device, dtype)
     n_layers = config.num_hidden_layers
     layer_keys = _layer_keys(n_layers) if isinstance(n_layers, int) and n_layers >= 1 else set()
     connector, pad, sampler_size = _fspad_fields(path, raw, sd)
@@ -124,16 +140,71 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_siz
         raise SpecdecError(f"EAGLE head {path}: lm_head.weight without d2t must be [{v}, {h}]")
     # a full-size lm_head.weight (some exports carry one) is dropped: the target's own head is used
     head = EagleHead(config, vd, fc_bias="fc.bias" in sd, connector=connector, pad=pad, sampler_size=sampler_size)
+    _load_state(path, head, state)
+    return _finish(path, head, raw, device, dtype)
+
+
+def _load_state(path: Path, head: EagleHead, state: dict[str, torch.Tensor]) -> None:
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
         why = str(e).splitlines()[-1]
         raise SpecdecError(f"EAGLE head {path}: weights do not fit its config ({why})") from None
+
+
+def _finish(path: Path, head: EagleHead, raw: dict, device, dtype) -> EagleHead:
     for k, t in head.state_dict().items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise SpecdecError(f"EAGLE head {path}: tensor {k} holds NaN/inf: the file is damaged")
     head.meta = raw.get("specdec", {})
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _is_eagle3(raw: dict, sd: dict[str, torch.Tensor]) -> bool:
+    kind = raw.get("specdec", {}).get("kind") if isinstance(raw.get("specdec"), dict) else None
+    return (kind == "eagle3" or "LlamaForCausalLMEagle3" in (raw.get("architectures") or [])
+            or any(k.startswith("midlayer.") for k in sd))
+
+
+def _eagle3_head(path: Path, raw: dict, config: LlamaConfig, sd: dict[str, torch.Tensor], hidden_size: int | None,
+                 vocab_size: int | None, target_lm_head: torch.Tensor | None,
+                 target_layers: int | None) -> Eagle3Head:
+    """An EAGLE-3 head (ours, or an official export: midlayer.* is our layers.0.*)."""
+    sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): t for k, t in sd.items()}
+    h, v = config.hidden_size, config.vocab_size
+    if hidden_size is not None and h != hidden_size:
+        raise SpecdecError(f"EAGLE-3 head {path} has hidden size {h} but the target has {hidden_size}: "
+                           "it was trained for a different model")
+    if vocab_size is not None and v != vocab_size:
+        raise SpecdecError(f"EAGLE-3 head {path} has a vocabulary of {v} tokens but the target has "
+                           f"{vocab_size}: it was trained for a different model")
+    layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layers is None:
+        if target_layers is None:
+            raise SpecdecError(f"EAGLE-3 head {path} does not say which target layers it reads "
+                               "(eagle_config.eagle_aux_hidden_state_layer_ids)")
+        layers = Eagle3Head.default_layers(target_layers)
+    if not (isinstance(layers, list) and layers and all(isinstance(i, int) and i >= 0 for i in layers)):
+        raise SpecdecError(f"EAGLE-3 head {path}: eagle_aux_hidden_state_layer_ids is {layers!r}, expected "
+                           "a list of layer indices")
+    want = {"fc.weight", "norm.weight", *(f"layers.0.{p}" for p in _EAGLE3_LAYER)}
+    missing = want - set(sd)
+    extra = set(sd) - want - _IGNORED - {"lm_head.weight", "d2t", "t2d"}
+    if missing or extra or config.num_hidden_layers != 1:
+        why = [f"missing {sorted(missing)[:6]}" if missing else "", f"unexpected {sorted(extra)[:6]}" if extra else "",
+               f"num_hidden_layers={config.num_hidden_layers}" if config.num_hidden_layers != 1 else ""]
+        raise SpecdecError(f"{path} is not an EAGLE-3 head: " + "; ".join(w for w in why if w))
+    if tuple(sd["fc.weight"].shape) != (h, len(layers) * h):
+        raise SpecdecError(f"EAGLE-3 head {path}: fc.weight is {list(sd['fc.weight'].shape)}, expected "
+                           f"{[h, len(layers) * h]} for {len(layers)} target layers of hidden size {h}")
+    state = {k: sd[k] for k in want}
+    vd = None
+    if "d2t" in sd:
+        vd = sd["d2t"].shape[0]
+        state["d2t"], state["lm_head.weight"] = _reduced_vocab(path, sd, v, h, target_lm_head)
+    head = Eagle3Head(config, layers, vd)
+    _load_state(path, head, state)
+    return head
 
 
 def _fspad_fields(path: Path, raw: dict, sd: dict[str, torch.Tensor]) -> tuple[str, bool, int | None]:

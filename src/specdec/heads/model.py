@@ -6,6 +6,7 @@ Feature Sampler) -> one Llama decoder layer without input norm (EAGLE; optionall
 pre-norm layers after it) -> f̂_{t+1}, at position t. Token logits come from the target's frozen LM
 head (no final norm), or from a reduced head over the V_d most frequent tokens with a draft->target id
 map. With PAD (FSPAD) the last layer has two outputs: f̂ continues the draft, f̃ gives the logits.
+Eagle3Head (EAGLE-3) reads other target states and has its own layer and final norm: see its docstring.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdec.errors import SpecdecError
 from specdec.heads.fspad import CONNECTORS, feature_sampler, pad_outputs
@@ -50,6 +51,10 @@ class FeatureSampler(nn.Module):
 
 
 class EagleHead(nn.Module):
+    kind = "eagle"
+    aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states it reads (target_input)
+    feature_loss = True  # its output f̂_{t+1} is trained towards the target's feature f_{t+1}
+
     def __init__(self, config: LlamaConfig, draft_vocab_size: int | None = None, fc_bias: bool = False,
                  connector: str = "fc", pad: bool = False, sampler_size: int | None = None) -> None:
         """connector "fc" (EAGLE) or "sampler" (FSPAD's Feature Sampler, intermediate size `sampler_size`,
@@ -87,6 +92,10 @@ class EagleHead(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def target_input(self, features: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """What row t reads from the target at a committed position: EAGLE's f_t (aux: unused)."""
+        return features
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -182,3 +191,74 @@ class EagleHead(nn.Module):
         else:
             m[:] = True
         return m
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3 (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+    Training-Time Test"): the EAGLE head with three changes.
+
+    1. It reads the hidden states entering k target layers (low, middle, high: `aux_layers`), fused by
+       fc: kH -> H (`target_input`); draft steps past the first read the head's own output h' instead.
+    2. Its one decoder layer normalises the token embedding (input_layernorm) and the hidden input
+       (hidden_norm) apart, and its attention reads both concatenated (q/k/v take 2H); the residual is the
+       un-normalised hidden input; then post_attention_layernorm + MLP as in Llama.
+    3. h' is no target feature (no feature loss): the logits are lm_head(norm(h')) with its own norm.
+    Tensors: fc.weight [H, kH], layers.0.{input_layernorm,hidden_norm}.weight, the layer's usual
+    tensors, norm.weight."""
+
+    kind = "eagle3"
+    feature_loss = False
+
+    def __init__(self, config: LlamaConfig, aux_layers: tuple[int, ...] | list[int],
+                 draft_vocab_size: int | None = None) -> None:
+        if config.num_hidden_layers != 1:
+            raise SpecdecError(f"an EAGLE-3 head has one decoder layer, config says {config.num_hidden_layers}")
+        if not aux_layers:
+            raise SpecdecError("an EAGLE-3 head needs the target layers it reads (aux_layers)")
+        super().__init__(config, draft_vocab_size)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.aux_layers = tuple(int(i) for i in aux_layers)
+        self.fc = nn.Linear(len(self.aux_layers) * h, h, bias=False)
+        layer = self.layers[0]
+        layer.input_layernorm, layer.hidden_norm = LlamaRMSNorm(h, eps), LlamaRMSNorm(h, eps)
+        a = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(a, name)
+            setattr(a, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.norm = LlamaRMSNorm(h, eps)
+
+    @staticmethod
+    def default_layers(n_layers: int) -> list[int]:
+        """EAGLE-3's low, middle and high layers of an n-layer target (those of official exports)."""
+        return sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)})
+
+    def target_input(self, features: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """fc(the aux layers' hidden states [.., kH]) -> [.., H] (features: unused)."""
+        if aux is None:
+            raise SpecdecError("an EAGLE-3 head reads the target's aux-layer hidden states, none were given")
+        return self.fc(aux)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                past_key_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds = embed(x_{t+1}), features = the hidden input (target_input's, or the head's own h'),
+        both [B, T, H]; returns (h', norm(h')), the next step's hidden input and the LM head's input.
+        Masks and caches as EagleHead.forward."""
+        b, t, _ = embeds.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=embeds.device).expand(b, t)
+        layer = self.layers[0]
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)
+        attn = layer.self_attn(x, position_embeddings=self.rotary_emb(features, position_ids),
+                               attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=past_key_values, use_cache=past_key_values is not None)[0]
+        h = features + attn
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, self.norm(h)
+
+    def grow(self, n_layers: int) -> None:
+        if n_layers != 1:
+            raise SpecdecError("an EAGLE-3 head has one decoder layer: --layers does not apply")
+
+    def with_variant(self, connector: str, pad: bool, sampler_size: int | None = None) -> EagleHead:
+        raise SpecdecError("FSPAD's options (--connector sampler, --pad) do not apply to an EAGLE-3 head")

@@ -38,6 +38,7 @@ class _PadDown:
 
 
 class HeadRunner(Cached):
+    aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states target_input reads
     overflow = "the EAGLE head's cache would exceed {} rows"
 
     def __init__(self, head: EagleHead, embed: torch.Tensor,
@@ -48,22 +49,7 @@ class HeadRunner(Cached):
             raise SpecdecError(f"target embeddings are {tuple(embed.shape)}, the EAGLE head expects "
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
         # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
-        self.connector, self.pad = head.connector, head.pad
-        if head.sampler is not None:
-            s = head.sampler
-            self.fc, self.sampler = None, [Linear(m.weight, None, pack, weights)
-                                           for m in (s.gate_proj, s.up_proj, s.down_proj)]
-        else:
-            self.fc, self.sampler = Linear(head.fc.weight, head.fc.bias, pack, weights), None
-            if head.d2t is not None:  # f's half alone, for rows whose token half comes from the table
-                self.fc_f = Linear(head.fc.weight[:, cfg.hidden_size:], None, pack, weights)
-        self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
-        self.pad_down = None
-        if head.pad:
-            w = head.layers[-1].mlp.down_proj
-            tail = Linear(w.weight[cfg.hidden_size:], None if w.bias is None else w.bias[cfg.hidden_size:], pack,
-                          weights)
-            self.pad_down = self.layers[-1].down = _PadDown(self.layers[-1].down, tail)
+        self._build(head, pack, weights)
         self.embed = embed.detach()
         if head.lm_head is not None:
             self.lm = Linear(head.lm_head.weight, None, pack, weights)
@@ -85,6 +71,30 @@ class HeadRunner(Cached):
         # so over the draft vocabulary it is a table: one projection fewer per draft step. A full-vocabulary
         # head would need a table the size of the target's embeddings, so it keeps computing it.
         self.token_table = None if self.d2t is None else self._token_table()
+
+    def _build(self, head: EagleHead, pack: bool, weights: str | None) -> None:
+        """The connector and the decoder layers."""
+        cfg = head.config
+        self.connector, self.pad = head.connector, head.pad
+        if head.sampler is not None:
+            s = head.sampler
+            self.fc, self.sampler = None, [Linear(m.weight, None, pack, weights)
+                                           for m in (s.gate_proj, s.up_proj, s.down_proj)]
+        else:
+            self.fc, self.sampler = Linear(head.fc.weight, head.fc.bias, pack, weights), None
+            if head.d2t is not None:  # f's half alone, for rows whose token half comes from the table
+                self.fc_f = Linear(head.fc.weight[:, cfg.hidden_size:], None, pack, weights)
+        self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
+        self.pad_down = None
+        if head.pad:
+            w = head.layers[-1].mlp.down_proj
+            tail = Linear(w.weight[cfg.hidden_size:], None if w.bias is None else w.bias[cfg.hidden_size:], pack,
+                          weights)
+            self.pad_down = self.layers[-1].down = _PadDown(self.layers[-1].down, tail)
+
+    def target_input(self, features: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """What a committed row reads from the target (EagleHead.target_input): EAGLE's f_t."""
+        return features
 
     @torch.inference_mode()
     def _token_table(self) -> torch.Tensor:
@@ -132,13 +142,18 @@ class HeadRunner(Cached):
         for layer in self.layers:  # the fused kernels attend row by row (cheaper than SDPA for a few rows)
             h = layer(h, cos, sin, kv, start, mask, causal, True if layer.fused is not None and n <= 64 else None)
         kv.n_pending += n
+        return self._outputs(h[0], feature)
+
+    def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(what the next draft step reads, the LM head's input) from the last layer's output [n, H]."""
+        n = h.shape[0]
         if self.pad_down is not None and not feature:
-            return None, h[0]
+            return None, h
         if self.pad_down is not None:
-            f, g = pad_outputs(h[0], self.pad_down.out.reshape(n, -1))
+            f, g = pad_outputs(h, self.pad_down.out.reshape(n, -1))
             self.pad_down.out = None
             return f, g
-        return h[0], h[0]
+        return h, h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -147,3 +162,59 @@ class HeadRunner(Cached):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+
+class _HiddenQkv:
+    """EAGLE-3's attention input for llama.Block: the Block (without input norm) hands its hidden input h
+    to qkv, which reads cat(input_layernorm(e), hidden_norm(h)), 2H wide; h stays the residual. The
+    normalised embeddings e of the forward's rows are set by Eagle3Runner._connect."""
+
+    def __init__(self, qkv: Linear, hidden_norm: torch.Tensor, eps: float) -> None:
+        self.qkv, self.norm, self.eps, self.tokens = qkv, hidden_norm, eps, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x, self.norm.shape, self.norm, self.eps)
+        return self.qkv(torch.cat([self.tokens.reshape(h.shape), h], dim=-1))
+
+
+class Eagle3Runner(HeadRunner):
+    """An Eagle3Head on the lean machinery: fc over the target's aux states (target_input), one llama.Block
+    whose qkv reads 2H (_HiddenQkv), and the head's own final norm before the LM head."""
+
+    def _build(self, head: EagleHead, pack: bool, weights: str | None) -> None:
+        cfg = head.config
+        self.connector, self.pad, self.sampler, self.pad_down = "fc", False, None, None
+        self.aux_layers = head.aux_layers
+        self.fc = Linear(head.fc.weight, None, pack, weights)
+        layer = head.layers[0]
+        block = Block(layer, 0, cfg.rms_norm_eps, pack, weights)
+        self.token_norm, block.in_norm = block.in_norm, None  # the Block's own norm would read h
+        block.qkv = self.qkv = _HiddenQkv(block.qkv, layer.hidden_norm.weight.detach(), cfg.rms_norm_eps)
+        self.layers = [block]
+        self.norm, self.eps = head.norm.weight.detach(), cfg.rms_norm_eps
+
+    def target_input(self, features: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """fc(the aux layers' hidden states [n, kH]) -> [n, H]."""
+        if aux is None:
+            raise SpecdecError("an EAGLE-3 head reads the target's aux-layer hidden states, none were given")
+        with torch.inference_mode():
+            return self.fc(aux.to(self.device, self.dtype))
+
+    def _token_table(self) -> None:
+        return None  # the token's normalised embedding is one gather and a norm: nothing worth a table
+
+    def _connect(self, tokens: torch.Tensor, f: torch.Tensor, draft: bool) -> torch.Tensor:
+        e = F.embedding(self.to_target(tokens) if draft else tokens, self.embed).to(self.dtype)
+        self.qkv.tokens = F.rms_norm(e, self.token_norm.shape, self.token_norm, self.eps)
+        return f
+
+    def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        self.qkv.tokens = None
+        return h, F.rms_norm(h, self.norm.shape, self.norm, self.eps)
+
+
+def runner_for(head: EagleHead, embed: torch.Tensor,
+               lm_head: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
+               **kw) -> HeadRunner:
+    """The runner of this kind of head."""
+    return (Eagle3Runner if head.kind == "eagle3" else HeadRunner)(head, embed, lm_head, **kw)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import SpecdecError
 from specdec.target.kv import Rows
 
 
@@ -15,6 +16,7 @@ from specdec.target.kv import Rows
 class ForwardOut:
     logits: torch.Tensor  # [rows, V] for the requested rows
     features: torch.Tensor  # [n, H] last hidden state after the final norm (feeds the LM head)
+    aux: torch.Tensor | None = None  # [n, k * H] hidden states entering the asked-for layers (None: none asked)
 
 
 class Cached:
@@ -65,12 +67,21 @@ class Runner(Cached, ABC):
     config: object
     vocab_size: int
     hidden_size: int
+    n_layers: int
     exact_rows = 0  # forwards of up to this many rows give each row the bits it would get alone (0: none)
 
     @abstractmethod
     def _forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, logits_rows: slice | None
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, logits_rows: slice | None,
+        aux_layers: tuple[int, ...],
     ) -> ForwardOut: ...
+
+    def check_aux_layers(self, layers: tuple[int, ...], what: str) -> None:
+        """A SpecdecError (before any generation) when `what` asks for hidden states of layers it lacks."""
+        bad = [i for i in layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise SpecdecError(f"{what} reads the hidden states entering layers {list(layers)}, but the target "
+                               f"has {self.n_layers} layers")
 
     def forward(
         self,
@@ -78,14 +89,17 @@ class Runner(Cached, ABC):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         logits_rows: slice | None = None,
+        aux_layers: tuple[int, ...] = (),
     ) -> ForwardOut:
         """tokens [n]; positions [n] (default: a chain after every cached row); mask [n, cached + n]
-        bool, True = visible (default: all cached rows + causal among the new ones)."""
+        bool, True = visible (default: all cached rows + causal among the new ones). aux_layers: also
+        return the hidden state entering each of these layers, concatenated (ForwardOut.aux); computed
+        only when asked."""
         n = tokens.numel()
         _, positions = self._new_rows(n, positions, mask)
         if mask is not None:
             mask = mask.to(self.device)
-        out = self._forward(tokens.to(self.device), positions.to(self.device), mask, logits_rows)
+        out = self._forward(tokens.to(self.device), positions.to(self.device), mask, logits_rows, tuple(aux_layers))
         self.cache.n_pending += n
         return out
 

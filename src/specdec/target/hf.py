@@ -50,11 +50,12 @@ class HFRunner(Runner):
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
         self.hidden_size = model.config.hidden_size
+        self.n_layers = model.config.num_hidden_layers
         self.max_length = model.config.max_position_embeddings
         self.cache = HFCache(model.config, self.device)
 
     @torch.inference_mode()
-    def _forward(self, tokens, positions, mask, logits_rows) -> ForwardOut:
+    def _forward(self, tokens, positions, mask, logits_rows, aux_layers=()) -> ForwardOut:
         n = tokens.numel()
         start = self.length + self.n_pending
         if mask is None:
@@ -67,7 +68,10 @@ class HFRunner(Runner):
             attention_mask=float_mask[None, None],
             past_key_values=self.cache.dynamic,
             use_cache=True,
+            output_hidden_states=bool(aux_layers),
         )
         feats = out.last_hidden_state[0]
         rows = feats if logits_rows is None else feats[logits_rows]
-        return ForwardOut(self.lm_head(rows), feats)
+        # hidden_states[i] is the input of layer i
+        aux = torch.cat([out.hidden_states[i][0] for i in aux_layers], -1) if aux_layers else None
+        return ForwardOut(self.lm_head(rows), feats, aux)

@@ -57,6 +57,7 @@ class LeanRunner(Runner):
         # 700 cached rows, and one-row steps must use the many-row kernel.
         exact = self.weights != precision_name(self.dtype) if exact is None else exact
         self.layers = [Block(layer, i, self.eps, pack, weights, exact) for i, layer in enumerate(base.layers)]
+        self.n_layers = len(self.layers)
         self.n_heads, self.n_kv, self.head_dim = self.layers[0].n_heads, self.layers[0].n_kv, self.layers[0].head_dim
         self.norm = base.norm.weight.detach()
         head = model.get_output_embeddings()
@@ -123,7 +124,7 @@ class LeanRunner(Runner):
         return [w] * n_layers
 
     @torch.inference_mode()
-    def _forward(self, tokens, positions, mask, logits_rows) -> ForwardOut:
+    def _forward(self, tokens, positions, mask, logits_rows, aux_layers=()) -> ForwardOut:
         n = tokens.numel()
         kv = self.cache
         start = kv.length + kv.n_pending
@@ -140,7 +141,10 @@ class LeanRunner(Runner):
         exact = n <= self.exact_rows
         h = (self.embed.rows(tokens)[None] if isinstance(self.embed, QuantTensor)
              else F.embedding(tokens[None], self.embed))
-        for layer, w in zip(self.layers, self.windows):
+        aux = []
+        for i, (layer, w) in enumerate(zip(self.layers, self.windows)):
+            if i in aux_layers:
+                aux.append(h[0])
             m, c = mask, causal
             if w is not None and end > w:  # sliding window: also hide rows `w` or more positions back
                 if w not in masks:
@@ -155,4 +159,4 @@ class LeanRunner(Runner):
         feats = (self.fused.rms_norm(h[0], self.norm, self.eps) if self.fused
                  else F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps))
         wanted = feats if logits_rows is None else feats[logits_rows]
-        return ForwardOut(self.lm_head(wanted), feats)
+        return ForwardOut(self.lm_head(wanted), feats, torch.cat(aux, -1) if aux_layers else None)

@@ -34,17 +34,23 @@ class Objective(nn.Module):
         self.unroll = unroll
 
     def forward(self, ids, feats, mask, noise: torch.Tensor | None, n_global: float, ce_weight: float,
-                tv_weight: float = 0.0):
+                tv_weight: float = 0.0, aux: torch.Tensor | None = None):
         """Returns the loss and stats [unroll, 5] (feature loss, CE, top-1 hits, rows, total variation)
-        summed per step.
+        summed per step. aux [B, T, kH]: the aux layers' states an EAGLE-3 head reads (head.target_input);
+        noise is added to what the head reads from the target. A head without a feature loss (EAGLE-3)
+        logs 0 for it.
 
         Why total variation: a draft token drawn from q is accepted at T = 1 with probability
         1 - TV(p, q) (Leviathan et al.), so tv_weight > 0 trains for sampled acceptance directly (DistillSpec);
         CE (forward KL) only bounds it. It is logged either way."""
         tok_in, f_in, f_out = ids[:, 1:], feats[:, :-1], feats[:, 1:]
+        a_in = None if aux is None else aux[:, :-1]
         w = mask[:, 1:]  # the head's input token x_{t+1} is an answer token
-        if noise is not None:
+        if noise is not None and a_in is not None:
+            a_in = a_in + noise
+        elif noise is not None:
             f_in = f_in + noise
+        f_in = self.head.target_input(f_in, a_in)
         emb = F.embedding(tok_in, self.embed)
         lm_t = self.target_lm if self.head.d2t is None else self.target_lm[self.head.d2t]
         with torch.no_grad():
@@ -59,7 +65,8 @@ class Objective(nn.Module):
             # logged always, in the graph only when trained on: a [B, T, V] tensor autograd would keep
             with torch.set_grad_enabled(tv_weight > 0 and torch.is_grad_enabled()):
                 tv = 0.5 * (p_t - logp.exp()).abs().sum(-1)
-            vl = F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1)
+            vl = (F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1) if self.head.feature_loss
+                  else torch.zeros_like(w))
             wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
             per_row = vl + ce_weight * ce + (tv_weight * tv if tv_weight > 0 else 0.0)
             loss = loss + (per_row * wk).sum() / (n_global * self.unroll)

@@ -122,9 +122,11 @@ def resume_shards(out: Path, n_shards: int, say=print) -> tuple[list[int], dict]
 class ShardData:
     """All shards in memory (fp16 features: ~1.2 KB per token at H = 576)."""
 
-    def __init__(self, data: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024) -> None:
+    def __init__(self, data: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024,
+                 aux: bool = False) -> None:
         """data: one datagen dir or several, comma-separated; names: the exact shard files of a run
-        being resumed (datagen may have added shards since)."""
+        being resumed (datagen may have added shards since); aux: also the hidden states of the target
+        layers datagen's --aux-layers stored (EAGLE-3's inputs): `aux_layers`, and batches carry them."""
         dirs = [Path(d.strip()).expanduser() for d in str(data).split(",") if d.strip()]
         missing = [str(d) for d in dirs if not d.is_dir()]
         if names is None and missing:  # e.g. a "~" the shell left unexpanded after a comma
@@ -137,7 +139,8 @@ class ShardData:
             raise SpecdecError(f"no data shards (shard-*.safetensors) in {data}: run `specdec datagen` first")
         self.names = [str(f) for f in files]
         self.metas = [json.loads((d / "meta.json").read_text()) for d in dirs if (d / "meta.json").is_file()]
-        ids, feats, masks, spans = [], [], [], []
+        self.aux_layers: tuple[int, ...] = aux_layers_of(data) if aux else ()
+        ids, feats, masks, spans, auxes = [], [], [], [], []
         base, self.n_sequences, first = 0, 0, []
         for f in files:
             if not f.is_file():
@@ -158,6 +161,10 @@ class ShardData:
                     spans.append((base + a, base + min(b, a + max_len)))
             ids.append(t["input_ids"].long())
             feats.append(t["features"])
+            if aux:
+                if "aux_features" not in t:
+                    raise SpecdecError(f"data shard {f} holds no aux_features: re-run datagen with --aux-layers eagle3")
+                auxes.append(t["aux_features"])
             masks.append(t["loss_mask"])
             base += off[-1]
         self.ids, self.feats, self.mask = torch.cat(ids), torch.cat(feats), torch.cat(masks)
@@ -165,6 +172,10 @@ class ShardData:
         self.dropped = self.n_sequences - len(spans)  # sequences with nothing to train on
         self.first_answer = min(first) if first else None  # the earliest answer token's position
         self.hidden_size = self.feats.shape[1]
+        self.aux = torch.cat(auxes) if aux else None  # [N, k * H]
+        if self.aux is not None and self.aux.shape[1] != len(self.aux_layers) * self.hidden_size:
+            raise SpecdecError(f"the aux_features in {data} are {self.aux.shape[1]} wide, not {len(self.aux_layers)} "
+                               f"layers x {self.hidden_size}: re-run datagen with --aux-layers eagle3")
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -179,18 +190,37 @@ class ShardData:
         return torch.bincount(self.ids[m], minlength=vocab)[:vocab]
 
     def batch(self, seq_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded (ids [b, T], features fp32 [b, T, H], loss mask [b, T] fp32; pads have mask 0)."""
+        """Right-padded (ids [b, T], features fp32 [b, T, H] (with aux: [b, T, H + k H], the aux states
+        after f_t), loss mask [b, T] fp32; pads have mask 0)."""
         lens = [self.spans[i][1] - self.spans[i][0] for i in seq_idx]
         t = max(lens)
+        h = self.hidden_size
         ids = torch.zeros(len(seq_idx), t, dtype=torch.long)
-        feats = torch.zeros(len(seq_idx), t, self.hidden_size)
+        feats = torch.zeros(len(seq_idx), t, h + (0 if self.aux is None else self.aux.shape[1]))
         mask = torch.zeros(len(seq_idx), t)
         for r, i in enumerate(seq_idx):
             a, b = self.spans[i]
             ids[r, : b - a] = self.ids[a:b]
-            feats[r, : b - a] = self.feats[a:b].float()
+            feats[r, : b - a, :h] = self.feats[a:b].float()
+            if self.aux is not None:
+                feats[r, : b - a, h:] = self.aux[a:b].float()
             mask[r, : b - a] = self.mask[a:b].float()
         return ids, feats, mask
+
+
+def aux_layers_of(data: str | os.PathLike) -> tuple[int, ...]:
+    """The aux layers the meta.json of every datagen dir in `data` (comma-separated) names; they must agree."""
+    found = set()
+    for d in (Path(x.strip()).expanduser() for x in str(data).split(",") if x.strip()):
+        meta = d / "meta.json"
+        layers = json.loads(meta.read_text()).get("aux_layers") if meta.is_file() else None
+        if not layers:
+            raise SpecdecError(f"{d} holds no aux-layer hidden states: re-run datagen with --aux-layers eagle3")
+        found.add(tuple(layers))
+    if len(found) != 1:
+        raise SpecdecError(f"the data dirs in {data} hold different aux layers ({sorted(found)}): use one datagen "
+                           "--aux-layers for all")
+    return found.pop()
 
 
 def global_batch(n: int, batch_size: int, seed: int, step: int) -> list[int]:

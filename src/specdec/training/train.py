@@ -1,4 +1,6 @@
-"""Train an EAGLE head, or FSPAD's variants (--connector sampler, --pad), on datagen shards (DESIGN.md §5).
+"""Train an EAGLE head, or FSPAD's variants (--connector sampler, --pad), or an EAGLE-3 head (--arch eagle3:
+`train eagle3`; shards from datagen --aux-layers eagle3; CE only, as EAGLE-3 has no feature loss, and
+--unroll is its training-time test), on datagen shards (DESIGN.md §5).
 
 Row t of a sequence reads (x_{t+1}, f_t + noise) and predicts f_{t+1}:
 loss = SmoothL1(f̂_{t+1}, f_{t+1}) + w · CE(p_target, p̂), p = softmax of the (draft-vocabulary) LM head
@@ -42,7 +44,7 @@ from specdec.training.loop import (
     run_steps,
 )
 from specdec.training.objective import Objective, unrolled, unrolled_mask
-from specdec.training.shards import build_draft_vocab
+from specdec.training.shards import aux_layers_of, build_draft_vocab
 
 # the heads (and with them transformers) are imported inside functions: the CLI parser imports this module
 __all__ = ["TrainConfig", "train_eagle", "finished_head", "lr_lambda", "unrolled", "unrolled_mask"]
@@ -69,20 +71,33 @@ class TrainConfig(LoopConfig):
     pad: bool = knob(False, "FSPAD's Partial Alignment Distillation")
     sampler_size: int = knob(0, "the Feature Sampler's intermediate size; 0: the target's intermediate_size",
                              "N")
+    arch: str = knob("eagle", "eagle (EAGLE-1/2, FSPAD) or eagle3 (fused low/middle/high target features; data: "
+                     "datagen --aux-layers eagle3)")
 
     def check(self) -> None:
         """The CLI's rules for API callers too: a SpecdecError before any work."""
         self.check_rules(RULES)
+        if self.arch not in ARCHS:
+            raise SpecdecError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.connector not in CONNECTORS:
             raise SpecdecError(f"--connector must be one of {', '.join(CONNECTORS)}, got {self.connector!r}")
         if self.sampler_size and self.connector != "sampler":
             raise SpecdecError("--sampler-size needs --connector sampler")
+        if self.arch == "eagle3":
+            for flag, given in (("--connector", self.connector != "fc"), ("--pad", self.pad),
+                                ("--layers", self.layers > 1)):
+                if given:
+                    raise SpecdecError(f"{flag} does not apply to an EAGLE-3 head (--arch eagle3: one layer, its "
+                                       "own connector)")
 
     @property
     def kind(self) -> str:
+        if self.arch == "eagle3":
+            return "eagle3"
         return "fspad" if (self.connector, self.pad) == ("sampler", True) else "eagle"
 
 
+ARCHS = ("eagle", "eagle3")
 # the argparse types of the numeric options (steps 0 = derived from epochs; layers 0 = the default)
 RULES = {
     **LOOP_RULES, "ce_weight": arg_type(float, ge=0), "tv_weight": arg_type(float, ge=0),
@@ -92,7 +107,7 @@ RULES = {
 # what a resumed (or re-run) run must share with the one in --out
 RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
                "weight_decay", "draft_vocab", "freeze_lm_head", "seed", "noise", "ce_weight", "tv_weight", "clip",
-               "init_from", "unroll", "layers", "connector", "pad", "sampler_size")
+               "init_from", "unroll", "layers", "connector", "pad", "sampler_size", "arch")
 
 
 # ---- the trainer ----
@@ -109,7 +124,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     from accelerate import Accelerator
 
     from specdec.heads.io import load_head, save_head
-    from specdec.heads.model import EagleHead, head_config
+    from specdec.heads.model import Eagle3Head, EagleHead, head_config
 
     cfg.check()
     done = finished_head(cfg)
@@ -124,13 +139,19 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
     target_lm = target_model.get_output_embeddings().weight.detach().to(dev, torch.float32)
     fp = target_fingerprint(target_model)
     resume = load_resume(cfg, TrainConfig, RESUME_KEYS)
-    data, total = load_data(cfg, resume, fp, target_model.config.hidden_size, world, acc.is_main_process)
+    eagle3 = cfg.arch == "eagle3"
+    data, total = load_data(cfg, resume, fp, target_model.config.hidden_size, world, acc.is_main_process, eagle3)
 
     torch.manual_seed(cfg.seed)
     if cfg.init_from:  # the warm start fixes the draft vocabulary too (its rows may come from the target)
         head = load_head(cfg.init_from, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
                          target_lm_head=target_lm.cpu()).train()
         vd = head.draft_vocab_size or head.vocab_size
+        if head.kind != cfg.kind and (eagle3 or head.kind == "eagle3"):
+            raise SpecdecError(f"--init-from {cfg.init_from} is an {head.kind} head, not --arch {cfg.arch}")
+        if head.aux_layers != data.aux_layers:
+            raise SpecdecError(f"--init-from {cfg.init_from} reads target layers {list(head.aux_layers)}, the data "
+                               f"holds {list(data.aux_layers)}")
         if cfg.draft_vocab and cfg.draft_vocab != vd:
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
                                f"not --draft-vocab {cfg.draft_vocab}")
@@ -145,8 +166,11 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
         if cfg.layers:
             head.grow(cfg.layers)
     else:
-        head = EagleHead(head_config(target_model.config, num_hidden_layers=cfg.layers or 1),
-                         connector=cfg.connector, pad=cfg.pad, sampler_size=cfg.sampler_size or None)
+        if eagle3:
+            head = Eagle3Head(head_config(target_model.config), data.aux_layers)
+        else:
+            head = EagleHead(head_config(target_model.config, num_hidden_layers=cfg.layers or 1),
+                             connector=cfg.connector, pad=cfg.pad, sampler_size=cfg.sampler_size or None)
         if cfg.draft_vocab:
             eos = getattr(target_model.config, "eos_token_id", None)
             always = set([eos] if isinstance(eos, int) else (eos or []))
@@ -171,11 +195,14 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
                                             "config": asdict(cfg) | {"stop_after": 0, "ship_to": ""}}}
     state = {"config": asdict(cfg), "shards": data.names, "head_meta": head_meta}
 
+    h = target_model.config.hidden_size
+
     def step_fn(step, mine, ids, feats, mask):
         n_global = float(global_sum(acc, mask[:, 1:].sum()))
+        feats, aux = (feats[..., :h], feats[..., h:]) if eagle3 else (feats, None)
         noise = None
         if cfg.noise > 0:  # per sequence and step: independent of how the batch is split over processes
-            noise = torch.zeros(feats[:, :-1].shape)
+            noise = torch.zeros((feats if aux is None else aux)[:, :-1].shape)
             for r, i in enumerate(mine):
                 g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 1_000_033 + i)
                 n_i = data.spans[i][1] - data.spans[i][0] - 1
@@ -183,7 +210,7 @@ def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool
             noise = noise.to(dev)
         # DDP averages gradients over processes: scale so the sum matches a global token mean
         return objective(ids, feats, mask, noise, max(n_global, 1.0) / world, cfg.ce_weight,
-                         cfg.tv_weight)
+                         cfg.tv_weight, aux)
 
     def record(s):
         n = max(float(s[0, 3]), 1.0)  # step 0 (= plain EAGLE training) keeps the old fields
@@ -217,14 +244,18 @@ def add_parser(sub) -> None:
     kinds = tp.add_subparsers(dest="kind", required=True)
     for kind, fixed, what in (("eagle", {}, "an EAGLE-1/2 head, or FSPAD's ablations (--connector sampler, --pad)"),
                               ("fspad", {"connector": "sampler", "pad": True}, "an FSPAD head: train eagle "
-                               "--connector sampler --pad")):
+                               "--connector sampler --pad"),
+                              ("eagle3", {"arch": "eagle3", "connector": "fc", "pad": False, "sampler_size": 0,
+                                          "layers": 0},
+                               "an EAGLE-3 head (data: datagen --aux-layers eagle3): train eagle --arch eagle3")):
         p = one_line_errors(kinds.add_parser(kind, help=f"{what} (resumes from --out if it holds checkpoints)"))
         p.add_argument("--model", default=None, metavar="PATH", help="the target, the one the data was made "
                        "with: HF dir, .gguf, or smollm2 (default: the embedded SmolLM2-135M-Instruct)")
         p.add_argument("--data", required=True, metavar="DIR[,DIR...]", help="datagen dir(s), comma-separated")
         p.add_argument("--out", required=True, metavar="DIR", help="run dir: checkpoints/, log.jsonl, head/ "
                        "(the result); re-run the same command to resume")
-        add_config_flags(p, TrainConfig, RULES, {"schedule": SCHEDULES, "connector": CONNECTORS}, skip=fixed)
+        choices = {"schedule": SCHEDULES, "connector": CONNECTORS, "arch": ARCHS}
+        add_config_flags(p, TrainConfig, RULES, choices, skip=fixed)
         add_flags(p, Runtime, only=("threads",))
         p.set_defaults(func=cmd_train_eagle, **fixed)
     medusa.add_parser(kinds)
@@ -234,6 +265,8 @@ def cmd_train_eagle(args) -> int:
     Runtime.parse(flag_values(args, Runtime)).apply()
     cfg = TrainConfig.from_dict(vars(args))
     cfg.check()
+    if cfg.arch == "eagle3":  # the data's aux layers, before the target loads
+        aux_layers_of(cfg.data)
     done = finished_head(cfg)
     if done is not None:  # before the target loads: nothing else happens
         print(f"train {cfg.kind}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
