@@ -369,10 +369,10 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
 def test_step_clock_flags_forwards_far_from_their_price_and_learns_per_size_class():
     near, slow, fast = StepClock(min_steps=10), StepClock(min_steps=10), StepClock(min_steps=10)
     for _ in range(9):
-        for c, seen in ((near, 1.1), (slow, 2.0), (fast, 0.4)):
+        for c, seen in ((near, 1.05), (slow, 2.0), (fast, 0.4)):
             c.observe(seen, 1.0)
     assert not any(c.drifted for c in (near, slow, fast))  # too few steps to tell
-    for c, seen in ((near, 1.1), (slow, 2.0), (fast, 0.4)):
+    for c, seen in ((near, 1.05), (slow, 2.0), (fast, 0.4)):
         c.observe(seen, 1.0)
     assert not near.drifted and slow.drifted and fast.drifted
     clock = StepClock(min_steps=10)  # one-row forwards 3x their price, 8-row ones as priced
@@ -388,6 +388,23 @@ def test_step_clock_flags_forwards_far_from_their_price_and_learns_per_size_clas
     assert c.target(1) == pytest.approx(1.4)  # 3.0, floored: one row never costs more than five
     assert c.draft_s[B4] == pytest.approx(0.15)  # drafting runs on the same loaded machine
     assert not clock.restarted().drifted and clock.restarted().steps == 0
+
+
+def test_step_clock_flags_one_size_class_or_the_drafting_off_its_price():
+    """In total within the drift, yet one-row forwards 15% under their price (the README demo prompt's
+    case: it flips choices near break-even), or drafting 40% over its price: drifted, and rescaled."""
+    one = StepClock(min_steps=10)
+    for _ in range(40):
+        one.observe(0.85, 1.0, rows=1)
+        one.observe(1.96, 2.0, rows=3)
+    assert 1 / one.drift <= one.seen / one.priced and one.drifted
+    drafting = StepClock(min_steps=10)
+    for _ in range(40):
+        drafting.observe(1.0, 1.0, rows=3)
+        drafting.observe_draft(0.07, 0.05)
+    assert drafting.drifted and drafting.draft_factor() == pytest.approx(1.4)
+    c = costs(0.1).rescaled(drafting.factors(), drafting.draft_factor())
+    assert c.draft_s[B4] == pytest.approx(0.07) and c.target(3) == pytest.approx(1.2)
 
 
 def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, trained, monkeypatch):

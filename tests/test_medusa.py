@@ -241,3 +241,19 @@ def test_bench_never_audits_typical_acceptance_as_lossless():
     assert lossy.lossy and not lossy.audited
     exact = parse_method("medusa:heads=somewhere")
     assert not exact.lossy and exact.audited
+
+
+def test_the_stats_line_says_lossy_when_typical_acceptance_ran(tmp_path, capsys):
+    from specdec.cli import main
+    from tests.conftest import word_tokenizer
+
+    model = tiny_model("llama", vocab_size=7)
+    model.save_pretrained(tmp_path / "t")
+    word_tokenizer([f"w{i}" for i in range(5)]).save_pretrained(tmp_path / "t")
+    save_medusa(make_heads(model, 3), tmp_path / "m", extra={"accuracies": [[0.5, 0.2], [0.3, 0.1], [0.2]]})
+    base = ["generate", "w1 w2", "--raw", "--model", str(tmp_path / "t"), "--method", "medusa", "--opt",
+            f"heads={tmp_path / 'm'}", "--max-new-tokens", "8", "--temperature", "1", "--seed", "1"]
+    assert main([*base, "--typical"]) == 0
+    assert "acceptance LOSSY typical(" in capsys.readouterr().err
+    assert main(base) == 0
+    assert "LOSSY" not in capsys.readouterr().err

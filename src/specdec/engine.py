@@ -193,7 +193,7 @@ def decode(
                 t2 = _clock(dev)
                 stats.draft_time += t1 - t
                 stats.verify_time += t2 - t1
-                ctx.verify_s = t2 - t1
+                ctx.verify_s, ctx.draft_s = t2 - t1, t1 - t
                 stats.record(tree, verdict.path)
                 if on_verify is not None:
                     on_verify(tree, verdict)

@@ -202,7 +202,8 @@ def cmd_generate(args) -> int:
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards"
         f"{f' ({s.vanilla_share:.0%} without a draft)' if s.vanilla_share else ''} | "
         f"draft {s.draft_time:.2f} s, verify {s.verify_time:.2f} s, prefill {s.prefill_time:.2f} s | "
-        f"finish: {final.finish_reason}{f' | costs {s.costs}' if s.costs else ''}{load_note}")
+        f"finish: {final.finish_reason}{f' | costs {s.costs}' if s.costs else ''}"
+        f"{f' | acceptance {s.acceptance}' if s.acceptance != 'lossless' else ''}{load_note}")
     if args.verbose:
         say(args, detail_line(s))
     return 0

@@ -201,7 +201,7 @@ class FollowsTheMachine(Drafter):
 
     def prepare(self) -> None:
         if self.clock is not None and self.clock.drifted:
-            self.costs = self.costs.rescaled(self.clock.factors())
+            self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
             self.clock = self.clock.restarted()
             self.relearned += 1
 
@@ -239,6 +239,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
         self.pending: list[tuple] = []
         self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
+        self.draft_priced: float | None = None
         self.relearned = 0
 
     def begin(self, ctx: DecodeContext) -> None:
@@ -272,11 +273,16 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.last = (choice, eagle_tree, expected, chain if len(chain) else None, ngram)
         self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows and context, for the clock
         self.rows_ctx = len(ctx.tokens)
+        # what this step's drafting was priced at (None: no head tree, only a lookup at most)
+        self.draft_priced = None if choice.budget is None else \
+            self.ctrl.draft_s[choice.budget] + self.costs.follow_s + (self.costs.lookup_s if len(chain) else 0.0)
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
             self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx), self.rows)
+            if self.draft_priced is not None:
+                self.clock.observe_draft(ctx.draft_s, self.draft_priced)
             self.rows = 0
         self.eagle.accept(ctx, verdict)
         if self.last is None:

@@ -25,6 +25,7 @@ class DecodeContext:
     aux_features: torch.Tensor | None = None  # [rows, k * H] of the same rows when the drafter has aux_layers
     max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
     verify_s: float = 0.0  # seconds the last step's target forward + verification took (at accept())
+    draft_s: float = 0.0  # seconds the last step's propose() took (at accept())
     # a seeded sampled request's draws (sampling.Coupling): the token at index i of `tokens` will be the
     # target's draw with coupling.gumbel(i); a drafter ranks by log q + that noise to match it
     coupling: Coupling | None = None
