@@ -407,10 +407,11 @@ def test_step_clock_flags_one_size_class_or_the_drafting_off_its_price():
     assert c.draft_s[B4] == pytest.approx(0.07) and c.target(3) == pytest.approx(1.2)
 
 
-def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, trained, monkeypatch):
+def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, trained, monkeypatch, tmp_path):
     """Costs priced far off the observed forwards (as if cached on an idle machine, then another process
     made wide forwards dear) are rescaled to them before the next request, never within one (its text
     must not depend on timing), and no request runs a measurement: the prices come from the steps run."""
+    from specdec.drafters import adaptive as adaptive_mod
     from specdec.drafters import costs as costs_mod
     from specdec.heads.io import load_head
 
@@ -432,9 +433,14 @@ def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, 
     got, first = run(target, d, PROMPTS[0], SamplingParams(), 40)
     assert got == want and max(first.tree_sizes) > 0 and d.relearned == 0 and first.costs == "given"
     assert d.clock.drifted
+    d.cache = tmp_path / "costs.json"  # learned prices go back to the cache file, when no other load ran
+    costs_mod.write_cost_file(d.cache, {"k": 1}, costs=d.costs.to_json())
+    monkeypatch.setattr(adaptive_mod.ContentionMeter, "result", lambda self: {"other_cpu_frac": 0.01})
     got, after = run(target, d, PROMPTS[0], SamplingParams(), 40)
     # priced as they ran (steep), wide trees no longer pay: smaller drafts, the same text
     assert got == want and d.relearned == 1 and after.costs == "given, then learned online (1x)"
+    stored = json.loads(d.cache.read_text())
+    assert stored["key"] == {"k": 1} and Costs.from_json(stored["costs"]).to_json() == d.costs.to_json()
     assert sum(after.tree_sizes) / len(after.tree_sizes) < sum(first.tree_sizes) / len(first.tree_sizes)
     # a seeded sampled request's text is the target's coupled draws: the same after the prices changed
     # the drafts (another thread's load must not change it), and vanilla's

@@ -21,15 +21,18 @@ text is the target's argmax, and a seeded sampled request's is the target's coup
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import Costs, StepClock
+from specdec.drafters.costs import QUIET, Costs, StepClock, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.machine import ContentionMeter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
@@ -198,12 +201,21 @@ class FollowsTheMachine(Drafter):
     costs were obtained at build: "cached" or "measured at load in 3.1 s")."""
 
     origin: str = "given"
+    cache: Path | None = None  # the cost file the costs came from: learned prices go back there
+    _meter: ContentionMeter | None = None  # other processes' load since the prices were last (re)set
 
     def prepare(self) -> None:
+        if self._meter is None:
+            self._meter = ContentionMeter()
         if self.clock is not None and self.clock.drifted:
             self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
             self.clock = self.clock.restarted()
             self.relearned += 1
+            busy = self._meter.result().get("other_cpu_frac")
+            if self.cache is not None and busy is not None and busy <= QUIET:  # never prices learned under load
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    store_learned(self.cache, self.costs)
+            self._meter = ContentionMeter()
 
     @property
     def costs_source(self) -> str:
@@ -227,6 +239,7 @@ class AdaptiveDrafter(FollowsTheMachine):
     choices: Counter = field(default_factory=Counter)  # this request's choices (bench, tests)
     clock: StepClock | None = None  # None: the costs stay as given
     origin: str = "given"
+    cache: Path | None = None
 
     def __post_init__(self) -> None:
         self.pld = PromptLookupDrafter(chain_len=self.lookup) if self.lookup else None

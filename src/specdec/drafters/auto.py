@@ -75,8 +75,10 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         sampled = menu_from_tuning(rows) if rows else None
         drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
                                children="sample" if sampled else "topk")
-        costs, _, origin = load_costs(target.runner, drafter, head_dir, menu, lookup, opts.recalibrate, sampled or ())
-        return AdaptiveDrafter(drafter, menu, costs, lookup, sampled=sampled, clock=StepClock(), origin=origin)
+        costs, path, origin = load_costs(target.runner, drafter, head_dir, menu, lookup, opts.recalibrate,
+                                         sampled or ())
+        return AdaptiveDrafter(drafter, menu, costs, lookup, sampled=sampled, clock=StepClock(), origin=origin,
+                               cache=path)
     if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
         raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
     drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank, children=opts.children or "topk")

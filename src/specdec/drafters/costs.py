@@ -311,6 +311,13 @@ def read_cost_file(path: Path, key: dict) -> dict | None:
         return None
 
 
+def store_learned(path: Path, costs: Costs) -> None:
+    """Prices learned online replace the cached ones in their key's file: the next process starts from
+    what this machine does now, not from a measurement that went stale (its first request would pay)."""
+    rec = json.loads(path.read_text())
+    write_cost_file(path, rec["key"], costs=costs.to_json(), learned_online=True)
+
+
 def write_cost_file(path: Path, key: dict, **fields) -> None:
     atomic_write_text(path, json.dumps({"key": key, **fields, "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
                                        indent=1) + "\n")

@@ -21,6 +21,7 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -117,6 +118,7 @@ class HeadlessDrafter(FollowsTheMachine):
     menu: list[tuple[TreeBudget, float]] = field(default_factory=list)  # draft-model chains, prior gains
     clock: StepClock | None = None  # None: the costs stay as given
     origin: str = "given"
+    cache: Path | None = None
     choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
 
     def __post_init__(self) -> None:
@@ -209,5 +211,5 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
         return NoDrafter()
     menu = draft_menu() if draft is not None else []
 
-    costs, _, origin = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
-    return HeadlessDrafter(ngram, costs, draft, menu, clock=StepClock(), origin=origin)
+    costs, path, origin = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
+    return HeadlessDrafter(ngram, costs, draft, menu, clock=StepClock(), origin=origin, cache=path)
