@@ -19,7 +19,7 @@ from specdec.errors import SpecdecError
 from specdec.heads import medusa_cli
 from specdec.machine import ContentionMeter
 from specdec.options import add_flags, flag_values
-from specdec.target.loading import Runtime
+from specdec.target.loading import Runtime, resolve
 from specdec.training import datagen_cli, train
 from specdec.tune import cli as tune_cli
 
@@ -119,6 +119,9 @@ def _answer_setup(args):
         check_text(args.system, "--system")
     opts = _method_opts(args)
     registry.parse(args.method, opts)
+    resolve(args.model)  # a missing model is said before anything else (the thread note included)
+    if args.draft is not None:
+        resolve(args.draft, "--draft")
     return params, rt, opts
 
 

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--gsm8k", default=None, metavar="PATH", help="GSM8K train.jsonl (default: gsm8k/train.jsonl "
                    "under $SPECDEC_DATA, else the copy shipped with the package)")
     p.add_argument("--exclude-dir", default=None, metavar="DIR", help="another benchmark data dir (same layout) "
-                   "whose prompts are excluded, besides $SPECDEC_DATA's and the package's")
+                   "whose prompts are excluded, besides $SPECDEC_DATA's and the package's (default: none)")
     p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES),
                    help="dtype of the stored features (default float16)")
     p.add_argument("--seed", type=PLAN_RULES["seed"], default=d.seed, metavar="N",

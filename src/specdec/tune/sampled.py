@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+import torch
+
 from specdec.drafters.eagle import EagleDrafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
@@ -52,7 +54,10 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
             busy = drafting = 0.0
             for i, prompt in enumerate(prompts):
                 stats = Stats()
-                params = SamplingParams(temperature, seed=seed + i)
+                # unseeded requests draw children from the draft (recursive rejection): what this table
+                # prices; torch's generator seeded per prompt keeps the draws common to every budget
+                torch.manual_seed(seed + i)
+                params = SamplingParams(temperature)
                 for _ in decode(runner, drafter, prompt, params, tokens, eos_ids, stats):
                     pass
                 forwards += len(stats.accept_lengths)
