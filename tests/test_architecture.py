@@ -29,7 +29,6 @@ LOCAL_IMPORTS_ALLOWED = {
     ("specdec.training.train", "specdec.heads.model"): "the CLI parser imports train.py",
     ("specdec.target.loading", "specdec.target.hf"): "the HF runner, for non-Llama targets only",
     ("specdec.cli", "specdec.cli.commands"): "torch loads inside main, where a Ctrl-C is caught",
-    ("specdec.cli.commands", "specdec.cli.chat"): "chat imports the commands' output helpers",
 }
 
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mid_line() -> bool:
     """Whether a streamed answer was cut on a terminal line the message must not be glued to."""
-    mod = sys.modules.get("specdec.cli.commands")
+    mod = sys.modules.get("specdec.cli.output")
     return bool(mod and mod.stdout_mid_line())
 
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 
 from specdec.api import Chunk, Decoder, Generation, GenerationParams
-from specdec.cli.commands import detail_line, end_answer, say, write_answer
+from specdec.cli.output import detail_line, end_answer, say, write_answer
 from specdec.errors import SpecdecError
 
 PROMPT = ">>> "

@@ -14,6 +14,8 @@ import torch
 
 from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
+from specdec.cli.chat import repl
+from specdec.cli.output import detail_line, end_answer, say, write_answer
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.heads import medusa_cli
@@ -137,43 +139,6 @@ def _load(args, rt: Runtime, opts: dict):
                 threads=threads, weights=rt.weights, **opts)
 
 
-def say(args, line: str) -> None:
-    """A note on stderr, unless -q."""
-    if not args.quiet:
-        print(line, file=sys.stderr, flush=True)
-
-
-def detail_line(s) -> str:
-    """-v: what the drafter chose and how its drafts fared, beyond the statistics line."""
-    alpha = ", ".join(f"{a:.2f}" for a in s.alpha_by_depth) or "-"
-    return (f"  prompt {s.prompt_tokens} tokens | drafter {s.drafter} | costs {s.costs or 'none'} | "
-            f"acceptance {s.acceptance} | alpha by depth [{alpha}] | tokens per forward {s.accept_histogram()} | "
-            f"draft sizes {s.tree_size_histogram()} | wait {s.wait_time:.2f} s, resumes {s.resumes}")
-
-
-_mid_line = False  # an answer was streamed to a terminal and its line not yet ended
-
-
-def stdout_mid_line() -> bool:
-    return _mid_line
-
-
-def write_answer(text: str) -> None:
-    global _mid_line
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    if text:
-        _mid_line = sys.stdout.isatty() and not text.endswith("\n")
-
-
-def end_answer() -> None:
-    """The answer ends its line on stdout, apart from the statistics on stderr."""
-    global _mid_line
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    _mid_line = False
-
-
 def cmd_generate(args) -> int:
     params, rt, opts = _answer_setup(args)  # everything is checked before the slow model load
     prompt = read_prompt(args.prompt, quiet=args.quiet)
@@ -213,8 +178,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from specdec.cli.chat import repl
-
     params, rt, opts = _answer_setup(args)
     dec = _load(args, rt, opts)
     return repl(dec, params, args)
