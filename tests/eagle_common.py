@@ -44,3 +44,18 @@ def make_data(model, out: Path, n_seq=96, answer_len=32, seed=0):
         seqs = [p + a for p, a in zip(prompts, answers)]
         t = pack_shard(seqs, [len(p) for p in prompts], teacher_force(model, seqs))
         write_shard(out / f"shard-{shard:05d}.safetensors", t, {"source": "test"})
+
+
+def greedy_taus(target, drafter, prompts, n=40) -> list[float]:
+    """tau per prompt; asserts each greedy output equals vanilla's."""
+    from specdec.drafters.base import NoDrafter
+    from specdec.sampling import SamplingParams
+    from tests.test_engine import run
+
+    taus = []
+    for prompt in prompts:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), n)
+        got, stats = run(target, drafter, prompt, SamplingParams(), n)
+        assert got == want
+        taus.append(stats.tau)
+    return taus

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.drafters.base import NoDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
@@ -19,7 +18,8 @@ from specdec.target.lean import LeanRunner
 from specdec.training.datagen import eagle3_layers, generate_answers, pack_shard, teacher_force, write_shard
 from specdec.tree import TreeBudget
 from tests.conftest import tiny_model
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
+from tests.eagle_common import greedy_taus
+from tests.test_engine import PROMPTS, SMALL_V, exact_first3, sample_first3
 from tests.test_verify import chi2_pvalue
 
 
@@ -160,12 +160,7 @@ def test_eagle3_greedy_equals_vanilla(tiny, trained3, which):
         dec = from_models(tiny, None, "eagle3", head=str(trained3[1] / "head"), depth=4, topk=3, tree_size=8)
         target, drafter = dec.runner, dec.drafter
         assert drafter.name == "eagle3" and drafter.aux_layers == (0, 1)
-    taus = []
-    for prompt in PROMPTS:
-        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
-        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
-        assert got == want
-        taus.append(stats.tau)
+    taus = greedy_taus(target, drafter, PROMPTS)
     if which != "random":  # drafts get accepted: the accept/sync paths with aux states really run
         assert np.mean(taus) > 1.3
 

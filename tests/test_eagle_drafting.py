@@ -13,7 +13,7 @@ from specdec.heads.io import load_head, save_head
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from tests.conftest import tiny_model
-from tests.eagle_common import drafter_for, make_head
+from tests.eagle_common import drafter_for, greedy_taus, make_head
 from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
 from tests.test_verify import chi2_pvalue
 
@@ -58,12 +58,7 @@ def test_eagle_greedy_equals_vanilla(tiny, trained, dynamic, which):
             head.set_draft_vocab(keep, tiny.lm_head.weight.detach())
     target = LeanRunner(tiny)
     drafter = drafter_for(tiny, head, dynamic, **({"depth": 4, "topk": 3, "tree_size": 8} if dynamic else {}))
-    taus = []
-    for prompt in PROMPTS:
-        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
-        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
-        assert got == want
-        taus.append(stats.tau)
+    taus = greedy_taus(target, drafter, PROMPTS)
     if which == "trained":  # a trained head gets drafts accepted, so the accept paths really run
         assert np.mean(taus) > 1.5
 

@@ -43,6 +43,18 @@ _EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
 
 
+def _check_target(config, kind: str, path, hidden_size: int | None, vocab_size: int | None) -> tuple[int, int]:
+    """(hidden size, vocabulary) of the head, refused in one line if the target's differ."""
+    h, v = config.hidden_size, config.vocab_size
+    if hidden_size is not None and h != hidden_size:
+        raise SpecdecError(f"{kind} head {path} has hidden size {h} but the target has {hidden_size}: "
+                           "it was trained for a different model")
+    if vocab_size is not None and v != vocab_size:
+        raise SpecdecError(f"{kind} head {path} has a vocabulary of {v} tokens but the target has {vocab_size}: "
+                           "it was trained for a different model")
+    return h, v
+
+
 def _layer_keys(n_layers: int) -> set[str]:
     keys = {f"layers.{i}.{p}" for i in range(n_layers) for p in _LAYER_PARAMS}
     return keys | {f"layers.{i}.input_layernorm.weight" for i in range(1, n_layers)}
@@ -113,13 +125,7 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None, vocab_siz
                f"unexpected {sorted(extra)[:6]}" if extra else "",
                f"num_hidden_layers={n_layers}" if not layer_keys else ""]
         raise SpecdecError(f"{path} is not an EAGLE-1/2 head: " + "; ".join(w for w in why if w))
-    h, v = config.hidden_size, config.vocab_size
-    if hidden_size is not None and h != hidden_size:
-        raise SpecdecError(f"EAGLE head {path} has hidden size {h} but the target has {hidden_size}: "
-                           "it was trained for a different model")
-    if vocab_size is not None and v != vocab_size:
-        raise SpecdecError(f"EAGLE head {path} has a vocabulary of {v} tokens but the target has {vocab_size}: "
-                           "it was trained for a different model")
+    h, v = _check_target(config, "EAGLE", path, hidden_size, vocab_size)
     i = config.intermediate_size
     if connector == "fc":
         want = {"fc.weight": (h, 2 * h)}
@@ -171,13 +177,7 @@ def _eagle3_head(path: Path, raw: dict, config: LlamaConfig, sd: dict[str, torch
                  target_layers: int | None) -> Eagle3Head:
     """An EAGLE-3 head (ours, or an official export: midlayer.* is our layers.0.*)."""
     sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): t for k, t in sd.items()}
-    h, v = config.hidden_size, config.vocab_size
-    if hidden_size is not None and h != hidden_size:
-        raise SpecdecError(f"EAGLE-3 head {path} has hidden size {h} but the target has {hidden_size}: "
-                           "it was trained for a different model")
-    if vocab_size is not None and v != vocab_size:
-        raise SpecdecError(f"EAGLE-3 head {path} has a vocabulary of {v} tokens but the target has "
-                           f"{vocab_size}: it was trained for a different model")
+    h, v = _check_target(config, "EAGLE-3", path, hidden_size, vocab_size)
     layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if layers is None:
         if target_layers is None:
