@@ -44,6 +44,44 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
     assert c.target(13) == pytest.approx(6.0)  # along the last segment
 
 
+def reference_choice(ctrl: Controller, chain_len: int, room: int, ngram: int, ctx, gains) -> Choice:
+    """The choice spelled out: every option priced by `expected`, the best rate (vanilla's raised by the
+    hurdle), ties within 0.5% to the earliest option."""
+    options = [Choice(None, 0)]
+    if room > 0:
+        options += [Choice(b, 0) for b, _ in ctrl.menu]
+        lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
+        for m in lengths:
+            options += [Choice(None, m)] + [Choice(b, m) for b, _ in ctrl.menu if ctrl.union]
+    rates = []
+    for o in options:
+        tokens, secs = ctrl.expected(o, chain_len, room, ngram, ctx, gains)
+        rates.append(tokens / secs * (1 + ctrl.hurdle if o.vanilla and not o.chain else 1))
+    best = max(rates)
+    return next(o for o, r in zip(options, rates) if r >= best * 0.995)
+
+
+def test_the_step_choice_is_the_best_priced_option_over_random_states():
+    g = torch.Generator().manual_seed(0)
+    menu = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
+    differ = 0
+    for i in range(400):
+        u = torch.rand(12, generator=g).tolist()
+        c = Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
+                  {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in menu}, 0.05 * u[2], 0.01 * u[3],
+                  attend_s=1e-4 * u[4], ctx=300)
+        ctrl = Controller(menu, c, 0.3 + 1.5 * u[5], PRIOR, union=u[6] < 0.7)
+        ctrl.observe_chain(2, 4 * u[7], 2 * u[8])
+        chain_len = int(u[9] * 10)
+        room = [0, 3, 7, 100][i % 4]
+        gains = None if i % 3 else [sum(0.9 ** j * u[10] for j in range(1, m + 1)) for m in range(1, chain_len + 1)]
+        ctx = [None, 50, 2000][i % 3]
+        got = ctrl.choose(chain_len, room, 2, ctx, gains)
+        assert got == reference_choice(ctrl, chain_len, room, 2, ctx, gains), (i, u)
+        differ += got != Choice(None, 0)
+    assert differ > 100  # the states cover drafting choices, not only plain steps
+
+
 def test_choice_follows_the_cost_of_a_wider_forward():
     free = Controller(MENU, costs(0.0), 1.0, PRIOR)  # verifying more rows costs nothing: the biggest tree
     assert free.choose(0, 100) == Choice(B8, False)

@@ -80,6 +80,9 @@ class Choice:
         return self.budget is None and not self.chain
 
 
+VANILLA = Choice(None, 0)
+
+
 class Controller:
     """The per-request estimates and the per-step choice (pure arithmetic: unit-tested on its own).
 
@@ -141,21 +144,47 @@ class Controller:
     def choose(self, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None,
                gains: list[float] | None = None) -> Choice:
         """chain_len: nodes of this step's lookup draft (0: none); with `gains`, each of its prefixes is
-        an option, else the whole draft."""
-        options = [Choice(None, 0)]
-        if room > 0:
-            options += [Choice(b, 0) for b, _ in self.menu]
-            lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
-            for m in lengths:
-                options += [Choice(None, m)] + [Choice(b, m) for b, _ in self.menu if self.union]
-        rate = {}
-        for o in options:
-            tokens, secs = self.expected(o, chain_len, room, ngram, ctx, gains)
-            rate[o] = tokens / secs
-        rate[options[0]] *= 1 + self.hurdle
-        best = max(rate.values())
+        an option, else the whole draft. The options are vanilla, each menu tree, and per chain length the
+        chain alone and each tree + chain, priced as `expected` prices them (the same arithmetic, inlined:
+        this runs every step, and on text that drafts nothing it is most of what `auto` adds to a step)."""
+        if room <= 0:
+            return VANILLA
+        c, scale = self.costs, self.scale
+        look = c.lookup_s if chain_len else 0.0
+        t_rows: dict[int, float] = {}
+
+        def target(rows: int) -> float:
+            t = t_rows.get(rows)
+            if t is None:
+                t = t_rows[rows] = c.target(rows, ctx)
+            return t
+
+        # per menu tree: (budget, nodes, expected tree tokens, seconds before the forward)
+        trees = []
+        for b, g in self.menu:
+            nodes = min(b.tree_size, room)
+            trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s)))
+        rates: list[tuple[float, TreeBudget | None, int]] = [(1.0 / (look + target(1)) * (1 + self.hurdle), None, 0)]
+        rates += [((1.0 + tree) / (secs + target(1 + nodes)), b, 0) for b, nodes, tree, secs in trees]
+        lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
+        alone, added = self.chain_mean(ngram) if gains is None else (0.0, 0.0)
+        for m in lengths:
+            n = min(m, room)
+            if gains is not None:
+                alone = gains[n - 1] if n > 0 else 0.0
+            rates.append(((1.0 + 0.0 + min(float(n), alone)) / (look + target(1 + n)), None, m))
+            if not self.union:
+                continue
+            for b, nodes, tree, secs in trees:
+                n = min(m, room - nodes)
+                if gains is not None:
+                    alone = gains[n - 1] if n > 0 else 0.0
+                    added = max(0.0, alone - tree)
+                rates.append(((1.0 + tree + min(float(n), added)) / (secs + target(1 + nodes + n)), b, m))
+        best = max(r for r, _, _ in rates)
         # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
-        return next(o for o in options if rate[o] >= best * 0.995)
+        r, b, m = next(x for x in rates if x[0] >= best * 0.995)
+        return VANILLA if b is None and not m else Choice(b, m)
 
     def step(self, tree_observed: bool = False) -> None:
         """Every step decays the evidence. A step that verified no head tree also pulls the tree estimate
