@@ -272,7 +272,34 @@ def test_method_and_head_kinds_must_match(tiny, trained, trained3):
         registry.parse("eagle3", {})
     with pytest.raises(SpecdecError, match="lookup"):
         registry.parse("eagle3", {"head": "x", "lookup": 4})
-    with pytest.raises(SpecdecError, match="is an EAGLE-3 head: run it with eagle3"):
+    with pytest.raises(SpecdecError, match="is an EAGLE-3 head: run it with eagle3 or auto"):
         from_models(tiny, None, "eagle2", head=str(trained3[1] / "head"))
     with pytest.raises(SpecdecError, match="is an EAGLE-1/2 head"):
         from_models(tiny, None, "eagle3", head=str(trained[1] / "head"))
+
+
+def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, monkeypatch):
+    """`auto` takes an EAGLE-3 head as it takes an EAGLE-2 one: costs measured with the aux states, the
+    tree + lookup choice every step, vanilla's text; tune's replay walks it too."""
+    from specdec.api import from_models
+    from specdec.drafters.adaptive import AdaptiveDrafter
+    from specdec.drafters.base import NoDrafter
+    from specdec.heads.io import is_eagle3_dir
+    from specdec.tune.search import walk
+    from tests.test_engine import run
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    head_dir = trained3[1] / "head"
+    assert is_eagle3_dir(head_dir) and not is_eagle3_dir(trained[1] / "head") and not is_eagle3_dir(tmp_path)
+    dec = from_models(tiny, None, "auto", head=str(head_dir))
+    d = dec.drafter
+    assert isinstance(d, AdaptiveDrafter) and d.aux_layers == (0, 1) and d.costs.draft_s
+    assert all(t > 0 for t in d.costs.draft_s.values())
+    for prompt in PROMPTS:
+        want, _ = run(LeanRunner(tiny), NoDrafter(), prompt, SamplingParams(), 30)
+        got, _ = run(dec.runner, d, prompt, SamplingParams(), 30)
+        assert got == want
+    target = LeanRunner(tiny)
+    cont, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 16)
+    w = walk(d.eagle, target, PROMPTS[0], cont, [TreeBudget(3, 2, 4)])
+    assert max(w.accepted[TreeBudget(3, 2, 4)]) >= 1  # the trained head's drafts get accepted in the replay

@@ -272,6 +272,7 @@ class AdaptiveDrafter(FollowsTheMachine):
 
     def __post_init__(self) -> None:
         self.pld = PromptLookupDrafter(chain_len=self.lookup) if self.lookup else None
+        self.aux_layers = self.eagle.aux_layers  # an EAGLE-3 head reads the target's states at these layers
         if (self.sampled is not None) != (self.eagle.children == "sample"):
             raise ValueError("a sampled menu needs an EAGLE drafter with children='sample', and only then")
         self.draft_depth = max(b.depth for b, _ in [*self.menu, *(self.sampled or [])])

@@ -55,7 +55,8 @@ class AutoOptions(Eagle2Options):
 
 
 def build_auto(target: Target, opts: AutoOptions) -> Drafter:
-    if opts.head is None and find_shipped_head(target.model) is None:
+    if opts.head is None and find_shipped_head(target.model) is None \
+            and find_shipped_head(target.model, "eagle3") is None:
         given = [k for k in HEAD_ONLY if k in opts.model_fields_set]
         if given:
             raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "

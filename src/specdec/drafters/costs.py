@@ -140,13 +140,16 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
     runner.reset()
-    feats = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None)).features
+    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
+    feats, aux = out.features, out.aux
     runner.reset()
 
-    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, feats[:ctx_len])
+    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, feats[:ctx_len],
+                        aux_features=None if aux is None else aux[:ctx_len])
     drafter.begin(ctx)
     draft_s = {b: _time_warm(lambda: drafter.propose(ctx, b), reps) for b, _ in menu}
-    hot = DecodeContext(ctx.tokens, SamplingParams(1.0), torch.Generator().manual_seed(0), ctx_len, ctx.features)
+    hot = DecodeContext(ctx.tokens, SamplingParams(1.0), torch.Generator().manual_seed(0), ctx_len, ctx.features,
+                        aux_features=ctx.aux_features)
     sampled_s = {b: _time_warm(lambda: drafter.propose(hot, b), reps) for b, _ in sampled}
     # follow_s: what a drafted step costs beyond its tree's warm propose(): the head reading the step's
     # rows, and the head's weights back in the caches after the target forward evicted them (a
@@ -156,6 +159,7 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     for i in range(reps):  # a typical step: one accepted token + the bonus
         ctx.tokens += ids[ctx_len + 1 + 2 * i:ctx_len + 3 + 2 * i]
         ctx.features = feats[ctx_len + 2 * i:ctx_len + 2 + 2 * i]
+        ctx.aux_features = None if aux is None else aux[ctx_len + 2 * i:ctx_len + 2 + 2 * i]
         drafter.accept(ctx, Verdict([0], ctx.tokens[-2:], ctx.tokens[-1]))
         runner.forward(torch.tensor(ids[:1]), logits_rows=slice(-1, None))  # as before every draft
         runner.reset()

@@ -298,7 +298,8 @@ DEFAULT_BUDGET = TreeBudget(5, 4, 10)
 def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRunner, str | None]:
     """The head for this target (the given dir, or the shipped one) on a runner; and its dir."""
     model, runner = target.model, target.runner
-    head_dir = opts.head or find_shipped_head(model)
+    head_dir = opts.head or (find_shipped_head(model, "eagle3") if method == "auto" else None) \
+        or find_shipped_head(model)
     if head_dir is None:
         raise SpecdecError(f"method {method!r} needs an EAGLE head for this model: pass head=<dir> "
                            "(train one with `specdec datagen` + `specdec train eagle`)")
@@ -311,8 +312,8 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
     target_lm = float_weight(model.get_output_embeddings().weight)  # a GGUF file's: its rows in fp32
     head = load_head(head_dir, hidden_size=runner.hidden_size, vocab_size=embed.shape[0], device=p.device,
                      dtype=p.dtype, target_lm_head=target_lm, target_layers=runner.n_layers)
-    if (head.kind == "eagle3") != (method == "eagle3"):
-        use = "eagle3" if head.kind == "eagle3" else "eagle, eagle2 or auto"
+    if method != "auto" and (head.kind == "eagle3") != (method == "eagle3"):
+        use = "eagle3 or auto" if head.kind == "eagle3" else "eagle, eagle2 or auto"
         raise SpecdecError(f"method {method!r}: {head_dir} is an {'EAGLE-3' if head.kind == 'eagle3' else 'EAGLE-1/2'} "
                            f"head: run it with {use}")
     runner.check_aux_layers(head.aux_layers, f"EAGLE-3 head {head_dir}")

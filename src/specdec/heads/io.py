@@ -158,6 +158,25 @@ def _load_state(path: Path, head: EagleHead, state: dict[str, torch.Tensor]) -> 
         raise SpecdecError(f"EAGLE head {path}: weights do not fit its config ({why})") from None
 
 
+def is_eagle3_dir(path: str | os.PathLike) -> bool:
+    """Whether the head dir holds an EAGLE-3 head (its config says so, or its tensors are named like one),
+    without loading its weights; a dir that is no readable head answers False (load_head says why)."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        st = path / "model.safetensors"
+        if st.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(st), "pt") as f:
+                keys = dict.fromkeys(f.keys())
+        else:
+            keys = {}
+        return isinstance(raw, dict) and _is_eagle3(raw, keys)
+    except Exception:  # missing or damaged files (safetensors raises its own types): load_head says what
+        return False
+
+
 def _finish(path: Path, head: EagleHead, raw: dict, device, dtype) -> EagleHead:
     for k, t in head.state_dict().items():
         if t.is_floating_point() and not torch.isfinite(t).all():

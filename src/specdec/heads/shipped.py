@@ -26,7 +26,7 @@ def fingerprint_matches(a: dict, b: dict) -> bool:
 
 
 def find_shipped_head(model, kind: str = "eagle") -> Path | None:
-    """The shipped head dir of this kind ("eagle" or "medusa") trained on this target, else None."""
+    """The shipped head dir of this kind ("eagle", "eagle3" or "medusa") trained on this target, else None."""
     fp = None
     for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
         try:

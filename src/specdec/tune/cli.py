@@ -10,6 +10,7 @@ import torch
 
 from specdec.api import from_models
 from specdec.errors import SpecdecError
+from specdec.heads.io import is_eagle3_dir
 from specdec.heads.shipped import find_shipped_head
 from specdec.machine import cpu_name
 from specdec.options import add_flags, flag_values
@@ -75,11 +76,12 @@ def cmd_tune(args) -> int:
         raise SpecdecError(f"--lookups must be >= 1 each, got {args.lookups!r}")
     rt.apply()
     model, tok, _ = load_model(args.model, "cpu", torch.float32)
-    head = args.head or find_shipped_head(model)
+    head = args.head or find_shipped_head(model, "eagle3") or find_shipped_head(model)
     if head is None:
         raise SpecdecError("no EAGLE head ships for this model: pass --head DIR "
                            "(train one with `specdec datagen` + `specdec train eagle`)")
-    dec = from_models(model, tok, "eagle2", head=str(head))  # explicit eagle2: never a union
+    # explicit eagle2 / eagle3: never a union
+    dec = from_models(model, tok, "eagle3" if is_eagle3_dir(head) else "eagle2", head=str(head))
     prompts = []
     for q in CALIBRATION_PROMPTS[:args.prompts]:
         try:

@@ -90,9 +90,11 @@ def walk(drafter, target, prompt: list[int], continuation: list[int], configs: S
     if not configs or not continuation:
         raise SpecdecError("nothing to measure: no configurations or an empty continuation")
     target.reset()
-    feats = target.forward(torch.tensor(seq), logits_rows=slice(-1, None)).features
+    out = target.forward(torch.tensor(seq), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
+    feats, aux = out.features, out.aux
     target.rollback()
-    ctx = DecodeContext(seq[:p + 1], SamplingParams(), None, p, feats[:p])
+    ctx = DecodeContext(seq[:p + 1], SamplingParams(), None, p, feats[:p],
+                        aux_features=None if aux is None else aux[:p])
     drafter.begin(ctx)
     by_k: dict[int, list[TreeBudget]] = {}
     for c in configs:
@@ -136,6 +138,7 @@ def walk(drafter, target, prompt: list[int], continuation: list[int], configs: S
         # follow the text, as the engine does after each verification
         ctx.tokens.append(seq[r + 1])
         ctx.features = feats[r:r + 1]
+        ctx.aux_features = None if aux is None else aux[r:r + 1]
         t = time.perf_counter()
         drafter.accept(ctx, Verdict([], [seq[r + 1]], seq[r + 1]))
         drafter.sync(ctx)  # the head follows lazily: its catch-up is this step's cost, not the next draft's
