@@ -46,7 +46,7 @@ from specdec.tree import (
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
 
-# EAGLE-1 tree for this CPU (DESIGN.md §7: 4-10 nodes): top-3 at depth 1, the likely path deeper
+# EAGLE-1 tree for this CPU (docs/design.md, "CPU costs": 4-10 nodes): top-3 at depth 1, the likely path deeper
 DEFAULT_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0))
 
 
