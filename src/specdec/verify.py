@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree against the target's logits (DESIGN.md §3).
+"""Lossless verification of a draft tree against the target's logits (docs/design.md, "Lossless acceptance").
 
 logits row 0 belongs to the root, row i + 1 to tree node i. The verifier never knows which drafter
 made the tree: it only reads tokens, parents and (for sampled drafts) the proposal distributions q.

@@ -130,7 +130,7 @@ def _target_dir(name: str, value: str, text: str) -> str:
 def parse_methods(text: str | None, has_draft: bool, known: tuple[str, ...] | None = None,
                   weights: str | None = None, hf: bool = True) -> list[MethodSpec]:
     """The methods to time. The two baseline candidates (hf and our vanilla) are always included,
-    since the speedup baseline is the faster of them in the same run (DESIGN.md §1). A method on its own
+    since the speedup baseline is the faster of them in the same run (docs/design.md, "Terms"). A method on its own
     `weights=` or `target=` gets the vanilla of that precision and target too: the reference its outputs are
     audited against.
     `weights`: the run's default precision (--weights). hf=False: no HF baseline (a GGUF target on its own

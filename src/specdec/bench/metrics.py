@@ -3,7 +3,7 @@
 A record is one timed generation: {"method", "name", "question_id", "category", "turn", "repeat",
 "wall_time", "new_tokens", "tokens", "stats": None | {"target_forwards", "accept_histogram",
 "depth_tries", "depth_accepts", "time": {...}, "gamma"}, "calibration": [[conf, value, depth, ok]]}.
-τ follows DESIGN.md §1: tokens per target forward in the decode phase, prefill excluded.
+τ follows docs/design.md, "Terms": tokens per target forward in the decode phase, prefill excluded.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Timing: every method in one process, warmed up, interleaved per prompt, wall time per generation.
 
-Fairness rules (DESIGN.md §1): same prompts, same max_new_tokens, same EOS set for every method; per
+Fairness rules (docs/design.md, "Terms"): same prompts, same max_new_tokens, same EOS set for every method; per
 prompt and repeat the methods run back to back in a rotated order, so drift (thermal, another
 process) spreads over all of them instead of biasing whichever runs last.
 """

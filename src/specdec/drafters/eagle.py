@@ -46,7 +46,7 @@ from specdec.tree import (
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
 
-# EAGLE-1 tree for this CPU (DESIGN.md §7: 4-10 nodes): top-3 at depth 1, the likely path deeper
+# EAGLE-1 tree for this CPU (docs/design.md, "CPU costs": 4-10 nodes): top-3 at depth 1, the likely path deeper
 DEFAULT_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0))
 
 
@@ -336,8 +336,8 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
 def draft_weights(runner, head) -> str | None:
     """The head's weight precision: the target's, except fp16 in place of fp32 on the streaming kernel.
     Why: heads ship in fp16, so their own weights lose nothing, and a draft step reads half the bytes
-    (0.82 -> 0.48 ms per step for SmolLM2's head, docs/benchmarks.md); only the target's LM head rows are
-    rounded, which moves draft scores, never what is accepted."""
+    (0.82 -> 0.48 ms per step for SmolLM2's head, docs/history/benchmarks-engine-llamacpp.md); only the
+    target's LM head rows are rounded, which moves draft scores, never what is accepted."""
     weights = getattr(runner, "weights", None)
     if weights not in (None, "fp32", GGUF) or stream.kernel() is None:
         return weights

@@ -1,4 +1,4 @@
-"""The feature-level draft head (EAGLE, DESIGN.md §4, §6; and FSPAD's variants) as an nn.Module: for
+"""The feature-level draft head (EAGLE, docs/design.md, "Drafters"; and FSPAD's variants) as an nn.Module: for
 training and as the weights the lean heads.runner.HeadRunner packs.
 
 Row t of the head reads (x_{t+1}, f_t): a connector (EAGLE's fc(cat(embed(x_{t+1}), f_t)), or FSPAD's

@@ -1,7 +1,7 @@
 """Batched generation on the lean Llama-family weights, for making training data (not for serving).
 
 Why: datagen is throughput-bound. One sequence at a time runs at ~40 tok/s here, and HF `generate`
-on a padded batch pays its per-op overhead and MKL's small-batch GEMMs (DESIGN.md §7). A batch of
+on a padded batch pays its per-op overhead and MKL's small-batch GEMMs (docs/design.md, "CPU costs"). A batch of
 B rows turns every linear into one [B, H] GEMM on pre-packed weights, and the features of every token
 fall out of the same forwards (the token fed at a step yields its own feature), so no second,
 teacher-forced pass is needed.

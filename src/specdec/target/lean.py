@@ -1,5 +1,5 @@
 """A lean forward for the Llama family (Llama, Qwen2, Mistral) that reads a stock HF model's weights:
-llama.Block per layer over one preallocated kv.KVCache (DESIGN.md §7). The HF model stays the
+llama.Block per layer over one preallocated kv.KVCache (docs/design.md, "CPU costs"). The HF model stays the
 reference: tests compare the two.
 """
 

@@ -2,7 +2,7 @@
 lean target runner, batched data generation and the EAGLE head runner.
 
 Why not call the HF module: on a 2-core CPU a small model's decode step is dominated by per-op Python
-overhead and MKL's small-batch GEMMs (DESIGN.md §7). Here q/k/v and gate/up are fused into one
+overhead and MKL's small-batch GEMMs (docs/design.md, "CPU costs"). Here q/k/v and gate/up are fused into one
 pre-packed GEMM each, RoPE tables are precomputed, and K/V go into a preallocated kv.KVCache.
 """
 
@@ -68,7 +68,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, g
     Why: SDPA's result for a row depends on how many rows share the call (measured: 1e-7 apart), and
     reduced-precision weights amplify that into different tokens. Called this way, row i of a verify
     forward makes the very call a one-token decode step at the same point makes: bit-identical output,
-    so speculative decoding matches vanilla exactly, at any weight precision (DESIGN.md §7b)."""
+    so speculative decoding matches vanilla exactly, at any weight precision (docs/design.md, "Batch invariance")."""
     outs = [F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, c], v[:, :, c], enable_gqa=gqa)
             for i, c in enumerate(rows)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -1,6 +1,6 @@
 """The lean runners' linear layers: weights in the precision the user chose, activations and accumulation
 in the model's own dtype (fp32 on the CPU), and every row's output independent of the call's other rows
-(batch invariance, DESIGN.md §7b).
+(docs/design.md, "Batch invariance").
 
 Precisions: the weight is stored as fp32, bf16, fp16 or int8 (symmetric, one fp32 scale per output
 channel). The model that decodes is the target with its weights rounded so, and decoding is lossless
@@ -9,7 +9,7 @@ relative to it: the precision changes the weights, never how a row is computed.
 Kernels, best first:
 1. the streaming kernel (stream.py; CPU, fp32 activations): reads each weight once in its stored
    precision, widens it in registers, and is batch-invariant by construction at every row count;
-2. oneDNN pre-packed GEMMs on the rounded weight (DESIGN.md §7: t(8)/t(1) ~ 1.5 against ~2.1 for MKL).
+2. oneDNN pre-packed GEMMs on the rounded weight (docs/design.md, "CPU costs": t(8)/t(1) ~ 1.5 against ~2.1 for MKL).
    oneDNN's GEMMs are row-independent up to some reduction length and not beyond (measured: K <= 1024
    on a Xeon, 2 threads), so a long reduction is split into blocks whose partial products are summed in
    a fixed order; the longest invariant block is probed once per shape on this machine, never assumed;

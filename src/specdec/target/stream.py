@@ -3,8 +3,9 @@ the cache. None where it cannot run (not x86 with AVX2, no C++ compiler, SPECDEC
 runner then falls back to oneDNN/torch linears (packed.py).
 
 Why a kernel of our own: a decode step reads every weight once, and oneDNN's small-row GEMMs stream them
-at ~60% of the bandwidth (docs/benchmarks.md); this one reaches `torch.sum`'s speed, keeps any
-weight precision with fp32 accumulation, and gives every row the same bits whatever else is in the call.
+at ~60% of the bandwidth (docs/history/benchmarks-engine-llamacpp.md); this one reaches `torch.sum`'s
+speed, keeps any weight precision with fp32 accumulation, and gives every row the same bits whatever else
+is in the call.
 """
 
 from __future__ import annotations

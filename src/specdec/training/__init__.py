@@ -1,1 +1,1 @@
-"""Self-distillation data and training for draft heads (DESIGN.md §5)."""
+"""Self-distillation data and training for draft heads (docs/design.md, "Training data")."""

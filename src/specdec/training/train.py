@@ -1,6 +1,6 @@
 """Train an EAGLE head, or FSPAD's variants (--connector sampler, --pad), or an EAGLE-3 head (--arch eagle3:
 `train eagle3`; shards from datagen --aux-layers eagle3; CE only, as EAGLE-3 has no feature loss, and
---unroll is its training-time test), on datagen shards (DESIGN.md §5).
+--unroll is its training-time test), on datagen shards (docs/design.md, "Training data").
 
 Row t of a sequence reads (x_{t+1}, f_t + noise) and predicts f_{t+1}:
 loss = SmoothL1(f̂_{t+1}, f_{t+1}) + w · CE(p_target, p̂), p = softmax of the (draft-vocabulary) LM head
