@@ -8,7 +8,9 @@ from specdec.api import GenerationParams
 from specdec.cli import _method_opts, build_parser
 from specdec.drafters import registry
 from specdec.options import flag_values, unescape
-from specdec.training.loop import LoopConfig, lr_lambda, warmup_steps
+from specdec.training.config import LoopConfig
+from specdec.training.loop import lr_lambda, warmup_steps
+from specdec.training.train_cli import config_of
 
 
 def parse(*argv):
@@ -70,8 +72,10 @@ def test_a_word_after_a_boolean_flag_says_what_the_flag_takes(capsys):
     (["--freeze-lm-head", "false"], False),
 ])
 def test_training_switches_take_a_value_or_none(argv, want):
+    from specdec.training.train import TrainConfig
+
     args = parse("train", "eagle", "--data", "d", "--out", "o", *argv)
-    assert args.freeze_lm_head is want
+    assert config_of(args, TrainConfig).freeze_lm_head is want
 
 
 def test_training_switch_with_a_bad_word_is_one_line(capsys):
@@ -156,12 +160,12 @@ def test_training_defaults_follow_the_documented_recipe():
     from specdec.training.medusa import MedusaTrainConfig
     from specdec.training.train import TrainConfig
 
-    eagle = parse("train", "eagle", "--data", "d", "--out", "o")
+    eagle = config_of(parse("train", "eagle", "--data", "d", "--out", "o"), TrainConfig)
     assert (eagle.lr, eagle.batch_size, eagle.warmup, eagle.epochs) == (1e-3, 8, 50, 3.0)
-    assert TrainConfig.from_dict(vars(eagle)) == TrainConfig(data="d", out="o")
-    medusa = parse("train", "medusa", "--data", "d", "--out", "o")
+    assert eagle == TrainConfig(data="d", out="o")
+    medusa = config_of(parse("train", "medusa", "--data", "d", "--out", "o"), MedusaTrainConfig)
     assert (medusa.lr, medusa.batch_size, medusa.warmup, medusa.clip) == (1e-3, 8, 20, 1.0)
-    assert MedusaTrainConfig.from_dict(vars(medusa)) == MedusaTrainConfig(data="d", out="o")
+    assert medusa == MedusaTrainConfig(data="d", out="o")
     gen = parse("datagen", "--out", "o", "--shards", "1")
     assert (gen.batch_size, gen.sources, gen.shard_size) == (64, ["self", "gsm8k"], 64)
 
