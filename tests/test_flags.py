@@ -181,3 +181,33 @@ def test_a_warmup_longer_than_the_run_is_cut_so_the_lr_reaches_its_peak():
     assert warmup_steps(long, 50) == 5 and lr_lambda(long, 50)(5) == 1.0
     kept = LoopConfig(data="d", out="o", warmup=10, steps=300)
     assert warmup_steps(kept, 300) == 10 and lr_lambda(kept, 300)(0) == pytest.approx(1 / 11)
+
+
+# ---- training configs: resume keys marked on the fields, errors named by flag ----
+
+def test_resume_keys_are_the_fields_marked_so():
+    from specdec.training.medusa import MedusaTrainConfig
+    from specdec.training.train import TrainConfig
+
+    for cls in (TrainConfig, MedusaTrainConfig):
+        keys = set(cls.resume_keys())
+        assert {"data", "steps", "lr", "schedule", "seed", "init_from", "draft_vocab"} <= keys
+        assert not {"out", "save_every", "keep_checkpoints", "log_every", "stop_after", "ship_to"} & keys
+    assert {"connector", "pad", "arch", "unroll", "freeze_lm_head"} <= set(TrainConfig.resume_keys())
+    medusa = set(MedusaTrainConfig.resume_keys())
+    assert {"joint", "num_heads", "lora_layers"} <= medusa and "keep_activations" not in medusa
+
+
+def test_a_trainers_own_recipe_keeps_the_shared_field_and_errors_name_the_flag():
+    from specdec.errors import SpecdecError
+    from specdec.training.medusa import MedusaTrainConfig
+    from specdec.training.train import TrainConfig
+
+    assert TrainConfig(data="d", out="o", max_len=2).max_len == 2
+    with pytest.raises(SpecdecError, match=r"^--max-len must be an integer >= 3, got 2$"):
+        MedusaTrainConfig(data="d", out="o", max_len=2)
+    with pytest.raises(SpecdecError, match=r"^--lr must be a finite number >= 0, got -1.0$"):
+        MedusaTrainConfig(data="d", out="o", lr=-1.0)
+    with pytest.raises(SpecdecError, match="^--out must be given$"):
+        TrainConfig(data="d")
+    assert (LoopConfig.model_fields["lr"].default, MedusaTrainConfig(data="d", out="o").lr) == (3e-4, 1e-3)

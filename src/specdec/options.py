@@ -1,11 +1,12 @@
 """Typed parameters, each declared once with its type and range.
 
-Every method option (drafters/registry.py), the sampling fields (sampling.py), the generation limits
-and the runtime settings (api.py) are fields of an `Options` model. The CLI's flags, the API's
-keywords, bench specs and (later) the server's request fields are all checked by these models before
-any model loads, and a bad value is one `SpecdecError` naming the parameter, the value and what is
-allowed. Python callers are checked strictly (a str is not an int, True is not 1); text from a command
-line or a spec is converted first ("5" -> 5, "true" -> True, "[[0],[1]]" -> a list).
+Every method option (drafters/registry.py), the sampling fields (sampling.py), the generation limits,
+the runtime settings (api.py) and the training settings (training/config.py) are fields of an `Options`
+model. The CLI's flags, the API's keywords, bench specs and (later) the server's request fields are all
+checked by these models before any model loads, and a bad value is one `SpecdecError` naming the
+parameter, the value and what is allowed. Python callers are checked strictly (a str is not an int,
+True is not 1); text from a command line or a spec is converted first ("5" -> 5, "true" -> True,
+"[[0],[1]]" -> a list).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def flag_values(args: argparse.Namespace, schema: type[Options]) -> dict[str, An
 
 def arg_type(kind: type, *, ge: float | None = None, gt: float | None = None,
              le: float | None = None) -> Callable[[str], Any]:
-    """An argparse `type=` for a flag only one tool has (bench's --repeats, train's --lr): the same
+    """An argparse `type=` for a flag only one tool has (bench's --repeats, datagen's --shards): the same
     conversion, range check and wording as a declared field, as argparse's one-line error."""
     ann = Annotated[kind, Field(ge=ge, gt=gt, le=le, allow_inf_nan=False)]
     adapter, info = TypeAdapter(ann), FieldInfo.from_annotation(ann)
