@@ -8,7 +8,9 @@ from specdec.api import GenerationParams
 from specdec.cli import _method_opts, build_parser
 from specdec.drafters import registry
 from specdec.options import flag_values, unescape
-from specdec.training.loop import LoopConfig, lr_lambda, warmup_steps
+from specdec.training.config import LoopConfig
+from specdec.training.loop import lr_lambda, warmup_steps
+from specdec.training.train_cli import config_of
 
 
 def parse(*argv):
@@ -70,8 +72,10 @@ def test_a_word_after_a_boolean_flag_says_what_the_flag_takes(capsys):
     (["--freeze-lm-head", "false"], False),
 ])
 def test_training_switches_take_a_value_or_none(argv, want):
+    from specdec.training.train import TrainConfig
+
     args = parse("train", "eagle", "--data", "d", "--out", "o", *argv)
-    assert args.freeze_lm_head is want
+    assert config_of(args, TrainConfig).freeze_lm_head is want
 
 
 def test_training_switch_with_a_bad_word_is_one_line(capsys):
@@ -156,12 +160,12 @@ def test_training_defaults_follow_the_documented_recipe():
     from specdec.training.medusa import MedusaTrainConfig
     from specdec.training.train import TrainConfig
 
-    eagle = parse("train", "eagle", "--data", "d", "--out", "o")
+    eagle = config_of(parse("train", "eagle", "--data", "d", "--out", "o"), TrainConfig)
     assert (eagle.lr, eagle.batch_size, eagle.warmup, eagle.epochs) == (1e-3, 8, 50, 3.0)
-    assert TrainConfig.from_dict(vars(eagle)) == TrainConfig(data="d", out="o")
-    medusa = parse("train", "medusa", "--data", "d", "--out", "o")
+    assert eagle == TrainConfig(data="d", out="o")
+    medusa = config_of(parse("train", "medusa", "--data", "d", "--out", "o"), MedusaTrainConfig)
     assert (medusa.lr, medusa.batch_size, medusa.warmup, medusa.clip) == (1e-3, 8, 20, 1.0)
-    assert MedusaTrainConfig.from_dict(vars(medusa)) == MedusaTrainConfig(data="d", out="o")
+    assert medusa == MedusaTrainConfig(data="d", out="o")
     gen = parse("datagen", "--out", "o", "--shards", "1")
     assert (gen.batch_size, gen.sources, gen.shard_size) == (64, ["self", "gsm8k"], 64)
 
@@ -177,3 +181,33 @@ def test_a_warmup_longer_than_the_run_is_cut_so_the_lr_reaches_its_peak():
     assert warmup_steps(long, 50) == 5 and lr_lambda(long, 50)(5) == 1.0
     kept = LoopConfig(data="d", out="o", warmup=10, steps=300)
     assert warmup_steps(kept, 300) == 10 and lr_lambda(kept, 300)(0) == pytest.approx(1 / 11)
+
+
+# ---- training configs: resume keys marked on the fields, errors named by flag ----
+
+def test_resume_keys_are_the_fields_marked_so():
+    from specdec.training.medusa import MedusaTrainConfig
+    from specdec.training.train import TrainConfig
+
+    for cls in (TrainConfig, MedusaTrainConfig):
+        keys = set(cls.resume_keys())
+        assert {"data", "steps", "lr", "schedule", "seed", "init_from", "draft_vocab"} <= keys
+        assert not {"out", "save_every", "keep_checkpoints", "log_every", "stop_after", "ship_to"} & keys
+    assert {"connector", "pad", "arch", "unroll", "freeze_lm_head"} <= set(TrainConfig.resume_keys())
+    medusa = set(MedusaTrainConfig.resume_keys())
+    assert {"joint", "num_heads", "lora_layers"} <= medusa and "keep_activations" not in medusa
+
+
+def test_a_trainers_own_recipe_keeps_the_shared_field_and_errors_name_the_flag():
+    from specdec.errors import SpecdecError
+    from specdec.training.medusa import MedusaTrainConfig
+    from specdec.training.train import TrainConfig
+
+    assert TrainConfig(data="d", out="o", max_len=2).max_len == 2
+    with pytest.raises(SpecdecError, match=r"^--max-len must be an integer >= 3, got 2$"):
+        MedusaTrainConfig(data="d", out="o", max_len=2)
+    with pytest.raises(SpecdecError, match=r"^--lr must be a finite number >= 0, got -1.0$"):
+        MedusaTrainConfig(data="d", out="o", lr=-1.0)
+    with pytest.raises(SpecdecError, match="^--out must be given$"):
+        TrainConfig(data="d")
+    assert (LoopConfig.model_fields["lr"].default, MedusaTrainConfig(data="d", out="o").lr) == (3e-4, 1e-3)

@@ -181,13 +181,14 @@ def test_fspad_resume_is_bitwise_the_uninterrupted_run(tiny, tiny_data, tmp_path
 
 def test_train_cli_fspad_is_eagle_with_sampler_and_pad(tiny, tiny_data, tmp_path, capsys):
     from specdec.cli import build_parser, main
+    from specdec.training.train_cli import config_of
 
     parse = build_parser().parse_args
     a = parse(["train", "fspad", "--data", "d", "--out", "o"])
     b = parse(["train", "eagle", "--data", "d", "--out", "o", "--connector", "sampler", "--pad"])
-    assert TrainConfig.from_dict(vars(a)) == TrainConfig.from_dict(vars(b))
-    assert TrainConfig.from_dict(vars(a)).kind == "fspad"
-    plain = TrainConfig.from_dict(vars(parse(["train", "eagle", "--data", "d", "--out", "o", "--ce-weight", "0.02"])))
+    assert config_of(a, TrainConfig) == config_of(b, TrainConfig)
+    assert config_of(a, TrainConfig).kind == "fspad"
+    plain = config_of(parse(["train", "eagle", "--data", "d", "--out", "o", "--ce-weight", "0.02"]), TrainConfig)
     assert (plain.connector, plain.pad, plain.ce_weight) == ("fc", False, 0.02)
     with pytest.raises(SystemExit):
         parse(["train", "fspad", "--data", "d", "--out", "o", "--connector", "fc"])

@@ -19,9 +19,10 @@ from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaHeads
 from specdec.heads.medusa_io import load_medusa
 from specdec.heads.shipped import target_fingerprint
-from specdec.training import medusa, medusa_objective
+from specdec.training import medusa_objective, train_cli
 from specdec.training.medusa import MedusaObjective, MedusaTrainConfig, head_accuracies, held_in, train_medusa
 from specdec.training.shards import ShardData
+from specdec.training.train_cli import config_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,10 +197,10 @@ def test_accelerate_launch_two_cpu_processes_follow_one(tiny, tiny_data, tmp_pat
 
 def test_train_medusa_cli(tiny, tiny_data, tmp_path, capsys, monkeypatch):
     parse = build_parser().parse_args
-    cfg = MedusaTrainConfig.from_dict(vars(parse(["train", "medusa", "--data", "d", "--out", "o"])))
+    cfg = config_of(parse(["train", "medusa", "--data", "d", "--out", "o"]), MedusaTrainConfig)
     assert cfg == MedusaTrainConfig(data="d", out="o") and (cfg.lr, cfg.num_heads, cfg.decay) == (1e-3, 4, 0.8)
-    cfg = MedusaTrainConfig.from_dict(vars(parse(["train", "medusa", "--data", "d", "--out", "o", "--lm-head", "own",
-                                                  "--num-heads", "5", "--draft-vocab", "64"])))
+    cfg = config_of(parse(["train", "medusa", "--data", "d", "--out", "o", "--lm-head", "own",
+                           "--num-heads", "5", "--draft-vocab", "64"]), MedusaTrainConfig)
     assert (cfg.lm_head, cfg.num_heads, cfg.draft_vocab) == ("own", 5, 64)
     for bad in (["--lm-head", "mine"], ["--num-heads", "0"], ["--decay", "2"]):
         with pytest.raises(SystemExit) as e:
@@ -207,8 +208,8 @@ def test_train_medusa_cli(tiny, tiny_data, tmp_path, capsys, monkeypatch):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("specdec: error:") and err.count("\n") == 1, err
-    cfg = MedusaTrainConfig.from_dict(vars(parse(["train", "medusa", "--data", "d", "--out", "o", "--joint",
-                                                  "--full-finetune", "--lambda0", "0.5", "--heads-warmup", "7"])))
+    cfg = config_of(parse(["train", "medusa", "--data", "d", "--out", "o", "--joint", "--full-finetune", "--lambda0",
+                           "0.5", "--heads-warmup", "7"]), MedusaTrainConfig)
     assert (cfg.joint, cfg.full_finetune, cfg.lambda0, cfg.heads_warmup, cfg.kind) == (True, True, 0.5, 7, "medusa-2")
     model_dir = tmp_path / "target"
     tiny.save_pretrained(model_dir)
@@ -220,7 +221,7 @@ def test_train_medusa_cli(tiny, tiny_data, tmp_path, capsys, monkeypatch):
     assert printed.count("\n") == 1
     raw = json.loads((tmp_path / "run" / "heads" / "config.json").read_text())
     assert raw["model_type"] == "medusa" and raw["num_heads"] == 2 and len(raw["specdec"]["accuracies"]) == 2
-    monkeypatch.setattr(medusa, "materialize", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(train_cli, "materialize", lambda *a, **k: pytest.fail("the target was loaded"))
     assert main(args) == 0  # a finished run: reported before the target loads
     assert "already finished (step 2/2)" in capsys.readouterr().out
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.training import datagen, datagen_cli, train
+from specdec.training import datagen, datagen_cli, train_cli
 from specdec.training.datagen import Plan, run_datagen
 from specdec.training.train import TrainConfig, train_eagle
 from tests.conftest import tiny_model, word_tokenizer
@@ -48,7 +48,7 @@ def parser():
     ap = argparse.ArgumentParser(prog="specdec")
     sub = ap.add_subparsers(dest="command", required=True)
     datagen_cli.add_parser(sub)
-    train.add_parser(sub)
+    train_cli.add_parser(sub)
     return ap
 
 
@@ -245,7 +245,7 @@ def test_rerunning_a_finished_run_says_so_and_does_nothing(tiny, tiny_data, tmp_
     train_eagle(TrainConfig(**kw), tiny, progress=False)
     files = [p for p in out.rglob("*") if p.is_file()]
     stamps = {p: p.stat().st_mtime_ns for p in files}
-    monkeypatch.setattr(train, "materialize", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(train_cli, "materialize", lambda *a, **k: pytest.fail("the target was loaded"))
     args = parser().parse_args(["train", "eagle", "--data", str(tiny_data), "--out", str(out), "--steps", "2",
                                 "--batch-size", "4", "--warmup", "1", "--log-every", "1"])
     capsys.readouterr()

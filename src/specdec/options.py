@@ -1,11 +1,12 @@
 """Typed parameters, each declared once with its type and range.
 
-Every method option (drafters/registry.py), the sampling fields (sampling.py), the generation limits
-and the runtime settings (api.py) are fields of an `Options` model. The CLI's flags, the API's
-keywords, bench specs and (later) the server's request fields are all checked by these models before
-any model loads, and a bad value is one `SpecdecError` naming the parameter, the value and what is
-allowed. Python callers are checked strictly (a str is not an int, True is not 1); text from a command
-line or a spec is converted first ("5" -> 5, "true" -> True, "[[0],[1]]" -> a list).
+Every method option (drafters/registry.py), the sampling fields (sampling.py), the generation limits,
+the runtime settings (api.py) and the training settings (training/config.py) are fields of an `Options`
+model. The CLI's flags, the API's keywords, bench specs and (later) the server's request fields are all
+checked by these models before any model loads, and a bad value is one `SpecdecError` naming the
+parameter, the value and what is allowed. Python callers are checked strictly (a str is not an int,
+True is not 1); text from a command line or a spec is converted first ("5" -> 5, "true" -> True,
+"[[0],[1]]" -> a list).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Param:
     metavar: str = "X"  # N, X, TEXT, PATH, {a,b}, ...
     boolean: bool = False
     escapes: bool = False  # a command line's backslash escapes are interpreted
+    required: bool = False  # no default: the flag must be given
 
 
 class Options(BaseModel):
@@ -69,6 +71,11 @@ class Options(BaseModel):
             super().__init__(**kw)
         except ValidationError as e:
             raise SpecdecError(_one_line(type(self), e, kw)) from None
+
+    @classmethod
+    def label(cls, name: str) -> str:
+        """How errors name a field (a parameter set named by its flags says "--max-len")."""
+        return name
 
     @classmethod
     def params(cls) -> tuple[Param, ...]:
@@ -101,40 +108,61 @@ class Options(BaseModel):
                 try:
                     kw[name] = _from_text(f.annotation, value)
                 except ValidationError:
-                    shown = name if given_as[name] == name else f"{name} (given as {given_as[name]!r})"
+                    shown = cls.label(name) + ("" if given_as[name] == name else f" (given as {given_as[name]!r})")
                     raise SpecdecError(f"{where}{shown} must be {_allowed(f)}, got {value!r}") from None
         try:
             return cls(**kw)
         except SpecdecError as e:
             msg = str(e)
             for name, key in given_as.items():  # name the option as the user wrote it
-                if key != name and msg.startswith(name + " "):
-                    msg = f"{name} (given as {key!r}){msg[len(name):]}"
+                label = cls.label(name)
+                if key != name and msg.startswith(label + " "):
+                    msg = f"{label} (given as {key!r}){msg[len(label):]}"
             raise SpecdecError(f"{where}{msg}") from None
 
 
-def add_flags(parser: argparse.ArgumentParser, schema: type[Options], only: tuple[str, ...] | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, schema: type[Options], only: tuple[str, ...] | None = None,
+              skip: tuple[str, ...] = (), early: bool = False) -> None:
     """One command-line flag per declared field (a list field: a repeatable flag; a bool: `--flag` alone
-    means true, `--flag false` still works). Values stay text until `schema.parse(flag_values(args,
-    schema))`, so a command accepts exactly what the API does and reports errors the same way."""
+    means true, `--flag false` still works; a field without a default: a required flag). Values stay text
+    until `schema.parse(flag_values(args, schema))`, so a command accepts exactly what the API does and
+    reports errors the same way. early: each value is also checked against its field as argparse reads
+    it (a bad one exits 2 with argparse's one line, before the command runs)."""
     for par in schema.params():
-        if only is not None and par.name not in only:
+        if (only is not None and par.name not in only) or par.name in skip:
             continue
         many = isinstance(par.default, list)
         kw: dict[str, Any] = dict(dest=f"{schema.__name__}.{par.name}", metavar=par.metavar,
-                                  default=[] if many else None, help=flag_help(par))
+                                  default=[] if many else None, help=flag_help(par), required=par.required)
         if par.boolean:
             kw |= bool_flag()
         else:
             kw["action"] = "append" if many else "store"
             if par.escapes:
                 kw["type"] = unescape
+            elif early:
+                kw["type"] = field_type(schema.model_fields[par.name])
         parser.add_argument("--" + par.name.replace("_", "-"), **kw)
+
+
+def field_type(f: FieldInfo) -> Callable[[str], Any]:
+    """An argparse `type=` checking a value against one declared field (its type and range)."""
+    ann = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+    adapter = TypeAdapter(ann, config=ConfigDict(allow_inf_nan=False))
+
+    def parse(text: str) -> Any:
+        try:
+            return _from_text(f.annotation, text, adapter)
+        except ValidationError:
+            raise argparse.ArgumentTypeError(f"must be {_allowed(f)}, got {text!r}") from None
+    return parse
 
 
 def flag_help(par: Param, default: str | None = None) -> str:
     """The help line with its default said once: a help text that already names its default keeps it."""
     text = par.help + (" (backslash escapes such as \\n and \\t are interpreted)" if par.escapes else "")
+    if par.required:
+        return text
     shown = par.shown if default is None else default
     return text if "default" in par.help.lower() else f"{text} (default {shown})"
 
@@ -182,7 +210,7 @@ def flag_values(args: argparse.Namespace, schema: type[Options]) -> dict[str, An
 
 def arg_type(kind: type, *, ge: float | None = None, gt: float | None = None,
              le: float | None = None) -> Callable[[str], Any]:
-    """An argparse `type=` for a flag only one tool has (bench's --repeats, train's --lr): the same
+    """An argparse `type=` for a flag only one tool has (bench's --repeats, datagen's --shards): the same
     conversion, range check and wording as a declared field, as argparse's one-line error."""
     ann = Annotated[kind, Field(ge=ge, gt=gt, le=le, allow_inf_nan=False)]
     adapter, info = TypeAdapter(ann), FieldInfo.from_annotation(ann)
@@ -209,13 +237,14 @@ def _adapter(ann: Any) -> TypeAdapter:
     return TypeAdapter(ann)
 
 
-def _from_text(ann: Any, text: str) -> Any:
+def _from_text(ann: Any, text: str, adapter: TypeAdapter | None = None) -> Any:
     text = text.strip()
+    adapter = adapter or _adapter(ann)
     if text.lower() in ("none", "null") and type(None) in typing.get_args(ann):
         return None
     if _base(ann) in (list, tuple):
-        return _adapter(ann).validate_json(text)
-    return _adapter(ann).validate_python(text, strict=False)
+        return adapter.validate_json(text)
+    return adapter.validate_python(text, strict=False)
 
 
 def _base(ann: Any) -> Any:
@@ -254,12 +283,13 @@ def _allowed(f: FieldInfo) -> str:
 
 def _param(name: str, f: FieldInfo) -> Param:
     extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
-    default = f.get_default(call_default_factory=True)
+    required = f.is_required()
+    default = None if required else f.get_default(call_default_factory=True)
     shown = extra.get("shown") or (json.dumps(default) if isinstance(default, (list, tuple, bool)) or default is None
                                    else str(default))
     return Param(name, default, f.description or "", tuple(extra.get("aliases") or ()), shown, _allowed(f),
                  extra.get("metavar") or _metavar(f.annotation), _base(f.annotation) is bool,
-                 bool(extra.get("escapes")))
+                 bool(extra.get("escapes")), required)
 
 
 def _metavar(ann: Any) -> str:
@@ -282,8 +312,10 @@ def _one_line(cls: type[Options], err: ValidationError, given: Mapping[str, Any]
     value = given.get(name, e.get("input"))
     if e.get("type") == "extra_forbidden":
         return f"unknown option {name!r} (valid: {', '.join(cls.model_fields) or 'none'})"
+    if e.get("type") == "missing":
+        return f"{cls.label(name)} must be given"
     if e.get("type") == "value_error":  # a field validator says "must be ..., got ..." itself
-        return f"{name} {e.get('ctx', {}).get('error', e['msg'])}"
+        return f"{cls.label(name)} {e.get('ctx', {}).get('error', e['msg'])}"
     f = cls.model_fields.get(name)
     allowed = _allowed(f) if f is not None else e["msg"].removeprefix("Input ").removeprefix("should be ")
-    return f"{name} must be {allowed}, got {value!r}"
+    return f"{cls.label(name)} must be {allowed}, got {value!r}"

@@ -14,15 +14,15 @@ import torch
 
 from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
+from specdec.cli import medusa as medusa_cli
 from specdec.cli.chat import repl
 from specdec.cli.output import detail_line, end_answer, say, write_answer
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
-from specdec.heads import medusa_cli
 from specdec.machine import ContentionMeter
 from specdec.options import add_flags, flag_values
 from specdec.target.loading import Runtime, resolve
-from specdec.training import datagen_cli, train
+from specdec.training import datagen_cli, train_cli
 from specdec.tune import cli as tune_cli
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)
     datagen_cli.add_parser(sub)
-    train.add_parser(sub)
+    train_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     medusa_cli.add_parser(sub)
     add_bench_parser(sub)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.cli.args import one_line_errors
 from specdec.options import add_flags, arg_type, flag_values
 from specdec.target.loading import Runtime, load_model
 from specdec.training.datagen import (
@@ -13,7 +14,6 @@ from specdec.training.datagen import (
     Plan,
     aux_layer_list,
     check_run,
-    one_line_errors,
     run_datagen,
     source_list,
     temperature_list,

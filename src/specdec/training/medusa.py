@@ -6,78 +6,64 @@ The loss and the accuracies are medusa_objective.py's. Medusa-1: nothing but the
 the end, each head's top-i accuracy on held-in data goes into the heads' config.json (specdec.accuracies),
 from which the `medusa` method builds Medusa's sparse tree.
 
-The step loop, checkpoints, exact resume and multi-process runs are train.py's (loop.py); both kinds share
-this config, its flags and the checks before training (data, draft vocabulary, resume settings).
+The skeleton, the step loop, checkpoints, exact resume and multi-process runs are trainer.py's and loop.py's,
+as for train.py's heads; both kinds share this config, its flags and the checks before training (data,
+draft vocabulary, resume settings).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import LM_HEADS, MedusaHeads
 from specdec.heads.medusa_io import load_medusa, save_medusa
-from specdec.heads.shipped import target_fingerprint
-from specdec.options import add_flags, arg_type, flag_values
-from specdec.target.loading import Runtime, materialize
-from specdec.training.datagen import one_line_errors
-from specdec.training.loop import (
-    LOOP_RULES,
-    SCHEDULES,
-    LoopConfig,
-    add_config_flags,
-    finished_run,
-    global_sum,
-    knob,
-    load_data,
-    load_resume,
-    load_target,
-    lr_lambda,
-    run_steps,
-)
-from specdec.training.medusa_joint import train_joint
+from specdec.training.config import LoopConfig, knob, recipe
+from specdec.training.loop import finished_run, global_sum, lr_lambda
+from specdec.training.medusa_joint import JointTraining
 from specdec.training.medusa_objective import MedusaObjective, head_accuracies, heads_record, held_in
 from specdec.training.shards import build_draft_vocab
+from specdec.training.trainer import Trainer
 
 __all__ = ["MedusaTrainConfig", "train_medusa", "head_accuracies", "held_in", "MedusaObjective"]
 
 
-@dataclass
 class MedusaTrainConfig(LoopConfig):
     # Medusa's own settings and docs/training.md section 5's recipe
-    lr: float = knob(1e-3, "peak learning rate (AdamW; Medusa's)", "X")
-    warmup: int = knob(20, "steps of linear warmup to --lr; a warmup as long as the whole run is cut to a "
-                       "tenth of it, with a note", "N")
-    clip: float = knob(1.0, "gradient-norm clip (0: none)", "X")
-    num_heads: int = knob(4, "heads; head k predicts the token k + 2 positions ahead", "N")
-    num_layers: int = knob(1, "residual blocks per head", "N")
-    lm_head: str = knob("target", "target (the target's, shared and frozen) or own (one per head, from the "
-                        "target's rows, trained)")
+    out: str = recipe(LoopConfig, "out", description="run dir: checkpoints/, log.jsonl, heads/ (the result; with "
+                      "--joint also target/, the new target the heads are for)")
+    max_len: int = recipe(LoopConfig, "max_len", ge=3)
+    lr: float = recipe(LoopConfig, "lr", default=1e-3, description="peak learning rate (AdamW; Medusa's)")
+    warmup: int = recipe(LoopConfig, "warmup", default=20)
+    clip: float = recipe(LoopConfig, "clip", default=1.0)
+    num_heads: int = knob(4, "heads; head k predicts the token k + 2 positions ahead", ge=1, le=16, resume=True)
+    num_layers: int = knob(1, "residual blocks per head", ge=1, resume=True)
+    lm_head: Literal[LM_HEADS] = knob("target", "target (the target's, shared and frozen) or own (one per head, "
+                                      "from the target's rows, trained)", resume=True)
     draft_vocab: int = knob(0, "LM heads over the N most frequent answer tokens (the shipped SmolLM2 heads: "
-                            "8192); 0: the full target vocabulary", "N")
-    decay: float = knob(0.8, "head k's loss weight is decay^(k+1)", "X")
+                            "8192); 0: the full target vocabulary", ge=0, resume=True)
+    decay: float = knob(0.8, "head k's loss weight is decay^(k+1)", gt=0, le=1, resume=True)
     # Medusa-2 (--joint): L = KL(p_original || p_new) + lambda0 * the heads' loss, the backbone trained too
-    joint: bool = knob(False, "Medusa-2: train the backbone too; the result is a new target in <out>/target")
-    lambda0: float = knob(0.2, "--joint: the heads' loss weight (Medusa's medusa_heads_coefficient)", "X")
-    backbone_lr: float = knob(0.0, "--joint: the backbone's lr; 0: --lr / 4 (Medusa's ratio)", "X")
-    heads_warmup: int = knob(-1, "--joint: first steps that train only the heads; -1: a quarter of the run", "N")
-    full_finetune: bool = knob(False, "--joint: train every backbone weight instead of LoRA adapters")
-    lora_rank: int = knob(16, "--joint: LoRA rank", "N")
-    lora_alpha: float = knob(32.0, "--joint: LoRA alpha", "X")
+    joint: bool = knob(False, "Medusa-2: train the backbone too; the result is a new target in <out>/target",
+                       resume=True)
+    lambda0: float = knob(0.2, "--joint: the heads' loss weight (Medusa's medusa_heads_coefficient)", ge=0,
+                          resume=True)
+    backbone_lr: float = knob(0.0, "--joint: the backbone's lr; 0: --lr / 4 (Medusa's ratio)", ge=0, resume=True)
+    heads_warmup: int = knob(-1, "--joint: first steps that train only the heads; -1: a quarter of the run", ge=-1,
+                             resume=True)
+    full_finetune: bool = knob(False, "--joint: train every backbone weight instead of LoRA adapters", resume=True)
+    lora_rank: int = knob(16, "--joint: LoRA rank", ge=1, resume=True)
+    lora_alpha: float = knob(32.0, "--joint: LoRA alpha", gt=0, resume=True)
     # the layers below the adapters run without a graph, so a step's backward covers N layers
-    lora_layers: int = knob(0, "--joint: adapters on the last N decoder layers only; 0: all", "N")
+    lora_layers: int = knob(0, "--joint: adapters on the last N decoder layers only; 0: all", ge=0, resume=True)
     # recomputing costs ~10%; SmolLM2-135M, batch 4 (~1,350 tokens): peak RSS 9.8 GB instead of 6.9
     keep_activations: bool = knob(False, "--joint: keep the backbone's activations for the backward pass "
                                   "instead of recomputing them (faster, far more memory)")
 
     def check(self) -> None:
-        """The CLI's rules for API callers too: a SpecdecError naming the flag, before any work."""
-        self.check_rules(RULES)
-        if self.lm_head not in LM_HEADS:
-            raise SpecdecError(f"--lm-head must be one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
         if self.full_finetune and not self.joint:
             raise SpecdecError("--full-finetune trains the backbone: it needs --joint")
         if self.lora_layers and self.full_finetune:
@@ -92,24 +78,11 @@ class MedusaTrainConfig(LoopConfig):
         return [self.decay ** (k + 1) for k in range(self.num_heads)]
 
 
-RULES = {
-    **LOOP_RULES, "max_len": arg_type(int, ge=3), "num_heads": arg_type(int, ge=1, le=16),
-    "num_layers": arg_type(int, ge=1), "draft_vocab": arg_type(int, ge=0), "decay": arg_type(float, gt=0, le=1),
-    "lambda0": arg_type(float, ge=0), "backbone_lr": arg_type(float, ge=0), "heads_warmup": arg_type(int, ge=-1),
-    "lora_rank": arg_type(int, ge=1), "lora_alpha": arg_type(float, gt=0), "lora_layers": arg_type(int, ge=0),
-}
-# what a resumed (or re-run) run must share with the one in --out
-RESUME_KEYS = ("data", "steps", "epochs", "batch_size", "max_len", "lr", "warmup", "schedule", "min_lr_ratio",
-               "weight_decay", "clip", "num_heads", "num_layers", "lm_head", "draft_vocab", "decay", "seed", "joint",
-               "init_from", "lambda0", "backbone_lr", "heads_warmup", "full_finetune", "lora_rank", "lora_alpha",
-               "lora_layers")
-
-
 # ---- the trainer ----
 
 def finished_heads(cfg: MedusaTrainConfig) -> tuple[Path, int] | None:
     """(cfg.out/heads, its step count) when this run is complete; else None (see loop.finished_run)."""
-    return finished_run(cfg, MedusaTrainConfig, RESUME_KEYS, "heads")
+    return finished_run(cfg, "heads")
 
 
 def warm_start(cfg: MedusaTrainConfig, hidden: int, vocab: int, lm_cpu: torch.Tensor) -> MedusaHeads:
@@ -125,125 +98,79 @@ def warm_start(cfg: MedusaTrainConfig, hidden: int, vocab: int, lm_cpu: torch.Te
     return heads
 
 
+class MedusaTrainer(Trainer):
+    """Medusa-1 heads: the target frozen, the heads read the stored features (module doc)."""
+
+    result = "heads"
+
+    def __init__(self, cfg: MedusaTrainConfig, target, accelerator=None, progress: bool = True) -> None:
+        super().__init__(cfg, target, accelerator, progress)
+        self.stats_shape = (cfg.num_heads, 3)
+
+    def finished(self, path: Path, steps: int) -> dict:
+        vocab, hidden = self.target_lm.shape
+        heads = load_medusa(path, hidden, vocab, target_lm_head=self.target_lm)
+        return {"steps": steps, "total_steps": steps, "history": [], "heads": heads, "finished": True,
+                "seconds": 0.0, "data_tokens": heads.meta.get("training", {}).get("data_tokens", 0),
+                "accuracies": heads.meta.get("accuracies"), "drift": heads.meta.get("drift"),
+                "target": str(Path(self.cfg.out) / "target") if self.cfg.joint else None}
+
+    def model(self) -> MedusaHeads:
+        cfg, lm_cpu = self.cfg, self.target_lm
+        vocab, hidden = lm_cpu.shape
+        if cfg.init_from:
+            return warm_start(cfg, hidden, vocab, lm_cpu)
+        heads = MedusaHeads(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
+        draft_ids = None
+        if cfg.draft_vocab:
+            eos = getattr(self.target.config, "eos_token_id", None)
+            always = set([eos] if isinstance(eos, int) else (eos or []))
+            draft_ids = build_draft_vocab(self.data.token_counts(vocab), cfg.draft_vocab, always)
+        heads.init_lm_heads(lm_cpu, draft_ids)
+        return heads
+
+    def optimizer(self, heads):
+        params = list(heads.parameters())
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.cfg, self.total))
+
+    def objective(self, heads):
+        self.lm_dev = self.target_lm.to(self.acc.device)
+        return MedusaObjective(heads, self.lm_dev, self.cfg.weights)
+
+    def loss(self, step, mine, ids, feats, mask):
+        counts = torch.stack([mask[:, k + 2:].sum() for k in range(self.cfg.num_heads)])
+        # DDP averages gradients over processes: scale so the sum matches each head's global row mean
+        world = self.acc.num_processes
+        return self.module(ids, feats, mask, global_sum(self.acc, counts).clamp(min=1.0) / world)
+
+    def record(self, s):
+        rec = heads_record(self.cfg.weights, s)
+        return rec, {"loss": f"{rec['loss']:.3f}", "acc": "/".join(f"{a:.2f}" for a in rec["top1_acc_by_head"])}
+
+    def write(self, heads, ckpt: Path) -> None:
+        save_medusa(heads, ckpt / "heads", extra=self.meta)
+
+    def finish(self, final, step: int, seconds: float) -> dict:
+        cfg = self.cfg
+        if step == self.total and self.acc.is_main_process:
+            final.eval()
+            accs, rows = head_accuracies(final, self.data, held_in(len(self.data), cfg.seed), self.lm_dev)
+            self.meta["training"]["seconds"] = round(self.earlier + seconds, 3)
+            final.meta = self.meta | {"accuracies": accs, "accuracy_rows": rows}
+            save_medusa(final, Path(cfg.out) / "heads")
+            if cfg.ship_to:
+                save_medusa(final, cfg.ship_to, dtype=torch.float16)
+        return {"heads": final, "accuracies": final.meta.get("accuracies")}
+
+
+class JointTrainer(JointTraining, MedusaTrainer):
+    """Medusa-2: the heads with the backbone (medusa_joint.py's hooks on Medusa-1's heads)."""
+
+
 def train_medusa(cfg: MedusaTrainConfig, target_model, accelerator=None, progress: bool = True) -> dict:
     """Train (or resume) Medusa heads for `target_model`. Returns a summary; the heads end up in
     cfg.out/heads (usable with `medusa:heads=<dir>`), with --joint next to a new target in cfg.out/target
     (the heads are for that target; `target_model` itself is left as it was)."""
-    from accelerate import Accelerator
-
-    cfg.check()
-    done = finished_heads(cfg)
-    lm_cpu = target_model.get_output_embeddings().weight.detach().float()
-    vocab, hidden = lm_cpu.shape
-    if done is not None:  # nothing to do: a re-run of a finished run only reports it
-        heads = load_medusa(done[0], hidden, vocab, target_lm_head=lm_cpu)
-        return {"steps": done[1], "total_steps": done[1], "history": [], "heads": heads, "finished": True,
-                "seconds": 0.0, "data_tokens": heads.meta.get("training", {}).get("data_tokens", 0),
-                "accuracies": heads.meta.get("accuracies"), "drift": heads.meta.get("drift"),
-                "target": str(Path(cfg.out) / "target") if cfg.joint else None}
-    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    world, dev = acc.num_processes, acc.device
-    if cfg.joint and world > 1:
-        raise SpecdecError(f"--joint trains in one process for now, not {world}: run it without accelerate launch")
-    fp = target_fingerprint(target_model)
-    resume = load_resume(cfg, MedusaTrainConfig, RESUME_KEYS)
-    data, total = load_data(cfg, resume, fp, hidden, world, acc.is_main_process)
-
-    torch.manual_seed(cfg.seed)
-    if cfg.init_from:
-        heads = warm_start(cfg, hidden, vocab, lm_cpu)
-    else:
-        heads = MedusaHeads(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
-        draft_ids = None
-        if cfg.draft_vocab:
-            eos = getattr(target_model.config, "eos_token_id", None)
-            always = set([eos] if isinstance(eos, int) else (eos or []))
-            draft_ids = build_draft_vocab(data.token_counts(vocab), cfg.draft_vocab, always)
-        heads.init_lm_heads(lm_cpu, draft_ids)
-    n_data = data.n_tokens
-    meta = {"target": fp, "training": {"data_tokens": n_data, "data_sequences": len(data), "steps": total,
-                                       "config": asdict(cfg) | {"stop_after": 0, "ship_to": ""}}}
-    if cfg.joint:
-        return train_joint(cfg, target_model, heads, data, total, resume, meta, acc, progress)
-    if resume is not None:
-        heads.load_state_dict(resume["model"])
-    heads.to(dev)
-    target_lm = lm_cpu.to(dev)
-    params = list(heads.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
-    if resume is not None:
-        opt.load_state_dict(resume["optimizer"])
-        sched.load_state_dict(resume["scheduler"])
-    start = resume["step"] if resume else 0
-    objective = acc.prepare(MedusaObjective(heads, target_lm, cfg.weights))
-    state = {"config": asdict(cfg), "shards": data.names, "head_meta": meta}
-
-    def step_fn(step, mine, ids, feats, mask):
-        counts = torch.stack([mask[:, k + 2:].sum() for k in range(cfg.num_heads)])
-        # DDP averages gradients over processes: scale so the sum matches each head's global row mean
-        return objective(ids, feats, mask, global_sum(acc, counts).clamp(min=1.0) / world)
-
-    def record(s):
-        rec = heads_record(cfg.weights, s)
-        return rec, {"loss": f"{rec['loss']:.3f}", "acc": "/".join(f"{a:.2f}" for a in rec["top1_acc_by_head"])}
-
-    step, history, seconds = run_steps(
-        acc, cfg, data, objective, opt, sched, params, total, start, state, step_fn, record, (cfg.num_heads, 3),
-        lambda h, d: save_medusa(h, d / "heads", extra=meta), f"train {cfg.kind}", progress,
-        (resume or {}).get("seconds", 0.0))
-    final = acc.unwrap_model(objective).head
-    if step == total and acc.is_main_process:
-        final.eval()
-        accs, rows = head_accuracies(final, data, held_in(len(data), cfg.seed), target_lm)
-        meta["training"]["seconds"] = round((resume or {}).get("seconds", 0.0) + seconds, 3)
-        final.meta = meta | {"accuracies": accs, "accuracy_rows": rows}
-        save_medusa(final, Path(cfg.out) / "heads")
-        if cfg.ship_to:
-            save_medusa(final, cfg.ship_to, dtype=torch.float16)
-    acc.wait_for_everyone()
-    return {"steps": step, "total_steps": total, "history": history, "heads": final, "seconds": seconds,
-            "data_tokens": n_data, "accuracies": final.meta.get("accuracies")}
-
-
-# ---- CLI (a subcommand of `specdec train`, see train.py) ----
-
-def add_parser(kinds) -> None:
-    p = one_line_errors(kinds.add_parser(
-        "medusa", help="Medusa heads: K heads on the target's last feature; Medusa-1 (the target frozen), or "
-        "Medusa-2 with --joint (the backbone trained too, saved as a new target); resumes from --out if it "
-        "holds checkpoints"))
-    p.add_argument("--model", default=None, metavar="PATH", help="the target, the one the data was made with: "
-                   "HF dir, .gguf, or smollm2 (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", required=True, metavar="DIR[,DIR...]", help="datagen dir(s), comma-separated")
-    p.add_argument("--out", required=True, metavar="DIR", help="run dir: checkpoints/, log.jsonl, heads/ (the "
-                   "result; with --joint also target/, the new target the heads are for)")
-    add_config_flags(p, MedusaTrainConfig, RULES, {"schedule": SCHEDULES, "lm_head": LM_HEADS})
-    add_flags(p, Runtime, only=("threads",))
-    p.set_defaults(func=cmd_train_medusa)
-
-
-def cmd_train_medusa(args) -> int:
-    Runtime.parse(flag_values(args, Runtime)).apply()
-    cfg = MedusaTrainConfig.from_dict(vars(args))
-    cfg.check()
-    out, name = Path(cfg.out), "train medusa" + (" --joint" if cfg.joint else "")
-    target = f"; the new target is in {out / 'target'}" if cfg.joint else ""
-    done = finished_heads(cfg)
-    if done is not None:  # before the target loads: nothing else happens
-        print(f"{name}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the heads are in {done[0]}{target}")
-        return 0
-    r = train_medusa(cfg, load_target(materialize(args.model), args.model))
-    steps = f"step {r['steps']}/{r['total_steps']}"
-    if r["steps"] < r["total_steps"]:
-        print(f"{name}: stopped at {steps}; re-run the same command to resume")
-        return 0
-    last = r["history"][-1] if r["history"] else None
-    loss = f"; loss {last['loss']:.4f}" if last else ""
-    top1 = "/".join(f"{row[0]:.3f}" for row in r["accuracies"] or [])
-    drift = r.get("drift")
-    drift = (f"; drift from the original: greedy agreement {drift['greedy_agreement']:.3f}, "
-             f"KL {drift['kl_per_token']:.4f} nats/token" if drift else "")
-    print(f"{name}: {steps} in {r['seconds']:.0f} s{loss}; held-in top-1 accuracy by head {top1}{drift}; "
-          f"heads: {out / 'heads'}{target}")
-    return 0
+    kind = JointTrainer if cfg.joint else MedusaTrainer
+    return kind(cfg, target_model, accelerator, progress).train()

@@ -20,7 +20,7 @@ The backbone's decoder layers recompute their activations in the backward pass u
 (SmolLM2-135M, batch 4: peak RSS 6.9 GB instead of 9.8, ~35 s per joint step instead of ~31 on one core).
 
 A checkpoint holds the heads and the backbone's trainable tensors (JointTrained), the optimizer, the
-scheduler and the step: resumes are exact (loop.py). At the end the new target's features (a forward
+scheduler and the step: resumes are exact (trainer.py, loop.py). At the end the new target's features (a forward
 through it) give the heads' accuracies, and `drift` how far it moved from the original; both go into
 the heads' config.json with both targets' fingerprints. One process only for now.
 """
@@ -31,7 +31,6 @@ import copy
 import functools
 import shutil
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -45,11 +44,11 @@ from specdec.heads.medusa import MedusaHeads
 from specdec.heads.medusa_io import save_medusa
 from specdec.heads.shipped import target_fingerprint
 from specdec.training import medusa_objective
-from specdec.training.loop import lr_lambda, run_steps
+from specdec.training.loop import lr_lambda
 from specdec.training.medusa_objective import MedusaObjective, head_accuracies, heads_record, held_in
 from specdec.training.shards import ShardData
 
-__all__ = ["train_joint", "drift", "JointTrained", "JointObjective", "trainable_backbone"]
+__all__ = ["JointTraining", "drift", "JointTrained", "JointObjective", "trainable_backbone"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -187,71 +186,82 @@ def backbone_lambda(cfg, total: int, hw: int):
     return lambda step: 0.0 if step < hw else base(step - hw)
 
 
-# ---- the trainer (called by medusa.train_medusa after its checks) ----
+# ---- the trainer's hooks (medusa.JointTrainer: these on Medusa-1's trainer) ----
 
-def train_joint(cfg, original, heads: MedusaHeads, data: ShardData, total: int, resume: dict | None, meta: dict,
-                acc, progress: bool = True) -> dict:
-    """Train (or resume) the heads with a copy of `original` as in the module doc; write <out>/target and
-    then <out>/heads (whose existence marks a finished run). Returns train_medusa's summary plus "drift",
-    "target" (its dir) and "model" (the new target, in memory)."""
-    dev, out = acc.device, Path(cfg.out)
-    hw = heads_warmup(cfg, total)
-    backbone, peft_model = trainable_backbone(original, cfg)
-    trained = JointTrained(heads, backbone)
-    if resume is not None:
-        trained.load_state_dict(resume["model"])
-    trained.to(dev)
-    orig_lm = original.get_output_embeddings().weight.detach().float().to(dev)
-    head_params, bb_params = list(heads.parameters()), list(trained.trainable().values())
-    backbone_lr = cfg.backbone_lr or cfg.lr / 4
-    opt = torch.optim.AdamW([{"params": head_params, "lr": cfg.lr}, {"params": bb_params, "lr": backbone_lr}],
-                            weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lr_lambda(cfg, total), backbone_lambda(cfg, total, hw)])
-    if resume is not None:
-        opt.load_state_dict(resume["optimizer"])
-        sched.load_state_dict(resume["scheduler"])
-    start = resume["step"] if resume else 0
-    objective = acc.prepare(JointObjective(trained, orig_lm, cfg.weights, cfg.lambda0))
-    meta["training"] |= {"heads_warmup": hw, "backbone_lr": backbone_lr,
-                         "backbone": "full" if cfg.full_finetune else f"lora r={cfg.lora_rank} alpha={cfg.lora_alpha}"
-                         + (f" last {cfg.lora_layers} layers" if cfg.lora_layers else "")}
-    state = {"config": asdict(cfg), "shards": data.names, "head_meta": meta}
+class JointTraining:
+    """Medusa-2's hooks of trainer.Trainer (module doc): the heads (the Medusa-1 trainer's `model`) with a
+    copy of the target's backbone; at the end <out>/target and then <out>/heads (whose existence marks a
+    finished run) are written. The summary adds "drift", "target" (its dir) and "model" (the new target, in
+    memory)."""
 
-    def step_fn(step, mine, ids, feats, mask):
-        return objective(ids, feats, mask, step >= hw)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stats_shape = (1 + self.cfg.num_heads, 3)  # row 0: the backbone's KL; then the heads'
 
-    def record(s):
+    def setup(self) -> None:
+        world = self.acc.num_processes
+        if world > 1:
+            raise SpecdecError(f"--joint trains in one process for now, not {world}: run it without accelerate launch")
+
+    def trainable(self, heads: MedusaHeads) -> JointTrained:
+        self.hw = heads_warmup(self.cfg, self.total)
+        self.backbone, self.peft_model = trainable_backbone(self.target, self.cfg)
+        return JointTrained(heads, self.backbone)
+
+    def optimizer(self, trained: JointTrained):
+        cfg, total = self.cfg, self.total
+        head_params, bb_params = list(trained.heads.parameters()), list(trained.trainable().values())
+        backbone_lr = cfg.backbone_lr or cfg.lr / 4
+        opt = torch.optim.AdamW([{"params": head_params, "lr": cfg.lr}, {"params": bb_params, "lr": backbone_lr}],
+                                weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [lr_lambda(cfg, total), backbone_lambda(cfg, total, self.hw)])
+        self.meta["training"] |= {"heads_warmup": self.hw, "backbone_lr": backbone_lr,
+                                  "backbone": "full" if cfg.full_finetune else f"lora r={cfg.lora_rank} "
+                                  f"alpha={cfg.lora_alpha}" + (f" last {cfg.lora_layers} layers" if cfg.lora_layers
+                                                               else "")}
+        return head_params + bb_params, opt, sched
+
+    def objective(self, trained: JointTrained) -> JointObjective:
+        orig_lm = self.target_lm.to(self.acc.device)
+        return JointObjective(trained, orig_lm, self.cfg.weights, self.cfg.lambda0)
+
+    def loss(self, step, mine, ids, feats, mask):
+        return self.module(ids, feats, mask, step >= self.hw)
+
+    def record(self, s):
         n = s[0, 2].clamp(min=1.0)
-        h = heads_record(cfg.weights, s[1:])
+        h = heads_record(self.cfg.weights, s[1:])
         kl, agree = float(s[0, 0] / n), float(s[0, 1] / n)
-        rec = {"loss": kl + cfg.lambda0 * h.pop("loss"), "kl": kl, "lm_top1_agreement": agree} | h
+        rec = {"loss": kl + self.cfg.lambda0 * h.pop("loss"), "kl": kl, "lm_top1_agreement": agree} | h
         return rec, {"loss": f"{rec['loss']:.3f}", "kl": f"{kl:.4f}",
                      "acc": "/".join(f"{a:.2f}" for a in h["top1_acc_by_head"])}
 
-    params = head_params + bb_params
-    step, history, seconds = run_steps(
-        acc, cfg, data, objective, opt, sched, params, total, start, state, step_fn, record,
-        (1 + cfg.num_heads, 3), lambda t, d: None, f"train {cfg.kind}", progress, (resume or {}).get("seconds", 0.0))
-    summary = {"steps": step, "total_steps": total, "history": history, "heads": heads, "seconds": seconds,
-               "data_tokens": data.n_tokens, "accuracies": None, "drift": None, "target": None, "model": None}
-    if step < total:
-        return summary
-    for layer in getattr(backbone.get_decoder(), "layers", []):
-        layer.__dict__.pop("forward", None)  # recomputation off again
-    new = (peft_model.merge_and_unload() if peft_model is not None else backbone).eval().requires_grad_(False)
-    save_target(new, original, out / "target")
-    heads.eval()
-    new_lm = new.get_output_embeddings().weight.detach()
-    accs, rows = head_accuracies(heads, NewFeatures(data, new), held_in(len(data), cfg.seed), new_lm)
-    moved = drift(original, new, drift_prompts(data, cfg.seed), DRIFT_TOKENS)
-    meta["training"]["seconds"] = round((resume or {}).get("seconds", 0.0) + seconds, 3)
-    heads.meta = meta | {"kind": "medusa-2", "target": target_fingerprint(new), "original_target": meta["target"],
-                         "lossless_relative_to": str((out / "target").resolve()), "accuracies": accs,
-                         "accuracy_rows": rows, "drift": moved}
-    save_medusa(heads, out / "heads")
-    if cfg.ship_to:
-        save_medusa(heads, cfg.ship_to, dtype=torch.float16)
-    return summary | {"accuracies": accs, "drift": moved, "target": str(out / "target"), "model": new}
+    def write(self, trained, ckpt: Path) -> None:
+        pass  # state.pt holds it all: the result is the merged target, written once at the end
+
+    def finish(self, final: JointTrained, step: int, seconds: float) -> dict:
+        cfg, original, data, heads, out = self.cfg, self.target, self.data, final.heads, Path(self.cfg.out)
+        summary = {"heads": heads, "accuracies": None, "drift": None, "target": None, "model": None}
+        if step < self.total:
+            return summary
+        for layer in getattr(self.backbone.get_decoder(), "layers", []):
+            layer.__dict__.pop("forward", None)  # recomputation off again
+        peft_model = self.peft_model
+        new = (peft_model.merge_and_unload() if peft_model is not None else self.backbone).eval().requires_grad_(False)
+        save_target(new, original, out / "target")
+        heads.eval()
+        new_lm = new.get_output_embeddings().weight.detach()
+        accs, rows = head_accuracies(heads, NewFeatures(data, new), held_in(len(data), cfg.seed), new_lm)
+        moved = drift(original, new, drift_prompts(data, cfg.seed), DRIFT_TOKENS)
+        meta = self.meta
+        meta["training"]["seconds"] = round(self.earlier + seconds, 3)
+        heads.meta = meta | {"kind": "medusa-2", "target": target_fingerprint(new), "original_target": meta["target"],
+                             "lossless_relative_to": str((out / "target").resolve()), "accuracies": accs,
+                             "accuracy_rows": rows, "drift": moved}
+        save_medusa(heads, out / "heads")
+        if cfg.ship_to:
+            save_medusa(heads, cfg.ship_to, dtype=torch.float16)
+        return summary | {"accuracies": accs, "drift": moved, "target": str(out / "target"), "model": new}
 
 
 def save_target(model, original, path: Path) -> None:

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
+from specdec.cli.args import one_line_errors
 from specdec.errors import SpecdecError
 from specdec.heads.medusa_formats import FORMATS, detect_format, export_medusa, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
 from specdec.target.loading import load_model
-
-
-def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Bad arguments print one line like every other specdec error (exit 2), not a usage block (as
-    training.datagen's, which this layer may not import)."""
-    p.error = lambda message: p.exit(2, f"specdec: error: {message} (see `{p.prog} -h`)\n")
-    return p
 
 
 def add_parser(sub) -> None:
