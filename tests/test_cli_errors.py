@@ -6,7 +6,7 @@ import pytest
 import specdec.api
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import tiny_model, word_tokenizer
 
 
 @pytest.fixture

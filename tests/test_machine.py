@@ -8,7 +8,7 @@ import pytest
 
 from specdec import machine
 from specdec.machine import memory_floor, weight_bytes_per_token
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 def test_weight_bytes_count_tied_tensors_once_and_one_row_of_an_untied_embedding():

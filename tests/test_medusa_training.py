@@ -22,8 +22,7 @@ from specdec.heads.shipped import target_fingerprint
 from specdec.training import medusa, medusa_objective
 from specdec.training.medusa import MedusaObjective, MedusaTrainConfig, head_accuracies, held_in, train_medusa
 from specdec.training.shards import ShardData
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")

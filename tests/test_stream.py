@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdec.target import stream
 from specdec.target.lean import LeanRunner
 from specdec.target.packed import PRECISIONS, Linear, round_weight
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
     "AVX2", "AVX512")

@@ -9,11 +9,11 @@ with a classic bug must fail the very same test.
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec.sampling import Coupling, SamplingParams, probs_from_logits, sample
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
+from tests.helpers import chi2_pvalue
 
 V = 6
 _g = torch.Generator().manual_seed(1234)
@@ -86,17 +86,6 @@ def empirical_joint(verify_fn, shape, params, root=0, trials=8000, seed=0):
             out = out + [int(torch.multinomial(p2[out[0]], 1, generator=g))]
         counts[out[0] * V + out[1]] += 1
     return counts
-
-
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 def test_inverse_cdf_sample_follows_the_weights_and_never_draws_a_zero():
