@@ -241,6 +241,7 @@ def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
     assert 0 in seen and len(seen) >= 3  # vanilla steps and trees of several sizes were verified
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
                          ids=["T1", "T0.8-topk3-topp0.9"])
 def test_adaptive_sampling_matches_the_target_distribution(params):
@@ -256,6 +257,7 @@ def test_adaptive_sampling_matches_the_target_distribution(params):
 SAMPLED_MENU = [(TreeBudget(1, 1, 1), 0.4), (TreeBudget(2, 2, 3), 0.7), (TreeBudget(2, 3, 6), 1.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
                          ids=["T1", "T0.8-topk3-topp0.9"])
 @pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])

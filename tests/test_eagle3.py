@@ -162,6 +162,7 @@ def test_eagle3_greedy_equals_vanilla(tiny, trained3, which):
         assert np.mean(taus) > 1.3
 
 
+@pytest.mark.slow
 def test_eagle3_sampling_matches_vanilla_distribution():
     """Sampled children (each with its q) at T > 0 with top-k and top-p: the first 3 tokens follow the target."""
     model = flat_tiny()

@@ -107,6 +107,7 @@ def test_full_vocab_ablation_restores_the_whole_target_head(tiny, trained, tmp_p
         from_models(tiny, None, "eagle2", head=str(tmp_path / "own"), full_vocab=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dynamic,params", [(True, SamplingParams(1.0)), (False, SamplingParams(0.8, top_k=3))],
     ids=["eagle2-T1", "eagle-T0.8-topk3"])
@@ -122,6 +123,7 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params,draft_vocab", [
     (SamplingParams(1.0), None), (SamplingParams(0.8, top_k=3), None),
     (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)))], ids=["T1", "T0.8-topk3", "T1.2-topp-reduced"])
@@ -172,6 +174,7 @@ def test_sampled_children_options_are_checked():
         registry.parse("eagle2", {"children": "beam"})
 
 
+@pytest.mark.slow
 def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
     """Why build_sampled_tree keeps the expansion's first nodes instead of the top ones by value: pruning a
     sampled node by its own value changes its distribution away from its q (the chi-square test sees it)."""

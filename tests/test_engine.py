@@ -35,6 +35,7 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["lean", "hf"])
 def test_vanilla_greedy_equals_hf_generate(family, backend):
     model = tiny_model(family)
@@ -71,6 +72,7 @@ def test_draft_with_fewer_vocab_rows_is_padded():
 
 # ---- T > 0: the distribution of the first generated tokens equals vanilla sampling ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coupled", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize(
@@ -181,6 +183,7 @@ def test_prompt_lookup_is_lossless_and_finds_repeats():
     assert got == want and stats.depth_tries[0] > 0
 
 
+@pytest.mark.slow
 def test_prompt_lookup_sampling_matches_vanilla_distribution():
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
 

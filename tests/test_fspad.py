@@ -251,6 +251,7 @@ def test_fspad_refuses_a_head_without_fs_and_pad(tiny, trained):
         from_models(tiny, None, "fspad", head=str(trained[1] / "head"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant,params",
     [("fs", SamplingParams(0.8, top_k=3, top_p=0.95)), ("pad", SamplingParams(1.2, top_k=4, top_p=0.85))],

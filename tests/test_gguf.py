@@ -138,6 +138,7 @@ def test_speculative_greedy_equals_vanilla_exactly(tiny, shape):
     assert np.mean(taus) > 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
     path, model = tiny_gguf(tmp_path / "t.gguf", fmt, "llama", seed=5, vocab_size=SMALL_V, head_scale=1.5)

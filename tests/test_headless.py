@@ -161,6 +161,7 @@ def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
     assert chose
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
                          ids=["T1", "T0.8-topk3-topp0.9"])
 def test_headless_auto_sampling_matches_the_target_distribution(params):

@@ -142,6 +142,7 @@ def test_identity_heads_draft_the_targets_own_next_token_at_depth_one(tiny):
     assert torch.allclose(runner.logits(f)[0], tiny.lm_head.weight @ f, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree,params,children", [
     ("sparse", SamplingParams(1.0), "topk"), ("dense", SamplingParams(0.8, top_k=3), "topk"),
     ("sparse", SamplingParams(1.2, top_p=0.85), "topk"), ("sparse", SamplingParams(1.0), "sample"),
@@ -200,6 +201,7 @@ def test_typical_acceptance_is_marked_lossy_and_greedy_stays_exact(tiny, tmp_pat
     assert run(lossless.runner, lossless.drafter, prompt, sampled, 24)[1].acceptance == "lossless"
 
 
+@pytest.mark.slow
 def test_typical_acceptance_drifts_from_the_target_distribution_and_the_kl_is_measurable():
     """Lossy means measurably so: on a 5-token model the first-3 joint under typical acceptance is
     far from vanilla's (chi-square rejects) while the lossless verifier on the same tree is not."""

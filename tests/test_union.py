@@ -55,6 +55,7 @@ def test_eagle2_with_lookup_is_lossless_and_uses_both_drafts(tiny, trained):
             from_models(tiny, None, "eagle2", head=head_dir, lookup=bad)
 
 
+@pytest.mark.slow
 def test_eagle2_with_lookup_sampling_matches_vanilla_distribution():
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
     from specdec.drafters.union import UnionDrafter

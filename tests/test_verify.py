@@ -103,6 +103,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
 def test_verifier_is_exact_in_distribution(shape, params):
@@ -128,6 +129,7 @@ def broken_verify(tree, logits, params, g):
     return Verdict(path, [int(tree.tokens[i]) for i in path] + [bonus], bonus)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "topk"])
 def test_the_test_has_power_against_a_broken_verifier(shape):
     params = SETTINGS[0]
@@ -184,6 +186,7 @@ def coupled_verify(tree, logits, params, coupling, position):
     return verify(tree, logits, params, coupling=coupling, position=position).tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
 def test_coupled_verifier_is_exact_in_distribution(shape, params):
@@ -191,6 +194,7 @@ def test_coupled_verifier_is_exact_in_distribution(shape, params):
     assert chi2_pvalue(counts, exact_joint(params, 0)) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_coupled_test_has_power_against_noise_reused_across_positions():
     """The classic bug of a coupling: one noise vector for every position correlates consecutive tokens."""
     def reused(tree, logits, params, coupling, position):
