@@ -12,10 +12,18 @@ from specdec.drafters.costs import Costs, StepClock, load_costs, size_class
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
-from tests.conftest import tiny_model
-from tests.eagle_common import drafter_for, make_head
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
-from tests.test_verify import chi2_pvalue
+from tests.helpers import (
+    PROMPTS,
+    SMALL_V,
+    chi2_pvalue,
+    drafter_for,
+    exact_first3,
+    flat_tiny,
+    make_head,
+    run,
+    sample_first3,
+    tiny_model,
+)
 
 B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
 MENU = [(B4, 0.9), (B8, 1.3)]
@@ -271,12 +279,11 @@ def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
     assert 0 in seen and len(seen) >= 3  # vanilla steps and trees of several sizes were verified
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
                          ids=["T1", "T0.8-topk3-topp0.9"])
 def test_adaptive_sampling_matches_the_target_distribution(params):
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     drafter = adaptive_for(model, make_head(model, seed=3), 0.17, lookup=3)  # at the border: history decides
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
@@ -288,15 +295,14 @@ def test_adaptive_sampling_matches_the_target_distribution(params):
 SAMPLED_MENU = [(TreeBudget(1, 1, 1), 0.4), (TreeBudget(2, 2, 3), 0.7), (TreeBudget(2, 3, 6), 1.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
                          ids=["T1", "T0.8-topk3-topp0.9"])
 @pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])
 def test_adaptive_sampled_children_match_the_target_distribution(params, coupled):
     """Sampled requests draft children drawn from the head (sized from the sampled menu), a chain alone
     or nothing, chosen step by step: the first three tokens still follow the target's exact joint."""
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     drafter = adaptive_for(model, make_head(model, seed=3), 0.15, lookup=3, sampled=SAMPLED_MENU)
     seen = []
     orig = drafter.eagle.propose

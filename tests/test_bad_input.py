@@ -6,7 +6,7 @@ from specdec.api import from_models
 from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.target.loading import check_same_vocab, load_model, materialize
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import tiny_model, word_tokenizer
 
 
 def test_mismatched_vocabularies():

@@ -7,7 +7,7 @@ from specdec.api import from_models
 from specdec.sampling import SamplingParams
 from specdec.target.batched import batch_generate
 from specdec.target.lean import LeanRunner
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 class _Tok:  # token ids in, token ids out: enough for Decoder.generate with id prompts

@@ -13,7 +13,6 @@ from specdec.bench.methods import DEFAULT_METHODS, parse_methods
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.cli import build_parser, main
 from specdec.errors import SpecdecError
-from tests.test_bench_run import models, result  # noqa: F401 - fixtures: tiny target + draft, one small run
 
 
 def _banner_methods(err: str) -> list[str]:
@@ -28,9 +27,9 @@ def _methods_help() -> str:
 
 
 @pytest.fixture
-def hf_target(models, monkeypatch):  # noqa: F811
+def hf_target(bench_models, monkeypatch):
     """The bench CLI on the tiny HF target (not the embedded GGUF one): the HF peers run too."""
-    target, tok, _ = models
+    target, tok, _ = bench_models
     monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: (target, tok, None))
     monkeypatch.setattr(bench_cli, "native_gguf", lambda *a: False)
 
@@ -73,8 +72,8 @@ def test_a_shipped_head_adds_eagle2_to_the_banner_too(hf_target, qfile, tmp_path
     assert seen == ["vanilla", "hf", "pld"] == _banner_methods(capsys.readouterr().err)
 
 
-def test_plot_titles_carry_the_setting_and_loaded_methods_are_flagged(result, tmp_path, monkeypatch):  # noqa: F811
-    res, _ = result
+def test_plot_titles_carry_the_setting_and_loaded_methods_are_flagged(bench_result, tmp_path, monkeypatch):
+    res, _ = bench_result
     labels = [m["label"] for m in res["run"]["methods"]]
     by = res["run"]["contention"]["by_method"]
     assert set(by) == set(labels) and all(f is None or 0.0 <= f <= 1.0 for f in by.values())
@@ -103,8 +102,8 @@ def test_plot_titles_carry_the_setting_and_loaded_methods_are_flagged(result, tm
     assert report.loaded(run) == {} and "⚠" not in report.render(run, res["summary"], res["audit"])
 
 
-def test_progress_bar_names_the_turn(models, monkeypatch):  # noqa: F811
-    target, tok, _ = models
+def test_progress_bar_names_the_turn(bench_models, monkeypatch):
+    target, tok, _ = bench_models
     posts = []
 
     class Bar:

@@ -18,8 +18,7 @@ from specdec.bench.methods import parse_methods
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from tests.conftest import tiny_model
-from tests.test_bench_run import QS, char_tokenizer
+from tests.helpers import QS, char_tokenizer, tiny_model
 
 DIVERGE_AT = 3  # the "other weights" fake emits a different token here
 
@@ -232,6 +231,15 @@ def test_missing_package_fails_before_any_model_loads(tmp_path, monkeypatch, cap
     assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
+def fake_server(tmp_path, monkeypatch, code: str):
+    """A `llama-server` executable running `code`, where bench looks for the binary."""
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!{sys.executable}\n{code}")
+    script.chmod(0o755)
+    monkeypatch.setattr(llamacpp, "server_binary", lambda: script)
+    return script
+
+
 FAKE_SERVER = r'''
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -260,10 +268,7 @@ HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 def test_llama_server_peer_is_started_asked_and_stopped(models, fake, tmp_path, monkeypatch):
     target, tok = models
-    script = tmp_path / "llama-server"
-    script.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
-    script.chmod(0o755)
-    monkeypatch.setattr(llamacpp, "server_binary", lambda: script)
+    script = fake_server(tmp_path, monkeypatch, FAKE_SERVER)
     started, real_popen = [], llamacpp.subprocess.Popen
 
     def popen(cmd, *a, **k):
@@ -296,10 +301,7 @@ def test_llama_server_peer_is_started_asked_and_stopped(models, fake, tmp_path, 
 
 def test_draft_simple_passes_the_draft_model_and_records_peak_rss(models, fake, tmp_path, monkeypatch):
     target, _ = models
-    script = tmp_path / "llama-server"
-    script.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
-    script.chmod(0o755)
-    monkeypatch.setattr(llamacpp, "server_binary", lambda: script)
+    fake_server(tmp_path, monkeypatch, FAKE_SERVER)
     draft = write_gguf(tmp_path / "draft-q4.gguf", 3)
     spec = parse_methods(f"llamacpp-server:gguf={fake.q4}:spec=draft-simple:draft={draft}:draft_n_max=5", False)[-1]
     m = llamacpp.build(spec, target, {2}, threads=1, n_ctx=64)
@@ -321,11 +323,8 @@ def test_peak_rss_of_a_process_that_is_gone_is_none():
 
 def test_a_server_that_dies_is_one_error_with_its_last_words(models, fake, tmp_path, monkeypatch):
     target, _ = models
-    script = tmp_path / "llama-server"
-    script.write_text(f"#!{sys.executable}\nimport sys\nprint('loading')\nprint('error: unknown model arch')\n"
-                      "sys.exit(3)\n")
-    script.chmod(0o755)
-    monkeypatch.setattr(llamacpp, "server_binary", lambda: script)
+    fake_server(tmp_path, monkeypatch, "import sys\nprint('loading')\nprint('error: unknown model arch')\n"
+                                       "sys.exit(3)\n")
     spec = parse_methods(f"vanilla,llamacpp-server:gguf={fake.q4}", False)[-1]
     with pytest.raises(SpecdecError, match=r"llama-server exited \(3\): loading \| error: unknown model arch"):
         llamacpp.build(spec, target, {2}, threads=1, n_ctx=64)

@@ -7,8 +7,7 @@ import pytest
 
 import specdec.bench.cli as bench_cli
 from specdec.cli import main
-from tests.conftest import tiny_model
-from tests.test_bench_run import char_tokenizer
+from tests.helpers import char_tokenizer, tiny_model
 
 
 @pytest.fixture

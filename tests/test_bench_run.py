@@ -2,62 +2,22 @@
 file, the audit catching a corrupted output, compare, and CLI errors."""
 
 import json
-import string
 
 import pytest
 import torch
 
 from specdec.bench.audit import audit, audit_groups, first_divergence
-from specdec.bench.data import Question
 from specdec.bench.methods import parse_methods
 from specdec.bench.report import PLOTS
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.machine import weight_bytes_per_token
-from tests.conftest import tiny_model
-from tests.test_engine import noisy_copy
+from tests.helpers import QS, char_tokenizer, noisy_copy
 
 
-def char_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
-
-
-@pytest.fixture(scope="module")
-def models():
-    tok = char_tokenizer()
-    target = tiny_model("llama", vocab_size=len(tok))
-    return target, tok, noisy_copy(target, scale=0.2)
-
-
-QS = [Question("81", "writing", ["Write a poem.", "Now shorter."]), Question("7", "qa", ["What is 2+2?"])]
-
-
-@pytest.fixture(scope="module")
-def result(models, tmp_path_factory):
-    target, tok, draft = models
-    out = tmp_path_factory.mktemp("bench")
-    specs = parse_methods("vanilla,sps:gamma=3,sps-tree:topk=2:gamma=3:tree_tokens=6,hf-pld:num_tokens=4,hf-assisted",
-                          has_draft=True)
-    cfg = BenchConfig(specs, max_new_tokens=16, repeats=2, warmup_tokens=4, progress=False, threads=1,
-                      extra={"dataset": "test"})
-    return run_bench(cfg, QS, target, tok, draft, tok, out), out
-
-
-def test_end_to_end_writes_every_file(result, models):
-    res, out = result
+def test_end_to_end_writes_every_file(bench_result, bench_models):
+    res, out = bench_result
     for f in ["report.md", "run.json", "summary.json", "audit.json"] + [f"plots/{p}" for p in PLOTS]:
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     for p in PLOTS:
@@ -80,7 +40,7 @@ def test_end_to_end_writes_every_file(result, models):
     assert tree["calibration"] and 1 <= tree["tau"] <= 4 and "expected_improvement" in tree
     assert res["run"]["baseline"] in ("hf", "vanilla")
     assert res["run"]["machine"]["torch_threads"] >= 1 and res["run"]["machine"]["cpu"]
-    assert res["run"]["floor"]["weight_mb"] == weight_bytes_per_token(models[0]) / 1e6
+    assert res["run"]["floor"]["weight_mb"] == weight_bytes_per_token(bench_models[0]) / 1e6
     other = res["run"]["contention"]["other_cpu_frac"]
     assert other is None or 0.0 <= other <= 1.0
     md = (out / "report.md").read_text()
@@ -90,8 +50,8 @@ def test_end_to_end_writes_every_file(result, models):
         assert section in md, section
 
 
-def test_lossless_outputs_pass_the_audit(result):
-    res, _ = result
+def test_lossless_outputs_pass_the_audit(bench_result):
+    res, _ = bench_result
     aud = res["audit"]
     assert aud["checked"] == 6 * 6 - 3  # every generation except the reference's own first repeat
     assert aud["ok"], aud["mismatches"]
@@ -100,9 +60,9 @@ def test_lossless_outputs_pass_the_audit(result):
     assert len(t1) == 1
 
 
-def test_audit_catches_a_corrupted_output(models, result):
-    target, tok, _ = models
-    res, _ = result
+def test_audit_catches_a_corrupted_output(bench_models, bench_result):
+    target, tok, _ = bench_models
+    res, _ = bench_result
     recs = [dict(r) for r in res["records"] if r["method"] in ("vanilla", "sps:gamma=3")]
     prompts = res["prompts"]
     bad = next(r for r in recs if r["method"] == "sps:gamma=3" and r["question_id"] == "7")
@@ -119,8 +79,8 @@ def test_audit_catches_a_corrupted_output(models, result):
     assert m["verdict"] == "bug" and m["top2_gap"] > 0 and m["argmax"] == ref_tok
 
 
-def test_audit_calls_a_near_tie_a_tie(models):
-    target, _, _ = models
+def test_audit_calls_a_near_tie_a_tie(bench_models):
+    target, _, _ = bench_models
     prompt = [5, 6, 7]
     logits = target(torch.tensor([prompt])).logits[0, -1]
     t1, t2 = logits.topk(2).indices.tolist()
@@ -145,10 +105,10 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2]) == 2
 
 
-def test_compare_and_report_rebuild(result, tmp_path, capsys):
+def test_compare_and_report_rebuild(bench_result, tmp_path, capsys):
     from specdec.bench.report import rebuild
 
-    _, out = result
+    _, out = bench_result
     before = (out / "report.md").read_text()
     assert rebuild(out).read_text() == before  # the JSON files alone regenerate the report
     assert main(["bench", "compare", str(out), str(out), "--out", str(tmp_path / "cmp.md")]) == 0
@@ -165,6 +125,12 @@ def test_compare_and_report_rebuild(result, tmp_path, capsys):
     (["--methods", "sps:gamma"], "expected key=value"),
     (["--methods", "pld:weights=int3"], "weights"),
     (["--methods", "hf:weights=int8"], "only our methods take it"),
+    (["--temperatures", "0,warm"], "--temperatures: 'warm' is not a temperature"),
+    (["--temperatures", "0,-1"], "--temperatures: '-1' is not a temperature"),
+    (["--temperatures", "0,1,1.0"], "names a temperature twice"),
+    (["--temperature", "1", "--temperatures", "0,1"], "not both"),
+    (["--per-task", "1", "--quick"], "choose one of --per-category, --per-task and --quick"),
+    (["--per-task", "1", "--last", "3"], "--last cannot be combined"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, argv, msg):
     q = tmp_path / "q.jsonl"
@@ -175,8 +141,8 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, argv, msg):
     assert not (tmp_path / "o").exists()
 
 
-def test_bad_method_option_fails_before_timing(models):
-    target, tok, _ = models
+def test_bad_method_option_fails_before_timing(bench_models):
+    target, tok, _ = bench_models
     from specdec.errors import SpecdecError
 
     cfg = BenchConfig(parse_methods("vanilla,hf-pld:bogus_field=3", False), max_new_tokens=4, progress=False)
@@ -187,8 +153,8 @@ def test_bad_method_option_fails_before_timing(models):
         run_bench(cfg, QS[1:], target, tok, target, tok)
 
 
-def test_sampled_run_audits_by_greedy_replay(models):
-    target, tok, draft = models
+def test_sampled_run_audits_by_greedy_replay(bench_models):
+    target, tok, draft = bench_models
     cfg = BenchConfig(parse_methods("sps:gamma=2", True), max_new_tokens=8, temperature=0.8, warmup=0,
                       progress=False, threads=1, audit_questions=1)
     res = run_bench(cfg, QS[1:], target, tok, draft, tok)
@@ -197,8 +163,8 @@ def test_sampled_run_audits_by_greedy_replay(models):
     assert {r["method"] for r in res["records"]} == {"vanilla", "hf", "sps:gamma=2"}
 
 
-def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys):
-    target, tok, _ = models
+def test_cli_quick_path_with_a_tiny_model(bench_models, tmp_path, monkeypatch, capsys):
+    target, tok, _ = bench_models
     import specdec.bench.cli as bench_cli
 
     monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: (target, tok, None))
@@ -217,19 +183,45 @@ def test_cli_quick_path_with_a_tiny_model(models, tmp_path, monkeypatch, capsys)
     assert run["command"].startswith("specdec ")
 
 
-def test_report_flags_a_contended_run(result):
+def test_a_preset_runs_every_temperature_in_one_process_and_flags_win(bench_models, tmp_path, monkeypatch, capsys):
+    target, tok, _ = bench_models
+    import specdec.bench.cli as bench_cli
+
+    loads = []
+    monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: loads.append(spec) or (target, tok, None))
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["Hi?", "And then?"]}) + "\n"
+                         for i, c in enumerate(["qa", "qa", "rag", "writing", "math"])))
+    out = tmp_path / "res"
+    # the preset's methods and token count give way to the command line's; its subset, demo and T list stay
+    rc = main(["bench", "--preset", "adaptive", "--questions", str(q), "--methods", "vanilla,hf", "--max-new-tokens",
+               "5", "--threads", "1", "--no-progress", "--out", str(out)])
+    assert rc == 0 and len(loads) == 1
+    text = capsys.readouterr().out
+    assert text.count("losslessness audit: PASS") == 2
+    for t in (0, 1):
+        run = json.loads((out / f"T{t}" / "run.json").read_text())
+        assert run["config"]["temperature"] == t and run["config"]["max_new_tokens"] == 5
+        assert run["config"]["extra"]["preset"] == "adaptive"
+        # the demo prompt + 5 per task: both qa, rag, and the MT-bench rows (writing, math) as one task
+        assert run["questions"] == 6 and run["generations"] == 6 * 2  # first turns only
+    raw = (out / "T0" / "raw").iterdir()
+    assert any("demo" in json.dumps(json.loads(line)) for f in raw for line in f.read_text().splitlines())
+
+
+def test_report_flags_a_contended_run(bench_result):
     from specdec.bench.report import render
 
-    res, _ = result
+    res, _ = bench_result
     run = dict(res["run"], contention={"other_cpu_frac": 0.4})
     assert "Warning: other processes used 40% of the CPUs" in render(run, res["summary"], res["audit"])
     run = dict(res["run"], contention={"other_cpu_frac": 0.0})
     assert "Warning" not in render(run, res["summary"], res["audit"])
 
 
-def test_specbench_answer_files_recompute_our_speed(result):
+def test_specbench_answer_files_recompute_our_speed(bench_result):
     """The fields Spec-Bench's evaluation/speed.py reads, and its formula, give our numbers back."""
-    res, out = result
+    res, out = bench_result
     files = {p.stem: [json.loads(x) for x in p.read_text().splitlines()] for p in (out / "specbench").iterdir()}
     assert set(files) == {p.stem for p in (out / "raw").iterdir()}
     recs = [r for r in res["records"] if r["repeat"] == 0]
@@ -249,8 +241,8 @@ def test_specbench_answer_files_recompute_our_speed(result):
         assert sum(c["accept_lengths"]) + len(c["turns"]) >= sum(c["new_tokens"])  # the last step may be cut
 
 
-def test_a_method_on_its_own_weights_is_audited_against_the_vanilla_of_that_precision(models):
-    target, tok, _ = models
+def test_a_method_on_its_own_weights_is_audited_against_the_vanilla_of_that_precision(bench_models):
+    target, tok, _ = bench_models
     specs = parse_methods("vanilla,pld:num_tokens=3,pld:num_tokens=3:weights=int8", False)
     assert [s.label for s in specs][:3] == ["vanilla", "hf", "vanilla:weights=int8"]  # its reference, added
     cfg = BenchConfig(specs, max_new_tokens=12, warmup=0, progress=False, threads=1)
@@ -270,10 +262,10 @@ def test_a_method_on_its_own_weights_is_audited_against_the_vanilla_of_that_prec
     assert set(aud["agreement"]) >= {"vanilla:weights=int8", "pld:num_tokens=3:weights=int8"}
 
 
-def test_a_method_on_its_own_target_is_audited_against_that_targets_vanilla(models, tmp_path):
+def test_a_method_on_its_own_target_is_audited_against_that_targets_vanilla(bench_models, tmp_path):
     """target=DIR (e.g. a Medusa-2 run's new target): the method runs on that model, its vanilla is added as
     its reference, and a wrong tokenizer or a missing directory is one line before any model loads."""
-    target, tok, _ = models
+    target, tok, _ = bench_models
     other = noisy_copy(target, 0.5)  # a different model on the same tokenizer
     other.save_pretrained(tmp_path / "new")
     tok.save_pretrained(tmp_path / "new")
@@ -303,8 +295,8 @@ def test_a_method_on_its_own_target_is_audited_against_that_targets_vanilla(mode
         run_bench(cfg, QS, target, tok)
 
 
-def test_audit_groups_hold_each_method_to_its_own_reference(models):
-    target, _, _ = models
+def test_audit_groups_hold_each_method_to_its_own_reference(bench_models):
+    target, _, _ = bench_models
     prompt = [3, 4, 5]
     with torch.no_grad():
         ref = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 3:].tolist()
@@ -329,11 +321,11 @@ def test_audit_groups_hold_each_method_to_its_own_reference(models):
     assert (bad["method"], bad["reference"], bad["position"]) == ("b", "v8", 4)
 
 
-def test_a_peer_failing_on_one_prompt_costs_that_prompt_not_the_run(models, monkeypatch, tmp_path):
+def test_a_peer_failing_on_one_prompt_costs_that_prompt_not_the_run(bench_models, monkeypatch, tmp_path):
     """llama-cpp-python's prompt lookup once crashed on one MT-bench prompt after 37 minutes of a run."""
     import specdec.bench.runner as runner_mod
 
-    target, tok, _ = models
+    target, tok, _ = bench_models
     real = runner_mod.build_peer
 
     class Flaky:

@@ -16,7 +16,7 @@ import pytest
 
 from specdec.api import GenerationParams, from_models
 from specdec.cli.chat import Conversation
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(5)]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # each message's words, in order

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from specdec.api import from_models
-from tests.conftest import word_tokenizer
+from tests.helpers import word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]  # with <unk> and </s>: the tiny model's 97 ids
 PROMPTS = ["w3 w17 w5 w3 w17", "w40 w41 w42 w43 w40 w41", "w9 w9 w8 w7 w60 w61 w9 w9", "w70 w2 w33"]

@@ -1,16 +1,12 @@
 """Self-distillation data: shards, resume, and the benchmark-prompt exclusion."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from tests.conftest import tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.helpers import tiny_model
 
 # ---- data generation ----
 

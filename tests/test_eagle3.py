@@ -17,10 +17,7 @@ from specdec.target.hf import HFRunner
 from specdec.target.lean import LeanRunner
 from specdec.training.datagen import eagle3_layers, generate_answers, pack_shard, teacher_force, write_shard
 from specdec.tree import TreeBudget
-from tests.conftest import tiny_model
-from tests.eagle_common import greedy_taus
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, sample_first3
-from tests.test_verify import chi2_pvalue
+from tests.helpers import PROMPTS, chi2_pvalue, exact_first3, flat_tiny, greedy_taus, sample_first3, tiny_model
 
 
 def make_head3(model, seed=0, draft_vocab=None, scale=0.2):
@@ -165,11 +162,10 @@ def test_eagle3_greedy_equals_vanilla(tiny, trained3, which):
         assert np.mean(taus) > 1.3
 
 
+@pytest.mark.slow
 def test_eagle3_sampling_matches_vanilla_distribution():
     """Sampled children (each with its q) at T > 0 with top-k and top-p: the first 3 tokens follow the target."""
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     head = make_head3(model, seed=3, scale=0.1)
     drafter = drafter3(model, head, depth=3, topk=2, tree_size=5, children="sample")
     params = SamplingParams(0.9, top_k=4, top_p=0.9)
@@ -286,7 +282,7 @@ def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, 
     from specdec.drafters.base import NoDrafter
     from specdec.heads.io import is_eagle3_dir
     from specdec.tune.search import walk
-    from tests.test_engine import run
+    from tests.helpers import run
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     head_dir = trained3[1] / "head"

@@ -1,6 +1,5 @@
 """EAGLE-1/2 drafting: the static tree, and losslessness (exact at T = 0, chi-square at T > 0)."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,13 +11,18 @@ from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
-from tests.conftest import tiny_model
-from tests.eagle_common import drafter_for, greedy_taus, make_head
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
-from tests.test_verify import chi2_pvalue
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.helpers import (
+    PROMPTS,
+    SMALL_V,
+    chi2_pvalue,
+    drafter_for,
+    exact_first3,
+    flat_tiny,
+    greedy_taus,
+    make_head,
+    run,
+    sample_first3,
+)
 
 # ---- tree construction ----
 
@@ -103,13 +107,12 @@ def test_full_vocab_ablation_restores_the_whole_target_head(tiny, trained, tmp_p
         from_models(tiny, None, "eagle2", head=str(tmp_path / "own"), full_vocab=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dynamic,params", [(True, SamplingParams(1.0)), (False, SamplingParams(0.8, top_k=3))],
     ids=["eagle2-T1", "eagle-T0.8-topk3"])
 def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     head = make_head(model, seed=3)
     kw = {"depth": 3, "topk": 2, "tree_size": 5} if dynamic else {"choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}
     drafter = drafter_for(model, head, dynamic, **kw)
@@ -120,6 +123,7 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params,draft_vocab", [
     (SamplingParams(1.0), None), (SamplingParams(0.8, top_k=3), None),
     (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)))], ids=["T1", "T0.8-topk3", "T1.2-topp-reduced"])
@@ -127,9 +131,7 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
 def test_eagle2_sampled_children_match_vanilla_distribution(params, draft_vocab, coupled):
     """Unseeded: children drawn without replacement from the draft, each with its q (recursive rejection).
     Seeded: children ranked by log q + the coupling's noise (point masses). Both exact."""
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     head = make_head(model, seed=3, draft_vocab=draft_vocab)
     drafter = drafter_for(model, head, True, depth=3, topk=2, tree_size=5, children="sample")
     counts, sizes = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], params, coupled=coupled)
@@ -172,6 +174,7 @@ def test_sampled_children_options_are_checked():
         registry.parse("eagle2", {"children": "beam"})
 
 
+@pytest.mark.slow
 def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
     """Why build_sampled_tree keeps the expansion's first nodes instead of the top ones by value: pruning a
     sampled node by its own value changes its distribution away from its q (the chi-square test sees it)."""
@@ -183,9 +186,7 @@ def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
         return t.select(torch.argsort(-t.scores, stable=True)[:size].sort().values)
 
     monkeypatch.setattr(eagle_mod, "build_sampled_tree", reranked)
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     drafter = drafter_for(model, make_head(model, seed=3), True, depth=3, topk=2, tree_size=3, children="sample")
     counts, _ = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], SamplingParams(1.0), coupled=False)
     assert chi2_pvalue(counts, exact_first3(model, [1, 3, 0, 2], SamplingParams(1.0))) < 1e-6

@@ -1,7 +1,6 @@
 """The EAGLE head: module, save/load and validation, the lean runner and its KV cache."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +9,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.heads.runner import HeadRunner
 from specdec.training.shards import build_draft_vocab
-from tests.conftest import tiny_model
-from tests.eagle_common import VARIANTS, make_head
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import VARIANTS, make_head, tiny_model
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.heads.runner import HeadRunner
 from specdec.training.train import TrainConfig, train_eagle
-from tests.eagle_common import make_head
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.helpers import ROOT, make_head
 
 # ---- training ----
 

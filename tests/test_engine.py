@@ -10,45 +10,22 @@ from hypothesis import strategies as st
 
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams
 from specdec.target.hf import HFRunner
 from specdec.target.lean import LeanRunner
 from specdec.tree import TreeBudget
-from tests.conftest import tiny_model
-from tests.test_verify import chi2_pvalue
-
-
-def noisy_copy(model, scale=0.3, seed=1):
-    """A draft that agrees with the target often but not always."""
-    d = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
-    return d
-
-
-def run(runner, drafter, prompt, params, n, eos=()):
-    stats = Stats()
-    out = [t for step in decode(runner, drafter, prompt, params, n, set(eos), stats) for t in step]
-    return out, stats
-
-
-def sample_first3(target, drafter, prompt, params, n=2500, coupled=True):
-    """Counts of the first 3 tokens over n seeds, and every draft size verified. 6 tokens are decoded
-    so that whole trees get drafted (the engine drafts no more than it may still emit); the first 3
-    must follow the target's exact joint. coupled: seeded requests (sampling.Coupling); else unseeded
-    ones (recursive rejection sampling) after seeding torch's global generator once."""
-    counts, sizes = np.zeros(SMALL_V**3), []
-    torch.manual_seed(0)
-    for seed in range(n):
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, seed if coupled else None)
-        toks, st = run(target, drafter, prompt, p, 6)
-        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
-        sizes += st.tree_sizes
-    return counts, sizes
+from tests.helpers import (
+    PROMPTS,
+    SMALL_V,
+    chi2_pvalue,
+    exact_first3,
+    flat_tiny,
+    noisy_copy,
+    run,
+    sample_first3,
+    tiny_model,
+)
 
 
 def hf_greedy(model, prompt, n):
@@ -58,9 +35,7 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 9, 41, 60, 3], [88], list(range(10, 40))]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["lean", "hf"])
 def test_vanilla_greedy_equals_hf_generate(family, backend):
     model = tiny_model(family)
@@ -97,20 +72,7 @@ def test_draft_with_fewer_vocab_rows_is_padded():
 
 # ---- T > 0: the distribution of the first generated tokens equals vanilla sampling ----
 
-SMALL_V = 5
-
-
-def exact_first3(model, prompt, params):
-    """Exact joint of the first 3 tokens under vanilla sampling, by enumerating all continuations."""
-    with torch.no_grad():
-        p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], params)
-        ids2 = torch.tensor([prompt + [a] for a in range(SMALL_V)])
-        p2 = probs_from_logits(model(ids2).logits[:, -1], params)  # [V, V]
-        ids3 = torch.tensor([prompt + [a, b] for a in range(SMALL_V) for b in range(SMALL_V)])
-        p3 = probs_from_logits(model(ids3).logits[:, -1], params).reshape(SMALL_V, SMALL_V, SMALL_V)
-    return (p1[:, None, None] * p2[:, :, None] * p3).numpy().reshape(-1)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("coupled", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize(
@@ -118,9 +80,7 @@ def exact_first3(model, prompt, params):
     ids=["T1", "T0.8-topk3", "T1.2-topp0.85"],
 )
 def test_speculative_sampling_matches_vanilla_distribution(shape, params, coupled):
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():  # keep the distributions spread out so every branch of the verifier runs
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))
     drafter = DraftModelDrafter(draft, SMALL_V, 3, TreeBudget(3, 2, 5) if shape == "tree" else None)
     prompt = [1, 3, 0, 2]
@@ -223,12 +183,11 @@ def test_prompt_lookup_is_lossless_and_finds_repeats():
     assert got == want and stats.depth_tries[0] > 0
 
 
+@pytest.mark.slow
 def test_prompt_lookup_sampling_matches_vanilla_distribution():
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     params = SamplingParams(1.1, top_k=4)
     prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1]
     counts, sizes = sample_first3(LeanRunner(model), PromptLookupDrafter(chain_len=3), prompt, params)

@@ -9,36 +9,32 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.drafters.base import DecodeContext, NoDrafter
+from specdec.drafters.base import DecodeContext
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.training.train import TrainConfig, train_eagle
-from tests.conftest import tiny_model
-from tests.eagle_common import VARIANTS, drafter_for, make_head
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
-from tests.test_verify import chi2_pvalue
+from tests.helpers import (
+    ROOT,
+    TRAIN_KW,
+    VARIANTS,
+    chi2_pvalue,
+    drafter_for,
+    exact_first3,
+    flat_tiny,
+    greedy_taus,
+    make_head,
+    sample_first3,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "src" / "specdec" / "heads" / "smollm2-135m-instruct-eagle"
 
 
 @pytest.fixture(scope="module")
 def trained_fspad(tiny, tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("fspad-run")
-    cfg = TrainConfig(
-        data=str(tiny_data),
-        out=str(out),
-        steps=100,
-        batch_size=8,
-        lr=3e-2,
-        warmup=5,
-        save_every=1000,
-        log_every=10,
-        connector="sampler",
-        pad=True,
-    )
+    cfg = TrainConfig(data=str(tiny_data), out=str(out), **TRAIN_KW, connector="sampler", pad=True)
     return train_eagle(cfg, tiny, progress=False), out
 
 
@@ -244,12 +240,7 @@ def test_fspad_greedy_equals_vanilla(tiny, trained_fspad, which):
         assert drafter.name == "fspad"
     else:
         drafter = drafter_for(tiny, make_head(tiny, variant=which.split("-")[1]), True, depth=4, topk=3, tree_size=8)
-    taus = []
-    for prompt in PROMPTS:
-        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
-        got, stats = run(target, drafter, prompt, SamplingParams(), 40)
-        assert got == want
-        taus.append(stats.tau)
+    taus = greedy_taus(target, drafter)
     if which == "trained-fspad":  # drafts really get accepted
         assert np.mean(taus) > 1.5
 
@@ -261,15 +252,14 @@ def test_fspad_refuses_a_head_without_fs_and_pad(tiny, trained):
         from_models(tiny, None, "fspad", head=str(trained[1] / "head"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant,params",
     [("fs", SamplingParams(0.8, top_k=3, top_p=0.95)), ("pad", SamplingParams(1.2, top_k=4, top_p=0.85))],
     ids=["fs-T0.8-topk3-topp0.95", "pad-T1.2-topk4-topp0.85"],
 )
 def test_fs_and_pad_sampling_on_a_tree_matches_vanilla_distribution(variant, params):
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     drafter = drafter_for(model, make_head(model, seed=3, variant=variant), True, depth=3, topk=2, tree_size=5)
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2]

@@ -13,7 +13,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdec.drafters.base import NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
@@ -22,10 +21,19 @@ from specdec.target.base import tree_mask
 from specdec.target.gguf import QuantTensor, QuantWeight
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
-from tests.gguf_files import FORMATS, K_QUANTS, gguf_runner, random_blocks, tiny_gguf
-from tests.test_engine import PROMPTS, SMALL_V, run, sample_first3
-from tests.test_precision import runner_first3
-from tests.test_verify import chi2_pvalue
+from tests.helpers import (
+    FORMATS,
+    K_QUANTS,
+    SMALL_V,
+    chi2_pvalue,
+    gguf_runner,
+    greedy_taus,
+    random_blocks,
+    runner_first3,
+    sample_first3,
+    synthetic_gguf,
+    tiny_gguf,
+)
 
 pytestmark = pytest.mark.skipif(stream.kernel() is None, reason="needs the streaming kernels (x86-64, AVX2)")
 
@@ -126,15 +134,11 @@ def test_speculative_greedy_equals_vanilla_exactly(tiny, shape):
     # the float model on the same weights drafts: close to the target, not equal to it
     drafter = DraftModelDrafter(LeanRunner(model), target.vocab_size, 4,
                                 TreeBudget(4, 3, 10) if shape == "tree" else None)
-    taus = []
-    for prompt in PROMPTS:
-        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 32)
-        got, stats = run(target, drafter, prompt, SamplingParams(), 32)
-        assert got == want
-        taus.append(stats.tau)
+    taus = greedy_taus(target, drafter, n=32)
     assert np.mean(taus) > 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
     path, model = tiny_gguf(tmp_path / "t.gguf", fmt, "llama", seed=5, vocab_size=SMALL_V, head_scale=1.5)
@@ -178,8 +182,6 @@ print(json.dumps({"base_kb": base, "peak_kb": resource.getrusage(resource.RUSAGE
 
 def test_loading_maps_the_file_and_builds_no_float_copy(tmp_path):
     """Peak memory grows by about the file's size, not the 7x of an fp32 copy."""
-    from tests.gguf_files import synthetic_gguf
-
     kw = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=8,
               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=False)
     path = synthetic_gguf(tmp_path / "big.gguf", kw, "Q4_K")

@@ -7,7 +7,7 @@ import torch
 from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.target.loading import load_model, resolve
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import tiny_model, word_tokenizer
 
 REPO = "testorg/tiny-chat"
 REV = "0123456789abcdef0123456789abcdef01234567"

@@ -1,13 +1,14 @@
 """The memory floor a benchmark prints beside every figure, and its contention meter."""
 
-import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from specdec.machine import ContentionMeter, _pid_cpu_s, memory_floor, weight_bytes_per_token
-from tests.conftest import tiny_model
+from specdec import machine
+from specdec.machine import memory_floor, weight_bytes_per_token
+from tests.helpers import tiny_model
 
 
 def test_weight_bytes_count_tied_tensors_once_and_one_row_of_an_untied_embedding():
@@ -28,18 +29,62 @@ def test_the_floor_is_bytes_over_bandwidth():
     assert 0.1 < measured["bandwidth_gb_s"] < 10_000
 
 
+class ScriptedMachine:
+    """Stands in for /proc and the clocks: the test says how much CPU each party used over a window."""
+
+    def __init__(self, monkeypatch, ncpu=2):
+        self.wall = self.busy = self.own = 0.0
+        self.helpers: dict[int, float] = {}
+        monkeypatch.setattr(machine, "_cpu_busy_s", lambda: self.busy)
+        monkeypatch.setattr(machine, "_pid_cpu_s", lambda pid: self.helpers.get(pid, 0.0))
+        monkeypatch.setattr(machine, "usable_cpus", lambda: ncpu)
+        monkeypatch.setattr(machine, "time", SimpleNamespace(perf_counter=lambda: self.wall,
+                                                             process_time=lambda: self.own,
+                                                             sleep=lambda s: self.advance(s)))
+
+    def advance(self, wall, own=0.0, others=0.0, helpers=None):
+        """`wall` seconds pass; this process uses `own` CPU-s, others `others`, helper pids theirs."""
+        self.wall += wall
+        self.own += own
+        for pid, s in (helpers or {}).items():
+            self.helpers[pid] = self.helpers.get(pid, 0.0) + s
+        self.busy += own + others + sum((helpers or {}).values())
+
+
+def test_a_helper_process_counts_as_the_runs_own_work(monkeypatch):
+    m = ScriptedMachine(monkeypatch, ncpu=2)
+    alone, with_helper = machine.ContentionMeter([]), machine.ContentionMeter([4242])
+    # 2 s on 2 CPUs: this process 1 CPU-s, a helper (say a peer's llama-server) 1.5, a stranger 0.5
+    m.advance(2.0, own=1.0, others=0.5, helpers={4242: 1.5})
+    assert alone.result()["other_cpu_frac"] == pytest.approx((1.5 + 0.5) / 4)
+    r = with_helper.result()
+    assert r["other_cpu_frac"] == pytest.approx(0.5 / 4)
+    assert r["own_cpu_frac"] == pytest.approx((1.0 + 1.5) / 4)
+
+
+def test_contention_never_goes_negative_and_is_unknown_without_proc(monkeypatch):
+    m = ScriptedMachine(monkeypatch)
+    meter = machine.ContentionMeter()
+    m.advance(1.0, own=0.5)
+    m.busy -= 0.2  # /proc/stat ticks are coarser than process_time: own time can exceed the machine's
+    assert meter.result()["other_cpu_frac"] == 0.0
+    monkeypatch.setattr(machine, "_cpu_busy_s", lambda: None)
+    assert machine.ContentionMeter().result() == {"other_cpu_frac": None}
+
+
+@pytest.mark.parametrize("others, free", [(0.0, 4), (0.5, 4), (1.0, 3), (2.9, 1), (4.0, 1)])
+def test_free_cpus_leaves_out_the_cpus_others_keep_busy(monkeypatch, others, free):
+    m = ScriptedMachine(monkeypatch, ncpu=4)
+    monkeypatch.setattr(machine.time, "sleep", lambda s: m.advance(1.0, others=others))
+    assert machine.free_cpus() == free
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_helper_process_counts_as_the_runs_own_work():
-    busy = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"]
-    results = {}
-    for helper in (False, True):
-        proc = subprocess.Popen(busy)
-        try:
-            meter = ContentionMeter([proc.pid] if helper else [])
-            time.sleep(1.0)
-            results[helper] = meter.result()["other_cpu_frac"]
-            assert _pid_cpu_s(proc.pid) > 0.3
-        finally:
-            proc.wait()
-    # one busy process on the machine's usable CPUs: as "other" it shows; as a helper it does not
-    assert results[False] > results[True] + 0.15
+def test_a_live_process_cpu_time_is_read_from_proc():
+    import os
+
+    t = time.process_time()
+    while time.process_time() - t < 0.05:  # a little CPU work of our own, so the tick count moves
+        pass
+    assert machine._pid_cpu_s(os.getpid()) > 0
+    assert machine._pid_cpu_s(2**22 + 1) == 0.0  # no such process

@@ -25,9 +25,17 @@ from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree
 from specdec.verify import Typical, verify
-from tests.conftest import tiny_model
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
-from tests.test_verify import chi2_pvalue
+from tests.helpers import (
+    PROMPTS,
+    SMALL_V,
+    chi2_pvalue,
+    exact_first3,
+    flat_tiny,
+    run,
+    sample_first3,
+    tiny_model,
+    word_tokenizer,
+)
 
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1], [0.2]]
 
@@ -134,6 +142,7 @@ def test_identity_heads_draft_the_targets_own_next_token_at_depth_one(tiny):
     assert torch.allclose(runner.logits(f)[0], tiny.lm_head.weight @ f, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree,params,children", [
     ("sparse", SamplingParams(1.0), "topk"), ("dense", SamplingParams(0.8, top_k=3), "topk"),
     ("sparse", SamplingParams(1.2, top_p=0.85), "topk"), ("sparse", SamplingParams(1.0), "sample"),
@@ -145,9 +154,7 @@ def test_medusa_sampling_matches_vanilla_distribution(tree, params, children):
     """Lossless at T > 0 with top-k children (point masses) and with children drawn from the heads
     (recursive rejection against their q), including a tree whose ranks skip one ({0, 2}: draws 0 and 1)
     and a reduced draft vocabulary (q is zero outside it)."""
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     heads = make_heads(model, 3, seed=3, vocab=torch.arange(0, SMALL_V, 2) if tree == "reduced" else None)
     choices = {"sparse": sparse_choices([[0.5, 0.3], [0.4, 0.3], [0.3]], 5), "dense": dense_choices(3, 2, 6),
                "gap": [(0,), (2,), (0, 0), (0, 2), (2, 1), (0, 0, 0)],
@@ -194,12 +201,11 @@ def test_typical_acceptance_is_marked_lossy_and_greedy_stays_exact(tiny, tmp_pat
     assert run(lossless.runner, lossless.drafter, prompt, sampled, 24)[1].acceptance == "lossless"
 
 
+@pytest.mark.slow
 def test_typical_acceptance_drifts_from_the_target_distribution_and_the_kl_is_measurable():
     """Lossy means measurably so: on a 5-token model the first-3 joint under typical acceptance is
     far from vanilla's (chi-square rejects) while the lossless verifier on the same tree is not."""
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     heads = make_heads(model, 3, seed=3)
     choices = dense_choices(3, 2, 6)
     params = SamplingParams(1.0)
@@ -245,7 +251,6 @@ def test_bench_never_audits_typical_acceptance_as_lossless():
 
 def test_the_stats_line_says_lossy_when_typical_acceptance_ran(tmp_path, capsys):
     from specdec.cli import main
-    from tests.conftest import word_tokenizer
 
     model = tiny_model("llama", vocab_size=7)
     model.save_pretrained(tmp_path / "t")

@@ -17,7 +17,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaHeads
 from specdec.heads.medusa_formats import detect_format, export_medusa, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
-from tests.conftest import word_tokenizer
+from tests.helpers import word_tokenizer
 
 H, V = 64, 97
 F_IN = torch.randn(5, H, generator=torch.Generator().manual_seed(1))

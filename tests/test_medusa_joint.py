@@ -20,8 +20,7 @@ from specdec.training.medusa import MedusaTrainConfig, train_medusa
 from specdec.training.medusa_joint import NewFeatures, drift, trainable_backbone
 from specdec.training.medusa_objective import head_accuracies, held_in
 from specdec.training.shards import ShardData
-from tests.conftest import word_tokenizer
-from tests.test_engine import PROMPTS, run
+from tests.helpers import PROMPTS, run, word_tokenizer
 
 KW = dict(batch_size=8, lr=3e-2, warmup=2, backbone_lr=1e-3, num_heads=3, joint=True)
 

@@ -23,8 +23,7 @@ from specdec.training import medusa_objective, train_cli
 from specdec.training.medusa import MedusaObjective, MedusaTrainConfig, head_accuracies, held_in, train_medusa
 from specdec.training.shards import ShardData
 from specdec.training.train_cli import config_of
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")

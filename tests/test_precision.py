@@ -11,15 +11,23 @@ import torch
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.errors import SpecdecError
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams
 from specdec.target.base import tree_mask
 from specdec.target.lean import LeanRunner
 from specdec.target.loading import Runtime, make_runner
 from specdec.target.packed import Linear, invariant_block
 from specdec.tree import DraftTree, TreeBudget
-from tests.conftest import tiny_model
-from tests.test_engine import PROMPTS, noisy_copy, run
-from tests.test_verify import chi2_pvalue
+from tests.helpers import (
+    PROMPTS,
+    char_tokenizer,
+    chi2_pvalue,
+    flat_tiny,
+    noisy_copy,
+    run,
+    runner_first3,
+    sample_first3,
+    tiny_model,
+)
 
 PRECISIONS = ["fp32", "bf16", "fp16", "int8", "int4"]
 
@@ -119,31 +127,11 @@ def test_a_long_reduction_is_split_until_rows_are_invariant():
     assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(16)]), lin(x))
 
 
-def runner_first3(runner, prompt, params, v):
-    """Exact joint of the first 3 tokens of vanilla sampling from this runner (its own precision)."""
-    def probs(ids):
-        runner.reset()
-        return probs_from_logits(runner.forward(torch.tensor(ids)).logits[-1], params)
-
-    p1 = probs(prompt)
-    out = np.zeros(v ** 3)
-    for a in range(v):
-        p2 = probs(prompt + [a])
-        for b in range(v):
-            p3 = probs(prompt + [a, b])
-            out[a * v * v + b * v: a * v * v + b * v + v] = (p1[a] * p2[b] * p3).numpy()
-    runner.reset()
-    return out
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_int8_sampling_matches_the_int8_targets_distribution(shape):
-    from tests.test_engine import sample_first3
-
     v = 5
-    model = tiny_model("llama", vocab_size=v, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny(v)
     target = LeanRunner(model, weights="int8")
     drafter = DraftModelDrafter(LeanRunner(noisy_copy(model, 0.5)), v, 3,
                                 TreeBudget(3, 2, 5) if shape == "tree" else None)
@@ -177,7 +165,6 @@ def test_bench_weights_runs_our_methods_at_that_precision_and_audits_them(tmp_pa
     from specdec.bench.data import Question
     from specdec.bench.methods import parse_methods
     from specdec.bench.runner import BenchConfig, run_bench
-    from tests.test_bench_run import char_tokenizer
 
     tok = char_tokenizer()
     target = tiny_model("llama", vocab_size=len(tok))

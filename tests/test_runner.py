@@ -7,7 +7,7 @@ from specdec.target.base import tree_mask
 from specdec.target.hf import HFRunner
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 RUNNERS = {"lean": LeanRunner, "lean-unpacked": lambda m: LeanRunner(m, pack=False), "hf": HFRunner}
 

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from specdec.target import stream
 from specdec.target.lean import LeanRunner
 from specdec.target.packed import PRECISIONS, Linear, round_weight
-from tests.conftest import tiny_model
+from tests.helpers import run, tiny_model
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
     "AVX2", "AVX512")
+needs_kernel = pytest.mark.skipif(not X86_AVX2, reason="the fused ops are part of the x86-64 kernel")
 
 
 def reference(x, w, b, precision):
@@ -119,14 +120,64 @@ def test_it_can_be_switched_off(monkeypatch):
     stream.kernel.cache_clear()
     try:
         assert stream.kernel() is None
-        assert LeanRunner(tiny_model("llama")).decode_kernel in ("gemv", "packed")
+        runner = LeanRunner(tiny_model("llama"))
+        assert runner.decode_kernel in ("gemv", "packed")
+        assert runner.kernel_path in ("onednn", "torch", "onednn+gemv", "torch+gemv")
     finally:
         stream.kernel.cache_clear()
 
 
-# ---- the fused per-layer ops (kernels/fused.cpp) ----
+@needs_kernel
+def test_the_stats_say_which_kernels_ran(monkeypatch):
+    from specdec.drafters.base import NoDrafter
+    from specdec.sampling import SamplingParams
 
-needs_kernel = pytest.mark.skipif(not X86_AVX2, reason="the fused ops are part of the x86-64 kernel")
+    runner = LeanRunner(tiny_model("llama"))
+    assert runner.kernel_path == "stream+fused"  # every linear streams and the head size fits the fused ops
+    _, stats = run(runner, NoDrafter(), [1, 2, 3], SamplingParams(), 3)
+    assert stats.kernels == "stream+fused"
+    monkeypatch.setenv("SPECDEC_STREAM", "0")
+    stream.kernel.cache_clear()
+    try:
+        fallback = LeanRunner(tiny_model("llama"))
+        _, stats = run(fallback, NoDrafter(), [1, 2, 3], SamplingParams(), 3)
+        assert stats.kernels == fallback.kernel_path and not stats.kernels.startswith("stream")
+    finally:
+        stream.kernel.cache_clear()
+
+
+class _Broken:
+    """The real kernel module with one op broken: wrong values everywhere, or only when rows share a call."""
+
+    def __init__(self, mod, op: str, how: str) -> None:
+        self.mod, self.op, self.how = mod, op, how
+
+    def __getattr__(self, name):
+        real = getattr(self.mod, name)
+        if name != self.op:
+            return real
+
+        def broken(*a, **k):
+            y = real(*a, **k)
+            if self.how == "values" or y.shape[0] > 1:
+                y = y.clone()
+                y[-1, 0] += 1e-2 if self.how == "values" else 1e-6
+            return y
+        return broken
+
+
+@needs_kernel
+@pytest.mark.parametrize("op", ["linear", "rms_norm", "silu_mul", "rope_store", "attend"])
+@pytest.mark.parametrize("how", ["values", "rows"])
+def test_the_self_check_catches_any_broken_op(op, how):
+    if op == "rope_store" and how == "rows":
+        pytest.skip("rope_store is checked on values only (it writes the cache: no one-row replay)")
+    with pytest.raises(RuntimeError, match=f"self-check failed: {op}"):
+        stream._self_check(_Broken(stream.kernel(), op, how))
+    stream._self_check(stream.kernel())  # and the real module passes
+
+
+# ---- the fused per-layer ops (kernels/fused.cpp) ----
 
 
 def attention_reference(q, kc, vc, visible):

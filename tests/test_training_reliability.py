@@ -12,7 +12,7 @@ from specdec.errors import SpecdecError
 from specdec.training import datagen, datagen_cli, train_cli
 from specdec.training.datagen import Plan, run_datagen
 from specdec.training.train import TrainConfig, train_eagle
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import make_head, tiny_model, word_tokenizer
 
 WORDS = ["user", "bot", "end", "what", "is", "two", "plus", "three", "four", "five", "six", "seven", "zebra", "the",
          "answer"]
@@ -194,7 +194,6 @@ def test_atomic_writes_follow_the_umask(tiny, tmp_path):
     from specdec.files import atomic_write_text
     from specdec.heads.io import save_head
     from specdec.training.datagen import pack_shard, write_shard
-    from tests.eagle_common import make_head
 
     head = make_head(tiny)
     old = os.umask(0o022)

@@ -18,7 +18,7 @@ from specdec.tune.replay import matched_path, replay, visited
 from specdec.tune.search import Row, accepted_lengths, candidates, rank, tune, walk
 from specdec.tuning import BUDGET_KEYS as TUNED
 from specdec.tuning import load_acceptance, load_tuning, save_tuning, tuning_path
-from tests.test_engine import PROMPTS, run
+from tests.helpers import PROMPTS, run
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,5 @@
 """EAGLE-2 + prompt lookup in one tree (UnionDrafter): merging, losslessness, sampling."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,13 +8,16 @@ from specdec.drafters.base import NoDrafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
-from tests.conftest import tiny_model
-from tests.eagle_common import drafter_for, make_head
-from tests.test_engine import PROMPTS, SMALL_V, exact_first3, run, sample_first3
-from tests.test_verify import chi2_pvalue
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.helpers import (
+    PROMPTS,
+    chi2_pvalue,
+    drafter_for,
+    exact_first3,
+    flat_tiny,
+    make_head,
+    run,
+    sample_first3,
+)
 
 # ---- EAGLE + prompt lookup in one tree ----
 
@@ -53,13 +55,12 @@ def test_eagle2_with_lookup_is_lossless_and_uses_both_drafts(tiny, trained):
             from_models(tiny, None, "eagle2", head=head_dir, lookup=bad)
 
 
+@pytest.mark.slow
 def test_eagle2_with_lookup_sampling_matches_vanilla_distribution():
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
     from specdec.drafters.union import UnionDrafter
 
-    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
+    model = flat_tiny()
     drafter = UnionDrafter(drafter_for(model, make_head(model, seed=3), True, depth=2, topk=2, tree_size=3),
                            PromptLookupDrafter(max_ngram=2, chain_len=3))
     target = LeanRunner(model)

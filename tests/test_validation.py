@@ -12,7 +12,7 @@ from specdec.api import GenerationParams, from_models
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.target.loading import Runtime
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]
 PROMPT = "w3 w17 w5 w3 w17 w5"

@@ -9,11 +9,11 @@ with a classic bug must fail the very same test.
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec.sampling import Coupling, SamplingParams, probs_from_logits, sample
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
+from tests.helpers import chi2_pvalue
 
 V = 6
 _g = torch.Generator().manual_seed(1234)
@@ -88,17 +88,6 @@ def empirical_joint(verify_fn, shape, params, root=0, trials=8000, seed=0):
     return counts
 
 
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
 def test_inverse_cdf_sample_follows_the_weights_and_never_draws_a_zero():
     w = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 5.5, 0.0])  # unnormalised; zeros inside and at both ends
     g = torch.Generator().manual_seed(0)
@@ -114,6 +103,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
 def test_verifier_is_exact_in_distribution(shape, params):
@@ -139,6 +129,7 @@ def broken_verify(tree, logits, params, g):
     return Verdict(path, [int(tree.tokens[i]) for i in path] + [bonus], bonus)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "topk"])
 def test_the_test_has_power_against_a_broken_verifier(shape):
     params = SETTINGS[0]
@@ -195,6 +186,7 @@ def coupled_verify(tree, logits, params, coupling, position):
     return verify(tree, logits, params, coupling=coupling, position=position).tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk3", "T1.3-topp0.8"])
 def test_coupled_verifier_is_exact_in_distribution(shape, params):
@@ -202,6 +194,7 @@ def test_coupled_verifier_is_exact_in_distribution(shape, params):
     assert chi2_pvalue(counts, exact_joint(params, 0)) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_coupled_test_has_power_against_noise_reused_across_positions():
     """The classic bug of a coupling: one noise vector for every position correlates consecutive tokens."""
     def reused(tree, logits, params, coupling, position):

@@ -40,6 +40,7 @@ class Stats:
     acceptance: str = "lossless"  # or the lossy rule that ran (Medusa's typical acceptance at T > 0)
     drafter: str = ""  # what drafted (e.g. what `auto` runs: with a head, or without one and instead)
     costs: str = ""  # how the step costs the drafter chose by were obtained ("": it uses none)
+    kernels: str = ""  # the target's kernel path (Runner.kernel_path): the streaming kernel or a fallback
 
     @property
     def tau(self) -> float:
@@ -146,6 +147,7 @@ def decode(
     t0 = _clock(dev)
     stats.prompt_tokens = len(prompt_ids)
     stats.drafter = drafter.name
+    stats.kernels = getattr(runner, "kernel_path", "")
     try:
         with lease.hold():
             stats.wait_time += _clock(dev) - t0

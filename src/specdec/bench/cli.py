@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from specdec.bench.compare import compare
-from specdec.bench.data import first_per_category, load_questions, quick_subset
+from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
 from specdec.bench.outdir import check_out_dir, ensure_writable_dir
@@ -22,6 +22,22 @@ from specdec.sampling import SamplingParams
 from specdec.target.loading import Runtime, load_model, native_gguf
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
+# repeated measurements of vanilla against one thing, interleaved in one warm process: bundles of the flags
+# below (a flag given on the command line wins over its preset value)
+PRESETS = {
+    "warm": {"methods": "vanilla,auto", "demo": True, "per_task": 1, "first_turn": True, "max_new_tokens": 128},
+    # static: the shipped tuned tree; adaptive-topk: adaptive sizing without sampled children (what they add
+    # at T > 0); auto: as it ships
+    "adaptive": {"methods": "vanilla,auto:adaptive=false,auto:children=topk,auto", "demo": True, "per_task": 5,
+                 "first_turn": True, "max_new_tokens": 256, "temperatures": "0,1"},
+    "precision": {"methods": ",".join(f"{m}:weights={w}" if w != "fp32" else m
+                                      for w in ("fp32", "bf16", "fp16", "int8") for m in ("vanilla", "auto")),
+                  "demo": True, "per_task": 1, "first_turn": True, "max_new_tokens": 128},
+}
+PRESET_HELP = {"warm": "vanilla vs auto, the demo prompt + 1 question per Spec-Bench task, 128 tokens",
+               "adaptive": "vanilla vs static, adaptive (top-k children) and shipped auto, 5 per task, T=0 and 1",
+               "precision": "vanilla and auto at fp32, bf16, fp16 and int8 weights, each audited against its own "
+                            "vanilla, agreement with fp32 reported"}
 MAX_SEED = 2**32 - 1
 
 
@@ -41,9 +57,15 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--last", type=arg_type(int, ge=1), default=None,
                    help="last N questions instead (after --categories): e.g. HumanEval's end, never tuned on")
     b.add_argument("--per-category", type=arg_type(int, ge=1), default=None, help="first N questions of each category")
+    b.add_argument("--per-task", type=arg_type(int, ge=1), default=None,
+                   help="first N questions of each Spec-Bench task (MT-bench's 8 categories count as one task)")
+    b.add_argument("--demo", action="store_true", help="also time the demo prompt of `specdec generate` "
+                   "(first, category 'demo')")
     b.add_argument("--first-turn", action="store_true", help="only the first turn of multi-turn questions")
     b.add_argument("--max-new-tokens", type=arg_type(int, ge=1), default=None, help="default 256 (--quick: 64)")
     add_flags(b, SamplingParams, only=("temperature",))
+    b.add_argument("--temperatures", default=None, help="comma list, e.g. 0,1: one run per temperature in the same "
+                   "process (results in <out>/T<t>); instead of --temperature")
     b.add_argument("--methods", default=None,
                    help="comma list of name[:key=value...], e.g. vanilla,sps:gamma=4,sps-tree:topk=3:gamma=4,hf-pld:"
                         "num_tokens=10; peers: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-server "
@@ -65,6 +87,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--quick", action="store_true",
                    help="representative subset: 2 MT-bench questions (both turns) + 1 per other Spec-Bench "
                         "category, 64 new tokens; < 5 min on 2 CPU cores with the default target")
+    b.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items()))
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_bench)
     bs = b.add_subparsers(dest="bench_command", required=False, metavar="{compare}")
@@ -91,9 +115,38 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _apply_preset(args) -> None:
+    """The preset's flags, where the command line left them at their defaults."""
+    given_t = "temperature" in flag_values(args, SamplingParams)
+    given_subset = args.per_category or args.quick or args.last
+    for k, v in PRESETS.get(args.preset, {}).items():
+        if k == "temperatures" and given_t or k == "per_task" and given_subset:
+            continue  # the command line chose these another way
+        if getattr(args, k) in (None, False):
+            setattr(args, k, v)
+
+
+def _temperatures(args, sp: SamplingParams) -> list[float]:
+    if args.temperatures is None:
+        return [sp.temperature]
+    if "temperature" in flag_values(args, SamplingParams):
+        raise SpecdecError("give --temperature or --temperatures, not both")
+    ts = []
+    for t in args.temperatures.split(","):
+        try:
+            ts.append(SamplingParams.parse({"temperature": float(t)}).temperature)
+        except (ValueError, SpecdecError):
+            raise SpecdecError(f"--temperatures: {t.strip()!r} is not a temperature >= 0 (e.g. 0,0.7,1)") from None
+    if len(set(ts)) != len(ts):
+        raise SpecdecError(f"--temperatures: {args.temperatures!r} names a temperature twice")
+    return ts
+
+
 def cmd_bench(args) -> int:
     # everything a user can get wrong is checked before the (slow) model load
+    _apply_preset(args)
     sp = SamplingParams.parse(flag_values(args, SamplingParams))
+    temps = _temperatures(args, sp)
     rt = Runtime.parse(flag_values(args, Runtime))
     gguf = native_gguf(args.model, rt.device, rt.weights)
     asked = [m.split(":")[0].strip() for m in (args.methods or "").split(",")]
@@ -101,30 +154,41 @@ def cmd_bench(args) -> int:
         rt, gguf = rt.model_copy(update={"weights": "fp32"}), False  # the run uses the converted copy
     specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights, hf=not gguf)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    if args.last and (args.limit or args.per_category or args.quick):
-        raise SpecdecError("--last cannot be combined with --limit, --per-category or --quick")
-    qs = load_questions(args.dataset, args.questions, cats, None if args.quick or args.per_category else args.limit)
+    if args.last and (args.limit or args.per_category or args.per_task or args.quick):
+        raise SpecdecError("--last cannot be combined with --limit, --per-category, --per-task or --quick")
+    if sum(map(bool, (args.per_category, args.per_task, args.quick))) > 1:
+        raise SpecdecError("choose one of --per-category, --per-task and --quick")
+    subset = args.quick or args.per_category or args.per_task
+    qs = load_questions(args.dataset, args.questions, cats, None if subset else args.limit)
     if args.last:
         qs = qs[-args.last:]
     if args.per_category is not None:
         qs = first_per_category(qs, args.per_category)[: args.limit]
+    if args.per_task is not None:
+        qs = quick_subset(qs, args.per_task, args.per_task)[: args.limit]
     if args.quick:
         qs = quick_subset(qs, QUICK["per_category"], QUICK["mt_questions"])
         if args.limit:
             qs = qs[: args.limit]
     if args.first_turn:
         qs = [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
+    if args.demo:
+        from specdec.cli.commands import DEFAULT_PROMPT  # here: specdec.cli imports this module
+
+        qs = [Question("demo", "demo", [DEFAULT_PROMPT]), *qs]
     max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
     repeats = args.repeats or 1
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
-    check_out_dir(out, args.overwrite)  # last check before the model load; deletes nothing
+    outs = {t: out / f"T{t:g}" for t in temps} if len(temps) > 1 else {temps[0]: out}
+    for o in outs.values():
+        check_out_dir(o, args.overwrite)  # last check before the model load; deletes nothing
     cfg = BenchConfig(
         methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
         warmup=args.warmup, threads=rt.threads, backend=rt.backend, weights=rt.weights, progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         extra={"dataset": args.dataset or "spec_bench", "draft": args.draft,
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",
-               "questions_file": args.questions, "quick": args.quick},
+               "questions_file": args.questions, "quick": args.quick, "preset": args.preset},
     )
     from transformers.utils import logging as hf_logging
 
@@ -135,10 +199,19 @@ def cmd_bench(args) -> int:
         draft, dtok, _ = load_model(args.draft, next(model.parameters()).device, None, rt.weights, flag="--draft")
     if args.methods is None:
         _add_shipped_eagle(cfg, model)
-    # once the methods are final (eagle2 joins with a shipped head): the banner lists exactly what runs
-    print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in cfg.methods)}, "
-          f"max_new_tokens {max_new}, T={sp.temperature}, {repeats} repeat(s) -> {out}", file=sys.stderr)
-    res = run_bench(cfg, qs, model, tok, draft, dtok, out, overwrite=args.overwrite)
+    ok = True
+    for t, o in outs.items():  # one warm process: the model loads once for every temperature
+        # once the methods are final (eagle2 joins with a shipped head): the banner lists exactly what runs
+        print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in cfg.methods)}, "
+              f"max_new_tokens {max_new}, T={t}, {repeats} repeat(s) -> {o}", file=sys.stderr)
+        res = run_bench(dataclasses.replace(cfg, temperature=t), qs, model, tok, draft, dtok, o,
+                        overwrite=args.overwrite)
+        ok = _print_summary(res, o) and ok
+    return 0 if ok else 1
+
+
+def _print_summary(res: dict, out: Path) -> bool:
+    """The run's table, warnings and audit on stdout; True when the audit passed."""
     run, summary, aud = res["run"], res["summary"], res["audit"]
     print(f"\nbaseline: {run['baseline']} | {run['duration_s']:.0f} s | threads {run['machine']['torch_threads']}")
     fl = run["floor"]
@@ -179,7 +252,7 @@ def cmd_bench(args) -> int:
             what = "LOSSY, not audited" if m in lossy else f"{weights.get(m, {}).get('type', '?')} weights, not audited"
         print(f"  {m} ({what}): {a['identical']}/{a['compared']} outputs identical to vanilla{div}")
     print(f"report: {out / 'report.md'}")
-    return 0 if aud["ok"] else 1
+    return aud["ok"]
 
 
 def _add_shipped_eagle(cfg, model) -> None:

@@ -165,7 +165,8 @@ def cmd_generate(args) -> int:
         return 0
     end_answer()
     say(args,
-        f"[{dec.drafter.name}, {dec.weights} weights] {s.new_tokens} tokens in {s.total_time:.2f} s = "
+        f"[{dec.drafter.name}, {dec.weights} weights{f', {s.kernels} kernels' if s.kernels else ''}] "
+        f"{s.new_tokens} tokens in {s.total_time:.2f} s = "
         f"{s.tokens_per_second:.1f} tok/s | "
         f"tau {s.tau:.2f} (tokens per target forward, prefill excluded) | {s.target_forwards} target forwards"
         f"{f' ({s.vanilla_share:.0%} without a draft)' if s.vanilla_share else ''} | "

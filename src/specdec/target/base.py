@@ -69,6 +69,8 @@ class Runner(Cached, ABC):
     hidden_size: int
     n_layers: int
     exact_rows = 0  # forwards of up to this many rows give each row the bits it would get alone (0: none)
+    # the kernels a forward runs on (the stats line says it: the same model is 2x slower on a fallback)
+    kernel_path = "torch"
 
     @abstractmethod
     def _forward(

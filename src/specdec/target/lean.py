@@ -76,6 +76,16 @@ class LeanRunner(Runner):
         self.decode_kernel = self._pick_decode_kernel(linears)
         # which build of the kernels ran (their source hash): costs measured on another build are stale
         self.kernel_build = stream.kernel().__name__ if self.decode_kernel == "stream" else ""
+        self.kernel_path = self._kernel_path()
+
+    def _kernel_path(self) -> str:
+        """'stream+fused' (the streaming kernel, the layers' small ops fused too), 'stream' (its linears
+        only), else the fallback: 'onednn' (packed weights) or 'torch', '+gemv' when MKL's GEMV runs
+        the one-row decode steps."""
+        if self.decode_kernel == "stream":
+            return "stream+fused" if self.fused is not None else "stream"
+        path = "onednn" if self.lm_head.packed else "torch"
+        return path + "+gemv" if self.decode_kernel == "gemv" else path
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs

@@ -27,6 +27,7 @@ from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 
 SOURCES = [Path(__file__).with_name("kernels") / f for f in ("stream.cpp", "fused.cpp", "quant.cpp")]
+HEADER = Path(__file__).with_name("kernels") / "ops.h"  # part of the build's key, not compiled on its own
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # no contraction: sums in source order
 # the same per-lane operations in 16-lane vectors: the same bits, fewer instructions (torch's AVX512 level
 # implies BW, VL and DQ: the integer kernels use BW)
@@ -37,7 +38,8 @@ PANEL = 16  # outputs per panel (stream.cpp's P)
 def _cpu_has(flag: str) -> bool:
     """A /proc/cpuinfo flag (Linux); False where that cannot be read."""
     try:
-        return any(line.startswith("flags") and flag in line.split() for line in open("/proc/cpuinfo"))
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
     except OSError:
         return False
 
@@ -74,7 +76,7 @@ def _kernel():
     flags = FLAGS + (AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
     if "-mavx512bw" in flags and _cpu_has("avx512_vnni"):  # fused multiply-adds of the same integers
         flags.append("-mavx512vnni")
-    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES), " ".join(flags).encode(),
+    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in [*SOURCES, HEADER]), " ".join(flags).encode(),
                                       torch.__version__.encode(), sys.version.encode()])).hexdigest()[:16]
     name = f"specdec_stream_{key}"
     build = cache_dir() / "kernels" / f"stream-{key}"
@@ -123,14 +125,55 @@ def _ninja_on_path() -> None:
 
 
 def _self_check(mod) -> None:
+    """Every op the runners call, on a small problem, against its torch form, and rows independent of each
+    other: a miscompiled build (an old compiler, a CPU flag misread) falls back to torch instead of
+    decoding wrong tokens."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(37, 70, generator=g), torch.randn(5, 70, generator=g)
     y = mod.linear(x, mod.pack(w), 37, torch.ones(48), torch.zeros(48))
-    if not torch.allclose(y, F.linear(x, w), atol=1e-4):
-        raise RuntimeError("self-check failed: results differ from F.linear")
-    if not torch.equal(torch.cat([mod.linear(x[i:i + 1], mod.pack(w), 37, torch.ones(48), torch.zeros(48))
-                                  for i in range(5)]), y):
-        raise RuntimeError("self-check failed: rows depend on each other")
+    _agree("linear", y, F.linear(x, w), [mod.linear(x[i:i + 1], mod.pack(w), 37, torch.ones(48), torch.zeros(48))
+                                         for i in range(5)])
+    h, nw = torch.randn(5, 32, generator=g), torch.randn(32, generator=g)
+    _agree("rms_norm", mod.rms_norm(h, nw, 1e-6), F.rms_norm(h, (32,), nw, 1e-6),
+           [mod.rms_norm(h[i:i + 1], nw, 1e-6) for i in range(5)])
+    gu = torch.randn(5, 48, generator=g) * 4
+    _agree("silu_mul", mod.silu_mul(gu), F.silu(gu[:, :24]) * gu[:, 24:], [mod.silu_mul(gu[i:i + 1]) for i in range(5)])
+    _check_rope_attend(mod, g)
+
+
+def _check_rope_attend(mod, g: torch.Generator) -> None:
+    """rope_store (q and k rotated as llama.apply_rope, k and v written to the cache) and attend (softmax
+    attention of each row over exactly its visible columns) on a 2-head-group layer of 5 rows after 3."""
+    n, nh, nkv, hd, start = 5, 4, 2, 16, 3
+    qkv = torch.randn(n, (nh + 2 * nkv) * hd, generator=g)
+    ang = torch.rand(n, hd // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1), torch.cat([-ang.sin(), ang.sin()], 1)  # as llama.Rope
+    kc, vc = torch.randn(nkv, start + n + 2, hd, generator=g), torch.randn(nkv, start + n + 2, hd, generator=g)
+    want_k, want_v = kc.clone(), vc.clone()
+    heads = qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd)
+    rotated = heads * cos[:, None] + heads.view(n, nh + nkv, 2, hd // 2).flip(2).view(n, nh + nkv, hd) * sin[:, None]
+    want_k[:, start:start + n] = rotated[:, nh:].transpose(0, 1)
+    want_v[:, start:start + n] = qkv[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
+    q = mod.rope_store(qkv, cos, sin, kc, vc, start, nh, nkv)
+    _agree("rope_store", q, rotated[:, :nh].reshape(n, nh * hd), [])
+    _agree("rope_store's cache write", torch.cat([kc, vc]), torch.cat([want_k, want_v]), [])
+    tree = torch.zeros(n, start + n, dtype=torch.bool)  # the cache, then each row's ancestors (row 0 the root)
+    tree[:, :start] = True
+    for i, parent in enumerate([-1, 0, 0, 1, 3]):
+        tree[i, start + i] = True
+        while parent >= 0:
+            tree[i, start + parent], parent = True, [-1, 0, 0, 1, 3][parent]
+    want = F.scaled_dot_product_attention(q.view(1, n, nh, hd).transpose(1, 2), kc[None, :, :start + n],
+                                          vc[None, :, :start + n], attn_mask=tree, enable_gqa=True)
+    _agree("attend", mod.attend(q, kc, vc, start, tree), want[0].transpose(0, 1).reshape(n, nh * hd),
+           [mod.attend(q[i:i + 1], kc, vc, start + i, tree[i:i + 1]) for i in range(n)])
+
+
+def _agree(op: str, got: torch.Tensor, want: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    if not torch.allclose(got, want, atol=1e-4):
+        raise RuntimeError(f"self-check failed: {op} differs from torch's")
+    if rows and not torch.equal(torch.cat(rows), got):
+        raise RuntimeError(f"self-check failed: {op}'s rows depend on each other")
 
 
 class StreamWeight:

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstring>
 #include <vector>

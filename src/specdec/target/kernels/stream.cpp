@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ops.h"
+
 namespace {
 
 constexpr int P = 16;  // outputs per panel: two 8-lane vectors
@@ -184,19 +186,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   }
   return y.view(shape);
 }
-
-// kernels/fused.cpp
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-torch::Tensor silu_mul(const torch::Tensor& gu);
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv);
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
-                     const c10::optional<torch::Tensor>& mask);
-
-// kernels/quant.cpp
-torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
-                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
-torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;

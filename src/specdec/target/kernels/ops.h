@@ -1,0 +1,19 @@
+// The ops fused.cpp and quant.cpp define and stream.cpp's module exports: one declaration each, included
+// by the file that defines an op (so the compiler checks it) and by the one that binds it.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+// fused.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gu);
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv);
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
+                     const c10::optional<torch::Tensor>& mask);
+
+// quant.cpp
+torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
+torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);

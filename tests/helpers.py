@@ -1,0 +1,352 @@
+"""Plain helpers shared by the tests (fixtures live in conftest.py): tiny random models and tokenizers,
+decoding and distribution checks, EAGLE heads and data, small GGUF files."""
+
+import copy
+import string
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from specdec.bench.data import Question
+from specdec.drafters.base import NoDrafter
+from specdec.drafters.eagle import EagleDrafter
+from specdec.engine import Stats, decode
+from specdec.heads.model import EagleHead, head_config
+from specdec.heads.runner import HeadRunner
+from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.training.datagen import generate_answers, pack_shard, teacher_force, write_shard
+from specdec.tree import TreeBudget
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_V = 5  # the distribution tests' vocabulary: 125 joints of the first 3 tokens
+
+# ---- tiny models and tokenizers ----
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, vocab_size=97, tie_word_embeddings=False,
+)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """A random-weight model built from a config: fast, and every family we claim to support."""
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    kw = dict(_COMMON, **overrides)
+    if family == "mistral":
+        kw.setdefault("sliding_window", 4096)
+    cfg = cls(**kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # random init gives near-uniform logits; scale the head so greedy choices are not ties
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def word_tokenizer(words):
+    """A whitespace word-level tokenizer: ids 0 <unk>, 1 </s>, then the words."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words])}
+    t = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="</s>")
+
+
+
+def char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+QS = [Question("81", "writing", ["Write a poem.", "Now shorter."]), Question("7", "qa", ["What is 2+2?"])]
+
+
+def noisy_copy(model, scale=0.3, seed=1):
+    """A draft that agrees with the target often but not always."""
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return d
+
+
+def flat_tiny(v: int = SMALL_V, seed: int = 5):
+    """A tiny model over `v` tokens with a flattened head: every continuation likely enough to be sampled
+    often, so every branch of the verifier runs in the distribution tests."""
+    model = tiny_model("llama", vocab_size=v, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    return model
+
+
+# ---- decoding and the distribution of its first tokens ----
+
+PROMPTS = [[1, 2, 3], [5, 17, 33, 2, 9, 41, 60, 3], [88], list(range(10, 40))]
+
+
+def run(runner, drafter, prompt, params, n, eos=()):
+    stats = Stats()
+    out = [t for step in decode(runner, drafter, prompt, params, n, set(eos), stats) for t in step]
+    return out, stats
+
+
+def sample_first3(target, drafter, prompt, params, n=2500, coupled=True):
+    """Counts of the first 3 tokens over n seeds, and every draft size verified. 6 tokens are decoded
+    so that whole trees get drafted (the engine drafts no more than it may still emit); the first 3
+    must follow the target's exact joint. coupled: seeded requests (sampling.Coupling); else unseeded
+    ones (recursive rejection sampling) after seeding torch's global generator once."""
+    counts, sizes = np.zeros(SMALL_V**3), []
+    torch.manual_seed(0)
+    for seed in range(n):
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, seed if coupled else None)
+        toks, st = run(target, drafter, prompt, p, 6)
+        counts[toks[0] * SMALL_V**2 + toks[1] * SMALL_V + toks[2]] += 1
+        sizes += st.tree_sizes
+    return counts, sizes
+
+
+def exact_first3(model, prompt, params):
+    """Exact joint of the first 3 tokens under vanilla sampling, by enumerating all continuations."""
+    with torch.no_grad():
+        p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], params)
+        ids2 = torch.tensor([prompt + [a] for a in range(SMALL_V)])
+        p2 = probs_from_logits(model(ids2).logits[:, -1], params)  # [V, V]
+        ids3 = torch.tensor([prompt + [a, b] for a in range(SMALL_V) for b in range(SMALL_V)])
+        p3 = probs_from_logits(model(ids3).logits[:, -1], params).reshape(SMALL_V, SMALL_V, SMALL_V)
+    return (p1[:, None, None] * p2[:, :, None] * p3).numpy().reshape(-1)
+
+
+def runner_first3(runner, prompt, params, v):
+    """Exact joint of the first 3 tokens of vanilla sampling from this runner (its own precision)."""
+    def probs(ids):
+        runner.reset()
+        return probs_from_logits(runner.forward(torch.tensor(ids)).logits[-1], params)
+
+    p1 = probs(prompt)
+    out = np.zeros(v ** 3)
+    for a in range(v):
+        p2 = probs(prompt + [a])
+        for b in range(v):
+            p3 = probs(prompt + [a, b])
+            out[a * v * v + b * v: a * v * v + b * v + v] = (p1[a] * p2[b] * p3).numpy()
+    runner.reset()
+    return out
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token with zero target probability was emitted"
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def greedy_taus(target, drafter, prompts=PROMPTS, n=40) -> list[float]:
+    """tau per prompt; asserts each greedy output equals vanilla's."""
+    taus = []
+    for prompt in prompts:
+        want, _ = run(target, NoDrafter(), prompt, SamplingParams(), n)
+        got, stats = run(target, drafter, prompt, SamplingParams(), n)
+        assert got == want
+        taus.append(stats.tau)
+    return taus
+
+
+# ---- EAGLE heads, drafters and self-distillation data ----
+
+# the tiny training run's settings (conftest's `trained`, FSPAD's)
+TRAIN_KW = dict(steps=100, batch_size=8, lr=3e-2, warmup=5, save_every=1000, log_every=10)
+
+# the four heads of FSPAD's ablation (Table 3): name -> (connector, pad)
+VARIANTS = {"eagle": ("fc", False), "fs": ("sampler", False), "pad": ("fc", True), "fspad": ("sampler", True)}
+
+
+def make_head(model, seed=0, draft_vocab=None, layers=1, variant="eagle", sampler_size=None):
+    torch.manual_seed(seed)
+    connector, pad = VARIANTS[variant]
+    head = EagleHead(head_config(model.config, num_hidden_layers=layers), connector=connector, pad=pad,
+                     sampler_size=sampler_size).eval()
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.tensor(draft_vocab), model.lm_head.weight.detach())
+    return head
+
+
+def drafter_for(model, head, dynamic, depth=5, topk=4, tree_size=10, **kw):
+    emb, lm = model.get_input_embeddings().weight, model.lm_head.weight
+    return EagleDrafter(HeadRunner(head, emb, lm), TreeBudget(depth, topk, tree_size) if dynamic else None, **kw)
+
+
+def make_data(model, out: Path, n_seq=96, answer_len=32, seed=0):
+    """Self-distillation shards for a tiny model (no tokenizer: random token prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    v = model.config.vocab_size
+    for shard in range(2):
+        prompts = [torch.randint(3, v, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(n_seq // 2)]
+        answers = generate_answers(model, prompts, answer_len, 1.0 if shard else 0.0, {model.config.vocab_size - 1}, 0)
+        seqs = [p + a for p, a in zip(prompts, answers)]
+        t = pack_shard(seqs, [len(p) for p in prompts], teacher_force(model, seqs))
+        write_shard(out / f"shard-{shard:05d}.safetensors", t, {"source": "test"})
+
+
+# ---- small GGUF files ----
+
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator, scale: float = 1.0):
+    """Random valid blocks [rows, bytes]. Legacy formats quantize a random matrix (the package has their
+    quantizers); K-quant codes and sub-scales are random bytes with finite fp16 super-block scales."""
+    if qtype.name not in K_QUANTS:
+        return quantize((rng.standard_normal((rows, k)) * 0.05 * scale).astype(np.float32), qtype)
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
+    f16 = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)  # noqa: E731
+
+    def set_d(d: float) -> None:
+        if qtype.name == "Q6_K":
+            raw[..., 208:210] = f16(d)
+        else:  # the min's scale makes the mean code cancel (codes average 7.5 or 15.5)
+            raw[..., 0:2] = f16(d)
+            raw[..., 2:4] = f16(d * (7.5 if qtype.name == "Q4_K" else 15.5))
+
+    set_d(1e-3)
+    std = float(dequantize(raw.reshape(rows, -1), qtype).std())
+    set_d(1e-3 * 0.05 * scale / std)  # weights of std ~0.05 * scale
+    return raw.reshape(rows, -1)
+
+
+def _interleave(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order for the llama architecture."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: int = 97, head_scale: float = 8,
+              **overrides):
+    """(GGUF path, the HF model holding the same weights de-quantized). Hidden 256 so that K-quants fit."""
+    kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=vocab_size)
+    model = tiny_model(family, seed=seed, **{**kw, **overrides})
+    cfg = model.config
+    qtype = GGMLQuantizationType[fmt]
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), family)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else 10000.0)
+    sd = {}
+
+    def quant(name: str, hf_name: str, weight: torch.Tensor, n_head: int | None = None, scale: float = 1.0):
+        blocks = random_blocks(qtype, weight.shape[0], weight.shape[1], rng, scale)
+        deq = dequantize(blocks, qtype).astype(np.float32)  # what the HF model gets, in HF's row order
+        stored = blocks if n_head is None or family != "llama" else _interleave(blocks, n_head)
+        w.add_tensor(name, stored, raw_dtype=qtype)
+        sd[hf_name] = torch.from_numpy(deq)
+
+    def f32(name: str, t: torch.Tensor):
+        w.add_tensor(name, t.detach().float().numpy().copy())
+
+    sdm = model.state_dict()
+    quant("token_embd.weight", "model.embed_tokens.weight", sdm["model.embed_tokens.weight"], scale=20)
+    quant("output.weight", "lm_head.weight", sdm["lm_head.weight"], scale=head_scale)  # 8: greedy never ties
+    f32("output_norm.weight", sdm["model.norm.weight"])
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, gg in names.items():
+            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(hf)
+            quant(b + gg + ".weight", p + f"self_attn.{hf}.weight", sdm[p + f"self_attn.{hf}.weight"], heads)
+            if p + f"self_attn.{hf}.bias" in sdm:
+                f32(b + gg + ".bias", sdm[p + f"self_attn.{hf}.bias"])
+        for hf, gg in {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}.items():
+            quant(b + gg + ".weight", p + f"mlp.{hf}.weight", sdm[p + f"mlp.{hf}.weight"])
+        f32(b + "attn_norm.weight", sdm[p + "input_layernorm.weight"])
+        f32(b + "ffn_norm.weight", sdm[p + "post_attention_layernorm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model.load_state_dict(sd, strict=False)
+    return path, model
+
+
+def gguf_runner(path, model):
+    """The lean runner on the GGUF file's own weights (model: for its config)."""
+    from specdec.target.gguf import GGUFModel
+    from specdec.target.lean import LeanRunner
+
+    return LeanRunner(GGUFModel(path, model.config), weights="gguf")
+
+
+def synthetic_gguf(path, cfg: dict, fmt: str, seed: int = 0):
+    """A llama-shaped GGUF of random `fmt` blocks (no HF model behind it): for memory tests of large shapes.
+    Written matrix by matrix, so writing it never holds more than one matrix."""
+    qtype = GGMLQuantizationType[fmt]
+    rng = np.random.default_rng(seed)
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    kvd = cfg["num_key_value_heads"] * hd
+    shapes = {"token_embd.weight": (v, h), "output.weight": (v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"blk.{i}."
+        shapes.update({b + "attn_q.weight": (h, h), b + "attn_k.weight": (kvd, h), b + "attn_v.weight": (kvd, h),
+                       b + "attn_output.weight": (h, h), b + "ffn_gate.weight": (f, h), b + "ffn_up.weight": (f, h),
+                       b + "ffn_down.weight": (h, f)})
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(cfg["num_hidden_layers"])
+                                      for n in ("attn", "ffn")]
+    for name in norms:
+        w.add_tensor(name, np.ones(h, np.float32))
+    for name, (o, k) in shapes.items():
+        w.add_tensor_info(name, (o, k // elems * nbytes), np.dtype(np.uint8), o * (k // elems) * nbytes,
+                          raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _ in norms:
+        w.write_tensor_data(np.ones(h, np.float32))
+    for o, k in shapes.values():
+        blocks = rng.integers(0, 256, size=(o, k // elems, nbytes), dtype=np.uint8)
+        d = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+        if fmt == "Q6_K":
+            blocks[..., 208:210] = d
+        else:
+            blocks[..., 0:2] = d
+            if fmt in K_QUANTS or fmt in ("Q4_1", "Q5_1"):
+                blocks[..., 2:4] = d
+        w.write_tensor_data(blocks.reshape(o, -1))
+    w.close()
+    return path
