@@ -510,3 +510,30 @@ def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_pa
     assert got == want
     s = stats.summary()
     assert sum(s["tree_size_histogram"].values()) == stats.target_forwards and 0 <= s["vanilla_share"] <= 1
+
+
+def test_a_head_catching_up_after_plain_steps_does_not_teach_the_drafting_price(tiny, trained):
+    """The first draft after a stretch of plain steps also reads those steps' rows: timed against the price
+    of one step's drafting it would read as dear drafting (and fewer drafts, longer catch-ups). Only drafts
+    after a drafted step are observed."""
+    from specdec.heads.io import load_head
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+        d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0,
+                            clock=StepClock())
+        backlogs, observed = [], []
+        orig = d.eagle.propose
+
+        def spy(ctx, budget=None, orig=orig, d=d, backlogs=backlogs):
+            backlogs.append(len(d.eagle.pending))
+            return orig(ctx, budget)
+
+        d.eagle.propose = spy
+        d.clock.observe_draft = lambda seconds, priced, observed=observed: observed.append(priced)
+        run(target, d, PROMPTS[1], SamplingParams(), 40)
+        if any(b > 1 for b in backlogs) and any(b <= 1 for b in backlogs):
+            break
+    assert any(b > 1 for b in backlogs) and any(b <= 1 for b in backlogs)
+    assert len(observed) == sum(b <= 1 for b in backlogs) and all(p > 0 for p in observed)

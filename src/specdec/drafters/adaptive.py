@@ -306,6 +306,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
+        backlog = len(self.eagle.pending)  # steps whose rows the head has not read yet
         if choice.budget is not None:
             tree = self.eagle.propose(ctx, choice.budget)
             b = choice.budget
@@ -316,8 +317,10 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.last = (choice, eagle_tree, expected, chain if len(chain) else None, ngram)
         self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows and context, for the clock
         self.rows_ctx = len(ctx.tokens)
-        # what this step's drafting was priced at (None: no head tree, only a lookup at most)
-        self.draft_priced = None if choice.budget is None else \
+        # what this step's drafting was priced at (None: no head tree, only a lookup at most; or a head that
+        # first read several steps' rows: that catch-up is no typical step's, and priced as one it taught the
+        # clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer)
+        self.draft_priced = None if choice.budget is None or backlog > 1 else \
             self.ctrl.draft_s[choice.budget] + self.costs.follow_s + (self.costs.lookup_s if len(chain) else 0.0)
         return tree
 
