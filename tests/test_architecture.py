@@ -18,7 +18,7 @@ LAYERS = (
               "target", "drafters.base")),
     ("methods", ("drafters", "heads")),  # every drafter and the heads they run
     ("api", ("api", "__init__")),
-    ("tools", ("tune", "bench", "training", "cli")),
+    ("tools", ("tune", "bench", "training", "serve", "cli")),
 )
 # function-local imports of our own modules, each for a reason (module -> imported module)
 # (transformers' Llama modules take ~6 s to import, its cache classes ~3 s: only when really used, so that
@@ -29,6 +29,7 @@ LOCAL_IMPORTS_ALLOWED = {
     ("specdec.training.train", "specdec.heads.model"): "the CLI parser imports train.py",
     ("specdec.target.loading", "specdec.target.hf"): "the HF runner, for non-Llama targets only",
     ("specdec.cli", "specdec.cli.commands"): "torch loads inside main, where a Ctrl-C is caught",
+    ("specdec.cli.commands", "specdec.serve.app"): "fastapi and uvicorn are the optional `serve` extra",
 }
 
 

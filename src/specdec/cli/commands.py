@@ -15,12 +15,13 @@ import torch
 from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.cli import medusa as medusa_cli
+from specdec.cli.args import one_line_errors
 from specdec.cli.chat import repl
 from specdec.cli.output import detail_line, end_answer, say, write_answer
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter
-from specdec.options import add_flags, flag_values
+from specdec.options import add_flags, arg_type, flag_values
 from specdec.target.loading import Runtime, resolve
 from specdec.training import datagen_cli, train_cli
 from specdec.tune import cli as tune_cli
@@ -184,6 +185,23 @@ def cmd_chat(args) -> int:
     return repl(dec, params, args)
 
 
+def cmd_serve(args) -> int:
+    rt = Runtime.parse(flag_values(args, Runtime))  # everything is checked before the slow model load
+    opts = _method_opts(args)
+    registry.parse(args.method, opts)
+    resolve(args.model)
+    if args.draft is not None:
+        resolve(args.draft, "--draft")
+    try:
+        from specdec.serve.app import serve  # fastapi and uvicorn: the optional `serve` extra
+    except ImportError as e:
+        raise SpecdecError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
+    args.quiet, args.verbose = False, False
+    dec = _load(args, rt, opts)
+    serve(dec, args.model or "smollm2", host=args.host, port=args.port, max_queue=args.max_queue)
+    return 0
+
+
 def cmd_methods(args) -> int:
     sys.stdout.write(registry.markdown_table())
     return 0
@@ -199,7 +217,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    ap = one_line_errors(argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding."))
     ap.add_argument("--version", action="version", version=f"specdec {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate an answer, streaming, with statistics")
@@ -216,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "sampled by the target, or an accepted draft token (by its depth)")
     _add_answer_flags(c)
     c.set_defaults(func=cmd_chat)
+    s = one_line_errors(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
+                                       "/v1/completions, /v1/models, /health, /metrics)"))
+    _add_model(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=arg_type(int, ge=1, le=65535), default=8000, help="port (default 8000)")
+    s.add_argument("--max-queue", type=arg_type(int, ge=1), default=64, metavar="N",
+                   help="requests that may wait for their turn; more get 429 with Retry-After (default 64)")
+    s.set_defaults(func=cmd_serve)
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)
     datagen_cli.add_parser(sub)

@@ -1,0 +1,215 @@
+"""The routes: /v1/chat/completions, /v1/completions (streamed as SSE or not), /v1/models, /health,
+/metrics. Requests are checked (fields, model, context) before they are queued; every error is an
+OpenAI-style body, and a failure ends its own request only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.api import Decoder, Generation, GenerationParams
+from specdec.errors import SpecdecError
+from specdec.serve.engine import Engine, Job, QueueFull, SerialEngine
+from specdec.serve.metrics import Metrics
+from specdec.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body, self.headers = status, error_body(message, type, param, code), headers
+
+
+def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, max_queue: int = 64) -> FastAPI:
+    engine = engine or SerialEngine(decoder, max_queue)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.close()  # uvicorn has drained the requests in flight by now
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the body is not valid JSON: {err.get('msg')}", code="json_invalid"),
+                                status_code=400)
+        param = ".".join(loc) or None
+        return JSONResponse(error_body(f"{param or 'body'}: {err.get('msg')}", param=param, code=err.get("type")),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "specdec", "max_model_len": decoder.runner.max_length}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(engine.running(), engine.waiting()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        return await _serve(req, req.prompt(), "chat.completion")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await _serve(req, req.text(), "text_completion")
+
+    async def _serve(req: Sampling, prompt, kind: str):
+        if req.model != model_name:
+            raise APIError(404, f"model {req.model!r} is not served here (this server serves {model_name!r})",
+                           "not_found_error", "model", "model_not_found")
+        if req.n != 1:
+            raise APIError(400, f"n must be 1 (one completion per request), got {req.n}", param="n")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        try:
+            ids = await asyncio.to_thread(decoder.encode, prompt)
+        except SpecdecError as e:
+            raise APIError(400, str(e), param="messages" if kind == "chat.completion" else "prompt") from None
+        limit = decoder.runner.max_length
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if len(ids) + (asked or 1) > limit:
+            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {asked or 1}: together over "
+                           f"the model's context of {limit} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            params = GenerationParams(max_new_tokens=asked or limit - len(ids), temperature=req.temperature,
+                                      top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed, stop=req.stops())
+        except (SpecdecError, ValidationError) as e:
+            raise APIError(400, str(e).splitlines()[0]) from None
+        job = Job(prompt, params)
+        try:
+            engine.submit(job)
+        except QueueFull:
+            metrics.request("rejected")
+            raise APIError(429, "the server's queue is full: retry later", "rate_limit_error", None, "queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        out = Output(job, metrics, len(ids), rid, kind, model_name, decoder.method)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(out.sse(include_usage), media_type="text/event-stream")
+        return await out.whole()
+
+    return app
+
+
+class Output:
+    """One request's answer, as one response or as server-sent events; it keeps the metrics."""
+
+    def __init__(self, job: Job, metrics: Metrics, prompt_tokens: int, rid: str, kind: str, model: str,
+                 method: str) -> None:
+        self.job, self.metrics, self.prompt_tokens = job, metrics, prompt_tokens
+        self.rid, self.kind, self.model, self.method = rid, kind, model, method
+        self.created = int(time.time())
+        self.generated = 0
+        self.chat = kind == "chat.completion"
+
+    async def chunks(self) -> AsyncIterator:
+        """The job's chunks; the job is cancelled if its reader stops early (a client that left)."""
+        outcome = "cancelled"
+        try:
+            while (chunk := await self.job.next()) is not None:
+                self.generated += len(chunk.token_ids)
+                if chunk.final is not None:
+                    self.metrics.speculation(chunk.final.stats)
+                    outcome = "finished"
+                yield chunk
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            self.job.cancel()
+            self.metrics.request(outcome)
+            self.metrics.tokens(self.prompt_tokens, self.generated)
+
+    async def whole(self) -> dict:
+        text, final = [], None
+        try:
+            async for chunk in self.chunks():
+                text.append(chunk.text)
+                final = chunk.final or final
+        except Exception as e:
+            raise APIError(500, f"decoding failed: {e}", "server_error") from None
+        choice = {"index": 0, "finish_reason": final.finish_reason, "logprobs": None}
+        content = "".join(text)
+        choice |= {"message": {"role": "assistant", "content": content}} if self.chat else {"text": content}
+        return {**self._head(), "choices": [choice], "usage": self._usage(), "specdec": self._extra(final)}
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.chat:
+            yield _event({**self._head(kind), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                           "finish_reason": None}]})
+        try:
+            async for chunk in self.chunks():
+                final = chunk.final
+                if chunk.text or final is not None:
+                    fin = final.finish_reason if final else None
+                    piece = ({"delta": {"content": chunk.text} if chunk.text else {}} if self.chat
+                             else {"text": chunk.text, "logprobs": None})
+                    event = {**self._head(kind), "choices": [{"index": 0, **piece, "finish_reason": fin}]}
+                    yield _event(event | ({"specdec": self._extra(final)} if final else {}))
+        except Exception as e:  # the stream has begun: the error goes in it
+            yield _event(error_body(f"decoding failed: {e}", "server_error"))
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield _event({**self._head(kind), "choices": [], "usage": self._usage()})
+        yield "data: [DONE]\n\n"
+
+    def _head(self, kind: str | None = None) -> dict:
+        return {"id": self.rid, "object": kind or self.kind, "created": self.created, "model": self.model}
+
+    def _usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.generated,
+                "total_tokens": self.prompt_tokens + self.generated}
+
+    def _extra(self, final: Generation) -> dict:
+        s = final.stats
+        return {"method": self.method, "drafter": s.drafter, "tau": round(s.tau, 4),
+                "target_forwards": s.target_forwards, "accepted_tokens_per_position": list(s.depth_accepts),
+                "tried_per_position": list(s.depth_tries)}
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def serve(decoder: Decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64) -> None:
+    """Serve until SIGINT/SIGTERM; uvicorn then stops accepting and finishes the requests in flight."""
+    uvicorn.run(build_app(decoder, model_name, max_queue=max_queue), host=host, port=port, log_level="info")
