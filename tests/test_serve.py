@@ -12,7 +12,7 @@ import uvicorn
 
 from specdec.api import from_models
 from specdec.serve.app import build_app
-from tests.conftest import tiny_model, word_tokenizer
+from tests.helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]
 MODEL = "tiny"

@@ -15,6 +15,7 @@ from specdec.bench.metrics import OVERALL
 from specdec.bench.outdir import check_out_dir, ensure_writable_dir
 from specdec.bench.report import loaded
 from specdec.bench.runner import BenchConfig, run_bench
+from specdec.cli.output import DEFAULT_PROMPT
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values
@@ -173,7 +174,6 @@ def cmd_bench(args) -> int:
     if args.first_turn:
         qs = [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
     if args.demo:
-        from specdec.cli.commands import DEFAULT_PROMPT  # here: specdec.cli imports this module
 
         qs = [Question("demo", "demo", [DEFAULT_PROMPT]), *qs]
     max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
