@@ -1,5 +1,6 @@
 """`specdec serve`: the app runs in-process (uvicorn in a thread, a random port) over a tiny random model
-and is driven over HTTP (the stdlib's http.client: the openai client is not in the venv)."""
+and is driven by the official `openai` client (what users call it with) and, where a test needs the raw
+responses (status codes, SSE framing, disconnects), the stdlib's http.client."""
 
 import http.client
 import json
@@ -138,6 +139,30 @@ def test_outputs_equal_the_decoders_greedy_text_streamed_or_not(server, dec):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == chat.text
     assert events[-1]["choices"][0]["finish_reason"] == chat.finish_reason and "specdec" in events[-1]
+
+
+def test_the_official_openai_client_gets_the_decoders_text(server, dec):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    want = dec.generate(MSGS, max_new_tokens=20)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == len(want.prompt_ids)
+    parts, usage = [], None
+    for chunk in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        parts += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(parts) == want.text and usage.completion_tokens == len(want.token_ids)
+    done = dec.generate(PROMPT, max_new_tokens=12)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text \
+        == done.text
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSGS, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, n=2)
 
 
 def test_stop_and_seed_are_the_decoders(server, dec):
