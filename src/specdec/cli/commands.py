@@ -14,6 +14,7 @@ import torch
 
 from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
+from specdec.cli import interop as interop_cli
 from specdec.cli import medusa as medusa_cli
 from specdec.cli.args import one_line_errors
 from specdec.cli.chat import repl
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.add_parser(sub)
     tune_cli.add_parser(sub)
     medusa_cli.add_parser(sub)
+    interop_cli.add_parser(sub)
     add_bench_parser(sub)
     return ap
 

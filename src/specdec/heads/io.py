@@ -11,9 +11,9 @@ sampler.{gate,up,down}_proj.weight and "sampler_intermediate_size" I instead of 
 (true: the last layer's mlp.down_proj.weight is [2H, intermediate]). A file without them is EAGLE's
 (fc, no PAD), which every head written before FSPAD is.
 
-An EAGLE-3 head (heads.model.Eagle3Head; "specdec": {"kind": "eagle3"}, or an official/SpecForge export:
-architectures LlamaForCausalLMEagle3 or midlayer.* tensors) has fc.weight [H, kH], layers.0.* (or
-midlayer.*) with q/k/v_proj [.., 2H], input_layernorm, hidden_norm, and norm.weight; its target layers
+An EAGLE-3 head (heads.model.Eagle3Head; "specdec": {"kind": "eagle3"}, or an official/SpecForge/vLLM export:
+architectures LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM, or midlayer.* tensors) has fc.weight [H, kH],
+layers.0.* (or midlayer.*) with q/k/v_proj [.., 2H], input_layernorm, hidden_norm, and norm.weight; its target layers
 are eagle_config.eagle_aux_hidden_state_layer_ids (default: EAGLE-3's 2, L/2, L-3 of an L-layer target).
 """
 
@@ -37,7 +37,7 @@ _LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 _IGNORED = {"embed_tokens.weight", "model.embed_tokens.weight"}
 _SAMPLER = ("sampler.gate_proj.weight", "sampler.up_proj.weight", "sampler.down_proj.weight")
 _FSPAD_FIELDS = ("connector", "pad", "sampler_intermediate_size")
-_EAGLE3_FIELDS = ("eagle_config", "target_hidden_size")
+_EAGLE3_FIELDS = ("eagle_config", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
 _EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
@@ -187,7 +187,8 @@ def _finish(path: Path, head: EagleHead, raw: dict, device, dtype) -> EagleHead:
 
 def _is_eagle3(raw: dict, sd: dict[str, torch.Tensor]) -> bool:
     kind = raw.get("specdec", {}).get("kind") if isinstance(raw.get("specdec"), dict) else None
-    return (kind == "eagle3" or "LlamaForCausalLMEagle3" in (raw.get("architectures") or [])
+    archs = raw.get("architectures") or []
+    return (kind == "eagle3" or any(a in archs for a in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"))
             or any(k.startswith("midlayer.") for k in sd))
 
 
@@ -197,7 +198,9 @@ def _eagle3_head(path: Path, raw: dict, config: LlamaConfig, sd: dict[str, torch
     """An EAGLE-3 head (ours, or an official export: midlayer.* is our layers.0.*)."""
     sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): t for k, t in sd.items()}
     h, v = _check_target(config, "EAGLE-3", path, hidden_size, vocab_size)
-    layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    # eagle_config's (EAGLE-3, SGLang) or top-level (vLLM, speculators)
+    layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids",
+                                                  raw.get("eagle_aux_hidden_state_layer_ids"))
     if layers is None:
         if target_layers is None:
             raise SpecdecError(f"EAGLE-3 head {path} does not say which target layers it reads "
@@ -270,15 +273,30 @@ def _reduced_vocab(path: Path, sd: dict[str, torch.Tensor], v: int, h: int,
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     st, pt = path / "model.safetensors", path / "pytorch_model.bin"
+    import pickle
+
     try:
         if st.is_file():
             from safetensors.torch import load_file
 
             return load_file(str(st))
         if pt.is_file():
-            return torch.load(str(pt), map_location="cpu", weights_only=True)
+            # weights_only: a pickle naming any other object is refused before anything in it runs
+            sd = torch.load(str(pt), map_location="cpu", weights_only=True)
+        else:
+            raise SpecdecError(f"no EAGLE head weights in {path} (model.safetensors or pytorch_model.bin)")
+    except pickle.UnpicklingError as e:
+        raise SpecdecError(f"EAGLE head {path}: pytorch_model.bin holds objects other than tensors "
+                           f"({str(e).splitlines()[0][:160]}); refused without running it") from None
+    except SpecdecError:
+        raise
     except Exception as e:
         raise SpecdecError(f"EAGLE head {path}: cannot read its weights, the file looks damaged "
                            f"({type(e).__name__}: {e})") from None
-    raise SpecdecError(f"no EAGLE head weights in {path} (model.safetensors or pytorch_model.bin)")
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in sd.items()):
+        bad = next((k for k, t in sd.items() if not isinstance(t, torch.Tensor)), None) if isinstance(sd, dict) \
+            else None
+        raise SpecdecError(f"EAGLE head {path}: pytorch_model.bin does not hold a state dict (name -> tensor)"
+                           + (f": {bad!r} is a {type(sd[bad]).__name__}" if bad is not None else ""))
+    return sd
 

@@ -1,0 +1,68 @@
+"""`specdec import-head SRC --out DIR` and `specdec export-head DIR --to vllm|sglang --out OUT`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from specdec.cli.args import one_line_errors
+from specdec.errors import SpecdecError
+from specdec.heads.interop import ENGINES, detect, export_head, import_head
+from specdec.target.loading import load_model
+
+_MODEL_HELP = ("the target (HF dir, .gguf or smollm2): every tensor is checked against it, and it supplies "
+               "the LM head rows and layer count a head may take from it; without it nothing is checked")
+
+
+def add_parser(sub) -> None:
+    i = one_line_errors(sub.add_parser("import-head", help="read a published EAGLE-1/2, EAGLE-3 or Medusa "
+                                       "checkpoint (format detected), write it as a specdec head dir"))
+    i.add_argument("src", help="the checkpoint dir (config.json + model.safetensors / pytorch_model.bin, or "
+                   "medusa_lm_head.*)")
+    i.add_argument("--out", required=True, help="output head dir (written atomically)")
+    i.add_argument("--model", default=None, help=_MODEL_HELP)
+    i.set_defaults(func=cmd_import)
+    e = one_line_errors(sub.add_parser("export-head", help="write a head for vLLM or SGLang"))
+    e.add_argument("src", help="the head dir (ours, or any layout import-head reads)")
+    e.add_argument("--to", required=True, choices=ENGINES, help="the engine")
+    e.add_argument("--out", required=True, help="output dir (written atomically)")
+    e.add_argument("--model", default=None, help=_MODEL_HELP)
+    e.set_defaults(func=cmd_export)
+
+
+def _check_out(src: Path, out: Path) -> None:
+    if out.exists() and out.resolve() == src.resolve():
+        raise SpecdecError("--out must differ from SRC (a new directory is written)")
+    if out.exists() and not out.is_dir():
+        raise SpecdecError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise SpecdecError(f"--out {out} exists and holds no head: refusing to replace it")
+
+
+def _target(spec: str | None) -> tuple[torch.Tensor | None, int | None]:
+    if spec is None:
+        return None, None
+    model, _, _ = load_model(spec, "cpu", torch.float32)
+    return model.get_output_embeddings().weight.detach(), model.config.num_hidden_layers
+
+
+def cmd_import(args) -> int:
+    src, out = Path(args.src), Path(args.out)
+    kind = detect(src)  # before any model loads
+    _check_out(src, out)
+    lm, n_layers = _target(args.model)
+    kind, head = import_head(src, out, lm, n_layers)
+    print(f"{src} ({kind}) -> {out}: specdec head dir", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    src, out = Path(args.src), Path(args.out)
+    detect(src)
+    _check_out(src, out)
+    lm, n_layers = _target(args.model)
+    arch = export_head(src, args.to, out, lm, n_layers)
+    print(f"{src} -> {out}: {arch} for {args.to}", file=sys.stderr)
+    return 0
