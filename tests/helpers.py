@@ -2,6 +2,7 @@
 decoding and distribution checks, EAGLE heads and data, small GGUF files."""
 
 import copy
+import math
 import string
 from pathlib import Path
 
@@ -16,10 +17,11 @@ from specdec.bench.data import Question
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.engine import Stats, decode
-from specdec.heads.model import EagleHead, head_config
+from specdec.heads.medusa import MedusaHeads
+from specdec.heads.model import Eagle3Head, EagleHead, head_config
 from specdec.heads.runner import HeadRunner
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.training.datagen import generate_answers, pack_shard, teacher_force, write_shard
+from specdec.training.datagen import eagle3_layers, generate_answers, pack_shard, teacher_force, write_shard
 from specdec.tree import TreeBudget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,3 +352,33 @@ def synthetic_gguf(path, cfg: dict, fmt: str, seed: int = 0):
         w.write_tensor_data(blocks.reshape(o, -1))
     w.close()
     return path
+
+
+def make_head3(model, seed=0, draft_vocab=None, scale=0.2):
+    """A random EAGLE-3 head over EAGLE-3's layers of `model`, with norms away from 1 so they matter."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(head_config(model.config), eagle3_layers(model.config.num_hidden_layers)).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif "lm_head" not in name:
+                p.normal_(0, scale)
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.tensor(draft_vocab), model.lm_head.weight.detach())
+    return head
+
+
+def make_heads(model, k=3, layers=1, lm_head="own", vocab=None, seed=0):
+    """Random blocks; "own" LM heads perturbed away from the target's rows (as trained heads would be)."""
+    h = MedusaHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head)
+    h.init_lm_heads(model.lm_head.weight.detach(), vocab)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for blk in h.blocks:
+            for lin in blk.layers:
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.3 / math.sqrt(model.config.hidden_size))
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
+        for lm in h.lm_heads or []:
+            lm.weight.add_(torch.randn(lm.weight.shape, generator=g) * 0.05)
+    return h.eval()

@@ -10,29 +10,23 @@ import torch
 from specdec.drafters.eagle import EagleDrafter
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
-from specdec.heads.model import Eagle3Head, head_config
+from specdec.heads.model import Eagle3Head
 from specdec.heads.runner import Eagle3Runner, runner_for
 from specdec.sampling import SamplingParams
 from specdec.target.hf import HFRunner
 from specdec.target.lean import LeanRunner
 from specdec.training.datagen import eagle3_layers, generate_answers, pack_shard, teacher_force, write_shard
 from specdec.tree import TreeBudget
-from tests.helpers import PROMPTS, chi2_pvalue, exact_first3, flat_tiny, greedy_taus, sample_first3, tiny_model
-
-
-def make_head3(model, seed=0, draft_vocab=None, scale=0.2):
-    """A random EAGLE-3 head over EAGLE-3's layers of `model`, with norms away from 1 so they matter."""
-    torch.manual_seed(seed)
-    head = Eagle3Head(head_config(model.config), eagle3_layers(model.config.num_hidden_layers)).eval()
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif "lm_head" not in name:
-                p.normal_(0, scale)
-    if draft_vocab is not None:
-        head.set_draft_vocab(torch.tensor(draft_vocab), model.lm_head.weight.detach())
-    return head
+from tests.helpers import (
+    PROMPTS,
+    chi2_pvalue,
+    exact_first3,
+    flat_tiny,
+    greedy_taus,
+    make_head3,
+    sample_first3,
+    tiny_model,
+)
 
 
 def runner3(model, head):

@@ -19,11 +19,7 @@ from specdec.heads.runner import runner_for
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import TreeBudget
-from tests.conftest import tiny_model
-from tests.eagle_common import make_head
-from tests.test_eagle3 import make_head3
-from tests.test_engine import PROMPTS, run
-from tests.test_medusa_formats import make_heads
+from tests.helpers import PROMPTS, make_head, make_head3, make_heads, run, tiny_model
 
 
 @pytest.fixture(scope="module")

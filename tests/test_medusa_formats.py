@@ -14,28 +14,13 @@ from safetensors.torch import load_file, save_file
 from specdec.api import from_models
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from specdec.heads.medusa import MedusaHeads
 from specdec.heads.medusa_formats import detect_format, export_medusa, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
-from tests.helpers import word_tokenizer
+from tests.helpers import make_heads, word_tokenizer
 
 H, V = 64, 97
 F_IN = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
 
-
-def make_heads(model, k=3, layers=1, lm_head="own", vocab=None, seed=0):
-    """Random blocks; "own" LM heads perturbed away from the target's rows (as trained heads would be)."""
-    h = MedusaHeads(H, V, k, layers, lm_head)
-    h.init_lm_heads(model.lm_head.weight.detach(), vocab)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for blk in h.blocks:
-            for lin in blk.layers:
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.3 / math.sqrt(H))
-                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
-        for lm in h.lm_heads or []:
-            lm.weight.add_(torch.randn(lm.weight.shape, generator=g) * 0.05)
-    return h.eval()
 
 
 def full_logits(heads, lm):
