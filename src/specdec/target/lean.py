@@ -77,6 +77,9 @@ class LeanRunner(Runner):
         # which build of the kernels ran (their source hash): costs measured on another build are stale
         self.kernel_build = stream.kernel().__name__ if self.decode_kernel == "stream" else ""
 
+    def shared_lm_head(self, weights: str) -> Linear | None:
+        return self.lm_head if weights == self.weights else None
+
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
         a one-row decode step, timed here. Why measured: MKL's GEMV beat oneDNN's packed GEMM by ~25% on a
