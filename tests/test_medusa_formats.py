@@ -232,7 +232,7 @@ def test_the_drafter_loads_foreign_layouts(tiny, tmp_path):
     heads = make_heads(tiny, 3, 1, "own")
     for d in (write_vllm(tmp_path / "v", heads), write_fasterdecoding(tmp_path / "fd", heads)):
         dec = from_models(tiny, None, "medusa", heads=str(d), topk=2)
-        # on the streaming kernel an fp32 target's heads run in fp16 (drafters.eagle.draft_weights)
+        # on the streaming kernel an fp32 target's heads run in fp16 (Runner.head_weights)
         half = dec.drafter.runner.first.precision == "fp16"
         ref = copy.deepcopy(heads)
         if half:

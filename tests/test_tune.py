@@ -182,16 +182,16 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     shutil.copytree(trained[1] / "head", head)
     dec = from_models(tiny, None, "eagle2", head=str(head))  # children=sample at T > 0 by default
     budgets = [Config(1, 1, 1), Config(2, 2, 3), Config(3, 2, 6)]
-    rows = sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, tokens=24, budgets=budgets)
+    rows = sampled_acceptance(dec, PROMPTS[:2], tokens=24, budgets=budgets)
     assert [(r["depth"], r["topk"], r["tree_size"]) for r in rows] == [astuple(b) for b in budgets]
     assert all(r["tau"] >= 1 for r in rows) and rows[-1]["tau"] > 1  # a 6-node tree is accepted sometimes
-    again = sampled_acceptance(dec.drafter, dec.runner, PROMPTS[:2], dec.eos_ids, 24, budgets=budgets)
+    again = sampled_acceptance(dec, PROMPTS[:2], 24, budgets=budgets)
     assert [r["tau"] for r in rows] == [r["tau"] for r in again]  # seeded: the same draws (timings differ)
     assert all(r["tokens_per_second"] > 0 and r["draft_ms"] > 0 for r in rows)
     assert astuple(dec.drafter.sampled_budget) == astuple(dec.drafter.budget) == (5, 4, 10)  # left as it was
     topk = from_models(tiny, None, "eagle2", head=str(head), children="topk")
     with pytest.raises(SpecdecError, match="children='sample'"):
-        sampled_acceptance(topk.drafter, topk.runner, PROMPTS[:1], topk.eos_ids, budgets=budgets)
+        sampled_acceptance(topk, PROMPTS[:1], budgets=budgets)
 
     greedy_rows = [{**asdict(b), "tau": 1.5} for b in budgets]
     save_tuning({"depth": 2, "topk": 2, "tree_size": 3, "acceptance": greedy_rows}, tuning_path(head))

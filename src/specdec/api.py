@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -12,14 +12,14 @@ from pydantic import Field
 
 from specdec.drafters import registry
 from specdec.drafters.base import Drafter
-from specdec.drafters.union import UnionDrafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.options import option
 from specdec.sampling import SamplingParams
 from specdec.slot import Slot
+from specdec.target.base import Runner
 from specdec.target.gguf import GGUFModel
-from specdec.target.loading import Runtime, eos_ids, load_model, make_runner
+from specdec.target.loading import Runtime, build_runner, eos_ids, load_model
 
 Messages = Sequence[dict]
 
@@ -57,7 +57,7 @@ class Decoder:
     """A target, a drafter and a tokenizer. Safe to share between threads: requests are serialized
     (slot.py), and a stream another request interrupted rebuilds its state and continues exactly."""
 
-    runner: object
+    runner: Runner
     tokenizer: object
     drafter: Drafter
     method: str
@@ -69,6 +69,14 @@ class Decoder:
     def weights(self) -> str:
         """The target's linear-weight precision: decoding is lossless relative to that target."""
         return self.runner.weights
+
+    def steps(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stats: Stats,
+              on_verify: Callable | None = None, drafter: Drafter | None = None) -> Iterator[list[int]]:
+        """The new token ids of each decoding step, under this Decoder's turn-taking like every request
+        (the benchmark and `specdec tune` decode token ids through here). on_verify: engine.decode's.
+        drafter: another drafter over the same target instead of this Decoder's (e.g. NoDrafter)."""
+        return decode(self.runner, self.drafter if drafter is None else drafter, prompt_ids, params, max_new_tokens,
+                      self.eos_ids, stats, on_verify=on_verify, lease=self.slot.lease())
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""
@@ -128,8 +136,7 @@ class Decoder:
         depths: list[int] = []
         forwards = 0  # verify forwards seen
         finish = None
-        steps = decode(self.runner, self.drafter, prompt_ids, params, params.max_new_tokens, self.eos_ids, stats,
-                       lease=self.slot.lease())
+        steps = self.steps(prompt_ids, params, params.max_new_tokens, stats)
         try:
             for new in steps:
                 start = len(ids)
@@ -233,17 +240,20 @@ def load(
     draft_model = draft_tok = None
     if spec.needs_draft or (spec.takes_draft and draft is not None):
         draft_model, draft_tok, _ = load_model(draft, next(model.parameters()).device, rt.torch_dtype(), rt.weights)
-    return from_models(model, tok, method, draft_model, draft_tok, rt.backend, weights=rt.weights, **opts)
+    return _decoder(model, tok, method, draft_model, draft_tok, rt, opts)
 
 
 def from_models(model, tokenizer, method: str = "vanilla", draft_model=None, draft_tokenizer=None,
                 backend: str = "auto", weights: str | None = None, **opts) -> Decoder:
     """A Decoder over models already in memory (what `load` does after loading)."""
-    Runtime(backend=backend, weights=weights)
+    return _decoder(model, tokenizer, method, draft_model, draft_tokenizer, Runtime(backend=backend, weights=weights),
+                    opts)
+
+
+def _decoder(model, tokenizer, method: str, draft_model, draft_tokenizer, rt: Runtime, opts: dict) -> Decoder:
     spec, options = registry.parse(method, opts)
-    runner = make_runner(model, backend, weights)
-    drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, backend), options)
+    runner = build_runner(model, rt)
+    drafter = spec.build(registry.Target(model, runner, tokenizer, draft_model, draft_tokenizer, rt), options)
     if method == "auto":  # report what auto resolved to: the tree drafter (its union's first member) or vanilla
-        first = drafter.members[0] if isinstance(drafter, UnionDrafter) else getattr(drafter, "eagle", drafter)
-        method = first.name
+        method = drafter.lead.name
     return Decoder(runner, tokenizer, drafter, method, eos_ids(model, tokenizer))

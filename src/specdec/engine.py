@@ -140,7 +140,7 @@ def decode(
     dev = runner.device
     gen = params.generator(dev)
     coupling = params.coupling(runner.vocab_size)
-    typical = getattr(drafter, "typical", None)  # a lossy acceptance rule the drafter asks for (Medusa's)
+    typical = drafter.acceptance
     if typical is not None and not params.greedy:
         stats.acceptance = f"LOSSY {typical}"
     lease = lease or Slot().lease()
@@ -207,16 +207,23 @@ def decode(
                         break
                 n += len(new)
                 stats.new_tokens = n
-                ctx.tokens.extend(new)
                 rows = torch.tensor(keep, device=out.features.device)
-                ctx.features = out.features[rows]
-                ctx.aux_features = None if out.aux is None else out.aux[rows]
-                if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
-                    drafter.accept(ctx, verdict)
+                follow(drafter, ctx, new, out.features[rows], None if out.aux is None else out.aux[rows], verdict)
             yield new  # outside the hold: a suspended request holds no step in progress
     finally:
         lease.release()
         stats.total_time = _clock(dev) - t0
+
+
+def follow(drafter: Drafter, ctx: DecodeContext, new: list[int], features: torch.Tensor,
+           aux: torch.Tensor | None, verdict: Verdict) -> None:
+    """After a verification: ctx gains the emitted tokens and the target features of the rows kept (the
+    root and the accepted nodes), and the drafter follows, unless the sequence ended inside the verdict.
+    Whatever drives a drafter outside decode (cost measurement, `specdec tune`) steps it through here."""
+    ctx.tokens.extend(new)
+    ctx.features, ctx.aux_features = features, aux
+    if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
+        drafter.accept(ctx, verdict)
 
 
 def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -> ForwardOut:

@@ -26,7 +26,7 @@ from specdec.bench.methods import MethodSpec
 from specdec.bench.outdir import check_out_dir, clear_out_dir
 from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
-from specdec.engine import Stats, decode
+from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
 from specdec.sampling import SamplingParams
@@ -72,8 +72,7 @@ class OurMethod:
 
         params = SamplingParams(temperature, seed=seed)
         t0 = time.perf_counter()
-        tokens = [t for step in decode(dec.runner, dec.drafter, prompt_ids, params, max_new, dec.eos_ids, stats,
-                                       on_verify=on_verify) for t in step]
+        tokens = [t for step in dec.steps(prompt_ids, params, max_new, stats, on_verify=on_verify) for t in step]
         wall = time.perf_counter() - t0
         s = stats.summary()
         rec_stats = {
@@ -117,8 +116,7 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
         m = targets[spec.target] if spec.target is not None else model_for(model, weights)
         dec = from_models(m, tokenizer, spec.name, draft_model, draft_tokenizer, cfg.backend, weights=weights,
                           **spec.decoder_opts)
-        own = own_precision(model)
-        built[spec.label] = OurMethod(spec, dec, getattr(dec.runner, "weights", None) or weights or own, spec.target)
+        built[spec.label] = OurMethod(spec, dec, dec.weights, spec.target)
         if spec.label == "vanilla":
             vanilla = dec
     if vanilla is None:

@@ -285,6 +285,10 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.draft_priced: float | None = None
         self.relearned = 0
 
+    @property
+    def lead(self) -> Drafter:
+        return self.eagle
+
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
         prior = {n: p if greedy else p / 2 for n, p in LOOKUP_PRIOR.items()}

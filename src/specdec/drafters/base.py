@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.sampling import Coupling, SamplingParams
-from specdec.tree import DraftTree
-from specdec.verify import Verdict
+from specdec.tree import DraftTree, TreeBudget
+from specdec.verify import Typical, Verdict
 
 
 @dataclass
@@ -37,6 +37,16 @@ class Drafter(ABC):
     # target layers whose input hidden states it reads (ctx.aux_features, e.g. EAGLE-3's low, middle and
     # high layers); () = none, and the target computes nothing extra
     aux_layers: tuple[int, ...] = ()
+    # the tree a caller may size per call (TreeDrafter.propose's budget); None: its draft takes no budget
+    budget: TreeBudget | None = None
+    # the acceptance rule the verifier applies to its drafts: None = lossless; a Typical rule is LOSSY at T > 0
+    acceptance: Typical | None = None
+
+    @property
+    def lead(self) -> Drafter:
+        """The drafter doing the main drafting, for reports (what `auto` resolved to): a composite's
+        model-based part, else itself."""
+        return self
 
     @property
     def costs_source(self) -> str:
@@ -57,6 +67,15 @@ class Drafter(ABC):
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         """After verification: ctx.tokens already holds the new tokens, ctx.features the target
         features of the root and the accepted nodes."""
+
+
+class TreeDrafter(Drafter):
+    """A drafter whose tree a caller may size per call: adaptive `auto` picks a budget every step, cost
+    measurement and `specdec tune` price many."""
+
+    @abstractmethod
+    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+        """budget: this call's tree instead of the drafter's own."""
 
 
 class NoDrafter(Drafter):

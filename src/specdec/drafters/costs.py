@@ -24,9 +24,11 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.engine import follow
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import ContentionMeter, attention_slope, cpu_name, forward_costs, usable_cpus
 from specdec.sampling import SamplingParams
+from specdec.target.base import Runner
 from specdec.tree import TreeBudget
 from specdec.verify import Verdict
 
@@ -114,16 +116,16 @@ class Costs:
                    d.get("attend_us_per_row_token", 0.0) / 1e6, d.get("ctx", 0))
 
 
-def cost_key(runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]], lookup: int,
+def cost_key(runner: Runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]], lookup: int,
              sampled: list[tuple[TreeBudget, float]] = ()) -> dict:
-    cfg = getattr(runner, "config", None)
+    cfg = runner.config
     return {"version": VERSION, "cpu": cpu_name(), "usable_cpus": usable_cpus(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "target": str(getattr(cfg, "_name_or_path", "")),
             "target_shape": [getattr(cfg, "hidden_size", 0), getattr(cfg, "num_hidden_layers", 0),
-                             getattr(runner, "vocab_size", 0)],
-            "dtype": str(runner.dtype), "weights": getattr(runner, "weights", ""), "device": str(runner.device),
-            "kernel": getattr(runner, "decode_kernel", ""),
-            "kernel_build": getattr(runner, "kernel_build", ""), "head": Path(head_dir).name if head_dir else "",
+                             runner.vocab_size],
+            "dtype": str(runner.dtype), "weights": runner.weights, "device": str(runner.device),
+            "kernel": runner.decode_kernel, "kernel_build": runner.kernel_build,
+            "head": Path(head_dir).name if head_dir else "",
             "menu": [list(b.__dict__.values()) for b, _ in menu],
             "lookup": lookup, **({"sampled": [list(b.__dict__.values()) for b, _ in sampled]} if sampled else {})}
 
@@ -155,21 +157,20 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     # rows, and the head's weights back in the caches after the target forward evicted them (a
     # back-to-back probe missed that: 0.85 ms of a 2.7 ms step, SmolLM2 head on an EPYC)
     b0 = menu[0][0]
-    follow = []
+    catch_up = []
     for i in range(reps):  # a typical step: one accepted token + the bonus
-        ctx.tokens += ids[ctx_len + 1 + 2 * i:ctx_len + 3 + 2 * i]
-        ctx.features = feats[ctx_len + 2 * i:ctx_len + 2 + 2 * i]
-        ctx.aux_features = None if aux is None else aux[ctx_len + 2 * i:ctx_len + 2 + 2 * i]
-        drafter.accept(ctx, Verdict([0], ctx.tokens[-2:], ctx.tokens[-1]))
+        new = ids[ctx_len + 1 + 2 * i:ctx_len + 3 + 2 * i]
+        follow(drafter, ctx, new, feats[ctx_len + 2 * i:ctx_len + 2 + 2 * i],
+               None if aux is None else aux[ctx_len + 2 * i:ctx_len + 2 + 2 * i], Verdict([0], new, new[-1]))
         runner.forward(torch.tensor(ids[:1]), logits_rows=slice(-1, None))  # as before every draft
         runner.reset()
         t = time.perf_counter()
         drafter.propose(ctx, b0)  # reads the new rows first
-        follow.append(time.perf_counter() - t - draft_s[b0])
+        catch_up.append(time.perf_counter() - t - draft_s[b0])
     pld = PromptLookupDrafter(chain_len=max(lookup, 1))
     look = _time_warm(lambda: pld.propose(ctx), reps)
     drafter.runner.reset()  # every request begins afresh anyway
-    return Costs(target_s, draft_s, max(0.0, min(follow)), look, sampled_s, attend_s, ctx_len)
+    return Costs(target_s, draft_s, max(0.0, min(catch_up)), look, sampled_s, attend_s, ctx_len)
 
 
 def target_costs(runner, top: int, sizes: set[int], ctx_len: int) -> tuple[dict[int, float], float]:
@@ -208,11 +209,11 @@ def measure_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDra
 def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafter | None,
                      menu: list[tuple[TreeBudget, float]], recalibrate: bool = False) -> tuple[Costs, Path, str]:
     """load_costs for `auto` without a head."""
-    dcfg = getattr(draft.runner, "config", None) if draft is not None else None
+    dcfg = draft.runner.config if draft is not None else None
     key = {**cost_key(runner, None, menu, ngram.tree_size if ngram is not None else 0), "drafter": "ngram",
            "draft": None if draft is None else [str(getattr(dcfg, "_name_or_path", "")),
                                                 getattr(dcfg, "hidden_size", 0), getattr(dcfg, "num_hidden_layers", 0),
-                                                str(draft.runner.dtype), getattr(draft.runner, "weights", "")]}
+                                                str(draft.runner.dtype), draft.runner.weights]}
     return cached_costs(key, lambda: measure_plain_costs(runner, ngram, draft, menu), recalibrate)
 
 

@@ -7,16 +7,16 @@ from dataclasses import astuple
 
 import torch
 
-from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.base import DecodeContext, TreeDrafter
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.sampling import probs_from_logits, sample, tempered_log_probs
 from specdec.target.base import Runner
-from specdec.target.loading import check_same_vocab, make_runner
+from specdec.target.loading import Runtime, build_runner, check_same_vocab
 from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(TreeDrafter):
     def __init__(self, runner: Runner, target_vocab: int, chain_len: int = 4, tree: TreeBudget | None = None) -> None:
         """tree None: a chain of `chain_len` tokens sampled from the draft (exact SpS). Else an
         EAGLE-2-style top-k tree of that budget."""
@@ -135,7 +135,8 @@ def draft_runner(target: Target) -> Runner:
         raise SpecdecError("a draft-model method needs a draft model: pass draft=<HF dir or .gguf>")
     if target.tokenizer is not None and target.draft_tokenizer is not None:
         check_same_vocab(target.tokenizer, target.draft_tokenizer)
-    return make_runner(target.draft_model, target.backend)
+    rt = target.runtime or Runtime()
+    return build_runner(target.draft_model, rt.model_copy(update={"weights": None}))  # the draft's own dtype
 
 
 register(Method("sps", "a draft LM with the same tokenizer: a sampled chain (Leviathan et al.; Chen et al.)",

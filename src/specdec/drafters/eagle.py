@@ -24,16 +24,14 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
 from specdec.heads.runner import HeadRunner, runner_for
 from specdec.heads.shipped import find_shipped_head
 from specdec.sampling import tempered_log_probs
-from specdec.target import stream
 from specdec.target.gguf import float_weight
-from specdec.target.packed import GGUF
 from specdec.tree import (
     DraftTree,
     NodeSlots,
@@ -94,7 +92,7 @@ def _choices_or_error(choices: Sequence[Sequence[int]]) -> list[tuple]:
         raise SpecdecError(f"choices {e}") from None
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(TreeDrafter):
     def __init__(self, runner: HeadRunner, budget: TreeBudget | None = None,
                  choices: Sequence[Sequence[int]] | None = None, rank_by: str = "value", rerank: bool = True,
                  children: str = "topk", sampled_budget: TreeBudget | None = None) -> None:
@@ -323,26 +321,14 @@ def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRun
         if head.meta.get("lm_head", "target") != "target":
             raise SpecdecError("full_vocab needs a head whose reduced LM head rows are the target's (lm_head: target)")
         head.lm_head, head.d2t, head.draft_vocab_size = None, None, None
-    lm, weights = None, draft_weights(runner, head)
+    lm, weights = None, runner.head_weights(head)
     if head.lm_head is None:
-        # reuse the target runner's (pre-packed) LM head rather than holding a second copy, unless the
-        # head stores its weights in another precision (then the full head is those rows, rounded alike)
-        lm = getattr(runner, "lm_head", None)
-        if not callable(lm) or isinstance(lm, torch.nn.Module) or weights != getattr(runner, "weights", None):
-            lm = model.get_output_embeddings().weight  # a GGUF file's: its quantized blocks, on their kernel
+        # the target runner's LM head when it can share it; else its rows, at the head's precision (a
+        # GGUF file's: its quantized blocks, on their kernel)
+        lm = runner.shared_lm_head(weights)
+        if lm is None:
+            lm = model.get_output_embeddings().weight
     return runner_for(head, embed, lm, weights=weights), str(head_dir)
-
-
-def draft_weights(runner, head) -> str | None:
-    """The head's weight precision: the target's, except fp16 in place of fp32 on the streaming kernel.
-    Why: heads ship in fp16, so their own weights lose nothing, and a draft step reads half the bytes
-    (0.82 -> 0.48 ms per step for SmolLM2's head, docs/history/benchmarks-engine-llamacpp.md); only the
-    target's LM head rows are rounded, which moves draft scores, never what is accepted."""
-    weights = getattr(runner, "weights", None)
-    if weights not in (None, "fp32", GGUF) or stream.kernel() is None:
-        return weights
-    top = max(float(p.detach().abs().max()) for p in head.parameters())
-    return "fp16" if top < 6e4 else weights  # fp16 overflows past 65504
 
 
 def tuned_budget(opts: Eagle2Options, head_dir: str | None, tuned: dict | None = None,

@@ -27,7 +27,6 @@ from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.costs import cost_file, cost_key, read_cost_file, write_cost_file
-from specdec.drafters.eagle import draft_weights
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
@@ -94,7 +93,7 @@ class MedusaDrafter(Drafter):
         self.choices = _ordered(choices, runner.num_heads)
         self.top = [1 + max((c[d] for c in self.choices if len(c) > d), default=-1) for d in range(runner.num_heads)]
         self.draft_depth = max(map(len, self.choices))
-        self.typical = typical  # the engine's acceptance rule: None = lossless
+        self.acceptance = typical
         self.feature: torch.Tensor | None = None
 
     def begin(self, ctx: DecodeContext) -> None:
@@ -256,12 +255,9 @@ def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
     lm = float_weight(model.get_output_embeddings().weight)  # a GGUF file's: its rows in fp32
     heads = import_medusa(heads_dir, hidden_size=runner.hidden_size, vocab_size=lm.shape[0], target_lm_head=lm,
                           device=p.device, dtype=p.dtype)  # ours, vLLM's or FasterDecoding's layout
-    shared = getattr(runner, "lm_head", None)  # the target runner's packed LM head: no second copy
-    weights = draft_weights(runner, heads)  # fp16 on the streaming kernel for an fp32 target (as EAGLE's head)
-    if heads.lm_heads is None and heads.d2t is None and callable(shared) and not isinstance(shared, torch.nn.Module) \
-            and weights == getattr(runner, "weights", None):
-        return MedusaRunner(heads, shared, weights=weights), heads.meta
-    return MedusaRunner(heads, lm, weights=weights), heads.meta
+    weights = runner.head_weights(heads)  # fp16 on the streaming kernel for an fp32 target (as EAGLE's head)
+    shared = runner.shared_lm_head(weights) if heads.lm_heads is None and heads.d2t is None else None
+    return MedusaRunner(heads, lm if shared is None else shared, weights=weights), heads.meta
 
 
 def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:

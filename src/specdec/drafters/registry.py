@@ -21,10 +21,13 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import SpecdecError
 from specdec.options import Options, Param, bool_flag, flag_help, option
+
+if TYPE_CHECKING:  # loading imports torch: `specdec methods` and option errors must stay fast
+    from specdec.target.loading import Runtime
 
 __all__ = ["Method", "Options", "Target", "get", "markdown_table", "methods", "names", "option", "parse", "register"]
 
@@ -42,14 +45,15 @@ class NoOptions(Options):
 
 @dataclass
 class Target:
-    """What a builder may use: the target model and its runner, and the draft model for SpS."""
+    """What a builder may use: the target model and its runner, the draft model for SpS, and how the
+    models run (checked once, before the target's runner was built; None: the defaults)."""
 
     model: Any
     runner: Any
     tokenizer: Any = None
     draft_model: Any = None
     draft_tokenizer: Any = None
-    backend: str = "auto"
+    runtime: Runtime | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ class UnionDrafter(Drafter):
         self.name = name or "+".join(m.name for m in members)
         self.draft_depth = max((m.draft_depth or 0 for m in members), default=0) or None
 
+    @property
+    def lead(self) -> Drafter:
+        return self.members[0].lead
+
     def begin(self, ctx: DecodeContext) -> None:
         for m in self.members:
             m.begin(ctx)
@@ -49,6 +53,10 @@ class GreedyOnly(Drafter):
 
     def __init__(self, inner: Drafter) -> None:
         self.inner, self.name, self.draft_depth = inner, inner.name, inner.draft_depth
+
+    @property
+    def lead(self) -> Drafter:
+        return self.inner.lead
 
     def begin(self, ctx: DecodeContext) -> None:
         self.inner.begin(ctx)

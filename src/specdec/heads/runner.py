@@ -21,20 +21,24 @@ if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): 
     from specdec.heads.model import EagleHead
 
 
-class _PadDown:
-    """PAD's last layer: llama.Block adds down(x) to its residual itself, but PAD puts two halves of a
-    2H output on that residual. This down keeps the output and adds nothing, so the Block returns the
-    residual exactly and the runner applies pad_outputs to it. With `tail_only` (rows no draft step
-    continues from) it computes f̃'s half alone and adds it like any down: the Block returns f̃."""
+class PadBlock(Block):
+    """PAD's last layer: its doubled down_proj puts two halves of a 2H output, f's and f̃'s, on the same
+    residual. Its MLP output keeps that 2H output (`out`) and returns the residual, to which the runner
+    applies pad_outputs. With `tail_only` (rows no draft step continues from) it computes f̃'s half alone
+    and adds it like any layer: the block returns f̃."""
 
-    def __init__(self, down: Linear, tail: Linear) -> None:
-        self.down, self.tail, self.out, self.tail_only = down, tail, None, False
+    def __init__(self, layer, index: int, eps: float, pack: bool, weights: str | None) -> None:
+        super().__init__(layer, index, eps, pack, weights)
+        w, h = layer.mlp.down_proj, layer.mlp.down_proj.weight.shape[0] // 2
+        self.tail = Linear(w.weight[h:], None if w.bias is None else w.bias[h:], pack, weights)
+        self.out: torch.Tensor | None = None
+        self.tail_only = False
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | int:
+    def mlp_out(self, y: torch.Tensor, h: torch.Tensor, fused: bool) -> torch.Tensor:
         if self.tail_only:
-            return self.tail(x) if residual is None else self.tail(x, residual)
-        self.out = self.down(x)
-        return 0 if residual is None else residual
+            return self.tail(y, h) if fused else h + self.tail(y)
+        self.out = self.down(y)
+        return h
 
 
 class HeadRunner(Cached):
@@ -84,13 +88,10 @@ class HeadRunner(Cached):
             self.fc, self.sampler = Linear(head.fc.weight, head.fc.bias, pack, weights), None
             if head.d2t is not None:  # f's half alone, for rows whose token half comes from the table
                 self.fc_f = Linear(head.fc.weight[:, cfg.hidden_size:], None, pack, weights)
-        self.layers = [Block(layer, i, cfg.rms_norm_eps, pack, weights) for i, layer in enumerate(head.layers)]
-        self.pad_down = None
-        if head.pad:
-            w = head.layers[-1].mlp.down_proj
-            tail = Linear(w.weight[cfg.hidden_size:], None if w.bias is None else w.bias[cfg.hidden_size:], pack,
-                          weights)
-            self.pad_down = self.layers[-1].down = _PadDown(self.layers[-1].down, tail)
+        last = len(head.layers) - 1
+        self.layers = [(PadBlock if head.pad and i == last else Block)(layer, i, cfg.rms_norm_eps, pack, weights)
+                       for i, layer in enumerate(head.layers)]
+        self.pad_block = self.layers[-1] if head.pad else None
 
     def target_input(self, features: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """What a committed row reads from the target (EagleHead.target_input): EAGLE's f_t."""
@@ -137,8 +138,8 @@ class HeadRunner(Cached):
             mask, causal = chain_attention(start, n, self.device)
         else:
             mask = mask.to(self.device)
-        if self.pad_down is not None:
-            self.pad_down.tail_only = not feature
+        if self.pad_block is not None:
+            self.pad_block.tail_only = not feature
         for layer in self.layers:  # the fused kernels attend row by row (cheaper than SDPA for a few rows)
             h = layer(h, cos, sin, kv, start, mask, causal, True if layer.fused is not None and n <= 64 else None)
         kv.n_pending += n
@@ -147,11 +148,11 @@ class HeadRunner(Cached):
     def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(what the next draft step reads, the LM head's input) from the last layer's output [n, H]."""
         n = h.shape[0]
-        if self.pad_down is not None and not feature:
+        if self.pad_block is not None and not feature:
             return None, h
-        if self.pad_down is not None:
-            f, g = pad_outputs(h, self.pad_down.out.reshape(n, -1))
-            self.pad_down.out = None
+        if self.pad_block is not None:
+            f, g = pad_outputs(h, self.pad_block.out.reshape(n, -1))
+            self.pad_block.out = None
             return f, g
         return h, h
 
@@ -183,7 +184,7 @@ class Eagle3Runner(HeadRunner):
 
     def _build(self, head: EagleHead, pack: bool, weights: str | None) -> None:
         cfg = head.config
-        self.connector, self.pad, self.sampler, self.pad_down = "fc", False, None, None
+        self.connector, self.pad, self.sampler, self.pad_block = "fc", False, None, None
         self.aux_layers = head.aux_layers
         self.fc = Linear(head.fc.weight, None, pack, weights)
         layer = head.layers[0]

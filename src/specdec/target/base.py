@@ -4,11 +4,13 @@ explicit mask and positions against a KV cache, and compaction of that cache to 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.target import stream
 from specdec.target.kv import Rows
 
 
@@ -65,12 +67,35 @@ class Cached:
 
 class Runner(Cached, ABC):
     config: object
+    dtype: torch.dtype  # of its activations and KV cache
     vocab_size: int
     hidden_size: int
     n_layers: int
+    # the precision of its linear weights (fp32, bf16, fp16, int8, int4, gguf): decoding is lossless
+    # relative to this target, whatever the model file holds
+    weights: str
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # features [n, H] -> logits [n, V]
+    decode_kernel = ""  # what runs a one-row decode step ("stream", "gemv", "packed"; "": the framework's)
+    kernel_build = ""  # which build of the streaming kernels ran ("": none): costs timed on another are stale
     exact_rows = 0  # forwards of up to this many rows give each row the bits it would get alone (0: none)
     # the kernels a forward runs on (the stats line says it: the same model is 2x slower on a fallback)
     kernel_path = "torch"
+
+    def shared_lm_head(self, weights: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Its LM head for a draft head at `weights` to share rather than hold a second copy of the rows;
+        None when it has none to share (not pre-packed, or another precision)."""
+        return None
+
+    def head_weights(self, head: torch.nn.Module) -> str:
+        """The precision a draft head over this target runs at: the target's, except fp16 in place of fp32
+        (or a GGUF file's blocks) on the streaming kernel. Why: heads ship in fp16, so their own weights lose
+        nothing, and a draft step reads half the bytes (0.82 -> 0.48 ms per step for SmolLM2's head,
+        docs/benchmarks.md); only the target's LM head rows are rounded, which moves draft scores, never
+        what is accepted."""
+        if self.weights not in ("fp32", "gguf") or stream.kernel() is None:
+            return self.weights
+        top = max(float(p.detach().abs().max()) for p in head.parameters())
+        return "fp16" if top < 6e4 else self.weights  # fp16 overflows past 65504
 
     @abstractmethod
     def _forward(

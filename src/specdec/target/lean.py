@@ -87,6 +87,9 @@ class LeanRunner(Runner):
         path = "onednn" if self.lm_head.packed else "torch"
         return path + "+gemv" if self.decode_kernel == "gemv" else path
 
+    def shared_lm_head(self, weights: str) -> Linear | None:
+        return self.lm_head if weights == self.weights else None
+
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
         a one-row decode step, timed here. Why measured: MKL's GEMV beat oneDNN's packed GEMM by ~25% on a

@@ -144,7 +144,12 @@ class Block:
         h = h + self.o(a.transpose(1, 2).reshape(b, n, nh * hd))
         x = F.rms_norm(h, self.norm_shape, self.post_norm, self.eps)
         g, u = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.down(F.silu(g) * u)
+        return self.mlp_out(F.silu(g) * u, h, fused=False)
+
+    def mlp_out(self, y: torch.Tensor, h: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The layer's output from the MLP's activation y and the residual h: h + down(y) (fused: down adds
+        h in its kernel). A subclass whose MLP output is not one residual add overrides it (PAD's)."""
+        return self.down(y, h) if fused else h + self.down(y)
 
     def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
                mask: torch.Tensor | None, causal: bool, by_row: bool) -> torch.Tensor:
@@ -166,7 +171,7 @@ class Block:
             a = a.transpose(1, 2).reshape(n, nh * hd)
         h = self.o(a, h)
         y = ops.silu_mul(self.gate_up(ops.rms_norm(h, self.post_norm, self.eps)))
-        return self.down(y, h)[None]
+        return self.mlp_out(y, h, fused=True)[None]
 
 
 def fused_ops(block: Block):

@@ -22,6 +22,7 @@ from specdec.files import atomic_dir, cache_dir
 from specdec.machine import free_cpus, usable_cpus
 from specdec.options import Options, option
 from specdec.target import stream
+from specdec.target.base import Runner
 from specdec.target.gguf import GGUFModel
 from specdec.target.lean import LeanRunner, supports
 from specdec.target.packed import FLOAT, precision_name
@@ -264,10 +265,15 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
     return model, tok, d
 
 
-def make_runner(model, backend: str = "auto", weights: str | None = None):
+def make_runner(model, backend: str = "auto", weights: str | None = None) -> Runner:
+    return build_runner(model, Runtime(backend=backend, weights=weights))  # checks both
+
+
+def build_runner(model, rt: Runtime) -> Runner:
+    """The runner of `model` at rt's backend and weights (a Runtime is checked when made)."""
     from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
 
-    Runtime(backend=backend, weights=weights)  # checks both
+    backend, weights = rt.backend, rt.weights
     if isinstance(model, GGUFModel):
         if weights not in (None, "gguf"):
             raise SpecdecError(f"weights={weights}: this model was loaded on its GGUF file's own blocks; load it "

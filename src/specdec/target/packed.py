@@ -101,10 +101,14 @@ class Linear:
     invariant=True makes a row's output independent of the call's other rows (the streaming kernel, or
     blocked oneDNN reductions). invariant=False allows a faster path where the streaming kernel is
     missing: one block, and a single row (a decode step) through MKL's GEMV when the runner's probe
-    finds it faster (`gemv`); the streaming kernel is invariant anyway and is used either way."""
+    finds it faster (`gemv`); the streaming kernel is invariant anyway and is used either way.
+
+    block: reduce in blocks of this many inputs on the general kernel, as given (no streaming kernel, no
+    probe, no GEMV): what invariant_block probes."""
 
     def __init__(self, weight: torch.Tensor | QuantTensor | list[QuantTensor], bias: torch.Tensor | None = None,
-                 pack: bool = True, precision: str | None = None, invariant: bool = True) -> None:
+                 pack: bool = True, precision: str | None = None, invariant: bool = True, *,
+                 block: int | None = None) -> None:
         if isinstance(weight, (QuantTensor, list)):  # quantized blocks: their kernel, batch-invariant as well
             self.stream = QuantWeight(weight if isinstance(weight, list) else [weight], bias)
             self.out_features, self.precision, self.invariant = self.stream.out_features, GGUF, True
@@ -124,20 +128,22 @@ class Linear:
         self.stream = self.gemv = None
         self.parts, self.slices = [], []
         cpu = pack and weight.device.type == "cpu"
-        if cpu and act == torch.float32 and stream.kernel() is not None:
+        if block is None and cpu and act == torch.float32 and stream.kernel() is not None:
             self.stream = stream.StreamWeight(stored, self.bias, self.scale)
             self.invariant = True
             return
         rounded = stored.to(act)  # the same model on a general kernel: the rounded weights, widened
-        probe = cpu and invariant
-        block = invariant_block(self.out_features, k, precision_name(act), torch.get_num_threads()) if probe else k
+        given, probe = block is not None, cpu and invariant and block is None
+        if not given:
+            block = invariant_block(self.out_features, k, precision_name(act), torch.get_num_threads()) if probe \
+                else k
         # else rows may differ in the last bits between one-row and many-row calls (greedy ties can flip)
         self.invariant = probe and block > 0
         block = block or k
         self.slices = [slice(i, min(i + block, k)) for i in range(0, k, block)]
         self.parts = [_Float(rounded[:, s], act, pack) for s in self.slices]
         # the GEMV weight: the caller's tensor itself (no copy) when nothing was rounded
-        self.gemv = weight if cpu and not invariant and self.scale is None and stored.dtype == act else None
+        self.gemv = weight if cpu and not (invariant or given) and self.scale is None and stored.dtype == act else None
 
     @property
     def packed(self) -> bool:
@@ -179,11 +185,7 @@ def invariant_block(n: int, k: int, precision: str, threads: int) -> int:
     w = torch.randn(n, k, generator=g) / k ** 0.5
     x = torch.randn(PROBE_ROWS, k, generator=g)
     for block in (k,) * (k <= BLOCKS[0]) + tuple(b for b in BLOCKS if b < k):
-        lin = Linear.__new__(Linear)
-        lin.bias, lin.out_features, lin.precision, lin.gemv = None, n, precision, None
-        lin.stream = lin.scale = None
-        lin.slices = [slice(i, min(i + block, k)) for i in range(0, k, block)]
-        lin.parts = [_Float(w[:, s], FLOAT[precision], True) for s in lin.slices]
+        lin = Linear(w.to(FLOAT[precision]), block=block)
         alone = torch.cat([lin(x[r:r + 1]) for r in range(PROBE_ROWS)])
         if all(torch.equal(lin(x[:m]), alone[:m]) for m in PROBE_COUNTS):
             return block

@@ -92,8 +92,7 @@ def cmd_tune(args) -> int:
     log(f"tuning {head} on {cpu_name()}, {torch.get_num_threads()} threads")
     rec = tune(dec, prompts, args.tokens, log=log, lookups=lookups)
     if args.sampled_tokens:
-        rec["acceptance_sampled"] = sampled_acceptance(dec.drafter, dec.runner, prompts, dec.eos_ids,
-                                                       args.sampled_tokens, log=log)
+        rec["acceptance_sampled"] = sampled_acceptance(dec, prompts, args.sampled_tokens, log=log)
         rec["acceptance_sampled_calibration"] = {"prompts": len(prompts), "tokens": args.sampled_tokens,
                                                  "temperature": 1.0, "seeds": f"0-{len(prompts) - 1}"}
         # priced with the greedy trees' forward table (its sizes, 1..33, cover every sampled tree)

@@ -21,8 +21,7 @@ from dataclasses import asdict
 
 import torch
 
-from specdec.drafters.eagle import EagleDrafter
-from specdec.engine import Stats, decode
+from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
@@ -35,14 +34,15 @@ SAMPLED_CANDIDATES = tuple(TreeBudget(*b) for b in (
     (3, 2, 6), (2, 3, 6), (3, 3, 6), (3, 3, 8)))
 
 
-def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int]], eos_ids: set[int],
-                       tokens: int = 128, temperature: float = 1.0, seed: int = 0,
+def sampled_acceptance(decoder, prompts: Sequence[list[int]], tokens: int = 128, temperature: float = 1.0,
+                       seed: int = 0,
                        budgets: Sequence[TreeBudget] = SAMPLED_CANDIDATES,
                        log: Callable[[str], None] = lambda s: None) -> list[dict]:
     """[{depth, topk, tree_size, tau, draft_ms, tokens_per_second}] per budget: emitted tokens per target
     forward, the drafter's time per forward (propose and catching up) and new tokens per second of
     decoding (prefill excluded: the same for every budget), pooled over the prompts, each prompt sampled
-    with seed + its index."""
+    with seed + its index. decoder: an api.Decoder over an EAGLE-2 drafter."""
+    drafter = decoder.drafter
     if drafter.children != "sample":
         raise SpecdecError("sampled acceptance needs an EAGLE-2 drafter with children='sample'")
     rows = []
@@ -58,7 +58,7 @@ def sampled_acceptance(drafter: EagleDrafter, runner, prompts: Sequence[list[int
                 # prices; torch's generator seeded per prompt keeps the draws common to every budget
                 torch.manual_seed(seed + i)
                 params = SamplingParams(temperature)
-                for _ in decode(runner, drafter, prompt, params, tokens, eos_ids, stats):
+                for _ in decoder.steps(prompt, params, tokens, stats):
                     pass
                 forwards += len(stats.accept_lengths)
                 emitted += sum(stats.accept_lengths)

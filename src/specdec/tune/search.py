@@ -25,9 +25,8 @@ from dataclasses import asdict, astuple, dataclass, field, replace
 import torch
 
 from specdec.drafters.base import DecodeContext, NoDrafter
-from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import Stats, decode
+from specdec.engine import Stats, follow
 from specdec.errors import SpecdecError
 from specdec.machine import forward_costs, machine_summary
 from specdec.sampling import SamplingParams
@@ -136,11 +135,9 @@ def walk(drafter, target, prompt: list[int], continuation: list[int], configs: S
         if r == n_seq - 2:
             break
         # follow the text, as the engine does after each verification
-        ctx.tokens.append(seq[r + 1])
-        ctx.features = feats[r:r + 1]
-        ctx.aux_features = None if aux is None else aux[r:r + 1]
         t = time.perf_counter()
-        drafter.accept(ctx, Verdict([], [seq[r + 1]], seq[r + 1]))
+        follow(drafter, ctx, [seq[r + 1]], feats[r:r + 1], None if aux is None else aux[r:r + 1],
+               Verdict([], [seq[r + 1]], seq[r + 1]))
         drafter.sync(ctx)  # the head follows lazily: its catch-up is this step's cost, not the next draft's
         w.follow_s.append(time.perf_counter() - t)
     return w
@@ -179,7 +176,7 @@ def tune(decoder, prompts: Sequence[list[int]], tokens: int = 256, configs: Sequ
     that save_tuning writes; its depth / topk / tree_size are the choice for `eagle2`, its "auto" the
     best of those and of every tree joined with a lookup chain of each length in `lookups`."""
     drafter, target = decoder.drafter, decoder.runner
-    if not isinstance(drafter, EagleDrafter) or drafter.budget is None:
+    if drafter.budget is None:
         raise SpecdecError("tune needs an eagle2 decoder (an EAGLE head)")
     if not prompts or tokens < 2:
         raise SpecdecError("tune needs at least one prompt and --tokens >= 2")
@@ -193,8 +190,8 @@ def tune(decoder, prompts: Sequence[list[int]], tokens: int = 256, configs: Sequ
     for i, prompt in enumerate(prompts):
         if len(prompt) + tokens + 1 > target.max_length:
             raise SpecdecError(f"calibration prompt {i} + {tokens} tokens exceed the context of {target.max_length}")
-        cont = [t for step in decode(target, NoDrafter(), prompt, SamplingParams(), tokens, decoder.eos_ids,
-                                     Stats()) for t in step]
+        cont = [t for step in decoder.steps(prompt, SamplingParams(), tokens, Stats(), drafter=NoDrafter())
+                for t in step]
         w = walk(drafter, target, prompt, cont, configs, time_every, lookups)
         for c in configs:  # each prompt is its own generation: replay it separately, pool the steps
             steps[c] += replay(w.accepted[c])
