@@ -369,16 +369,17 @@ def make_head3(model, seed=0, draft_vocab=None, scale=0.2):
     return head
 
 
-def make_heads(model, k=3, layers=1, lm_head="own", vocab=None, seed=0):
-    """Random blocks; "own" LM heads perturbed away from the target's rows (as trained heads would be)."""
+def make_heads(model, k=3, layers=1, lm_head="own", vocab=None, seed=0, scale=0.3, lm_noise=0.05):
+    """Random Medusa blocks (not Medusa's identity init: every head must differ from the target's own);
+    "own" LM heads perturbed by lm_noise away from the target's rows (as trained heads would be)."""
     h = MedusaHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head)
     h.init_lm_heads(model.lm_head.weight.detach(), vocab)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for blk in h.blocks:
             for lin in blk.layers:
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.3 / math.sqrt(model.config.hidden_size))
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / math.sqrt(lin.in_features))
                 lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
-        for lm in h.lm_heads or []:
-            lm.weight.add_(torch.randn(lm.weight.shape, generator=g) * 0.05)
+        for lm in (h.lm_heads or []) if lm_noise else []:
+            lm.weight.add_(torch.randn(lm.weight.shape, generator=g) * lm_noise)
     return h.eval()

@@ -25,6 +25,7 @@ from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree
 from specdec.verify import Typical, verify
+from tests import helpers
 from tests.helpers import (
     PROMPTS,
     SMALL_V,
@@ -41,16 +42,7 @@ ACC = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1], [0.2]]
 
 
 def make_heads(model, k=4, layers=1, lm_head="target", vocab=None, seed=0, scale=0.3):
-    """Random heads (not Medusa's identity init: every head must differ from the target's own)."""
-    h = MedusaHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head)
-    h.init_lm_heads(model.lm_head.weight.detach(), vocab)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for blk in h.blocks:
-            for lin in blk.layers:
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / math.sqrt(lin.in_features))
-                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
-    return h.eval()
+    return helpers.make_heads(model, k, layers, lm_head, vocab, seed, scale, lm_noise=0.0)
 
 
 # ---- trees ----

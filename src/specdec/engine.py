@@ -226,6 +226,18 @@ def follow(drafter: Drafter, ctx: DecodeContext, new: list[int], features: torch
         drafter.accept(ctx, verdict)
 
 
+def begin_on(runner: Runner, drafter: Drafter, ids: list[int], prompt_len: int) -> tuple[DecodeContext, ForwardOut]:
+    """A drafter begun on ids[:prompt_len] with the target's features of all of `ids` at hand (one forward,
+    not kept in the runner's cache): how cost measurement and `specdec tune` replay a known text."""
+    runner.reset()
+    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
+    runner.reset()
+    ctx = DecodeContext(list(ids[:prompt_len + 1]), SamplingParams(), None, prompt_len, out.features[:prompt_len],
+                        aux_features=None if out.aux is None else out.aux[:prompt_len])
+    drafter.begin(ctx)
+    return ctx, out
+
+
 def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -> ForwardOut:
     runner.reset()
     out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=aux_layers)

@@ -4,12 +4,15 @@ project's question sets and caches live. Every module that writes or looks for d
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+
+from specdec.errors import SpecdecError
 
 
 def _umask() -> int:
@@ -105,3 +108,14 @@ def data_roots() -> list[Path]:
 def find_data(rel: str) -> Path | None:
     """The first data root holding `rel` (e.g. "gsm8k/train.jsonl"), or None."""
     return next((root / rel for root in data_roots() if (root / rel).exists()), None)
+
+
+def read_json_object(f: Path, what: str) -> dict:
+    """A JSON object file (a head's config.json), or a SpecdecError naming `what` and the fault."""
+    try:
+        raw = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{what}: {f.name} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise SpecdecError(f"{what}: {f.name} must hold a JSON object")
+    return raw

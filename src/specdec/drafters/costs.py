@@ -24,7 +24,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import follow
+from specdec.engine import begin_on, follow
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import ContentionMeter, attention_slope, cpu_name, forward_costs, usable_cpus
 from specdec.sampling import SamplingParams
@@ -141,14 +141,8 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     target_s, attend_s = target_costs(runner, top, {1 + b.tree_size for b, _ in [*menu, *sampled]}, ctx_len)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
-    runner.reset()
-    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
+    ctx, out = begin_on(runner, drafter, ids, ctx_len)
     feats, aux = out.features, out.aux
-    runner.reset()
-
-    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, feats[:ctx_len],
-                        aux_features=None if aux is None else aux[:ctx_len])
-    drafter.begin(ctx)
     draft_s = {b: _time_warm(lambda: drafter.propose(ctx, b), reps) for b, _ in menu}
     hot = DecodeContext(ctx.tokens, SamplingParams(1.0), torch.Generator().manual_seed(0), ctx_len, ctx.features,
                         aux_features=ctx.aux_features)

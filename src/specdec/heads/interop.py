@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_dir
+from specdec.files import atomic_dir, read_json_object
 from specdec.heads.io import _is_eagle3, _read_tensors, load_head, save_head
 from specdec.heads.medusa_formats import MEDUSA_FILES, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
@@ -68,13 +68,7 @@ def _config(path: Path) -> dict | None:
     f = path / "config.json"
     if not f.is_file():
         return None
-    try:
-        raw = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SpecdecError(f"head {path}: config.json is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise SpecdecError(f"head {path}: config.json must hold a JSON object")
-    return raw
+    return read_json_object(f, f"head {path}")
 
 
 def load_any(path: str | os.PathLike, target_lm_head: torch.Tensor | None = None, target_layers: int | None = None):

@@ -28,6 +28,7 @@ from transformers import LlamaConfig
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir
+from specdec.heads import check_sizes
 from specdec.heads.model import Eagle3Head, EagleHead
 
 _LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -46,12 +47,7 @@ _EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 def _check_target(config, kind: str, path, hidden_size: int | None, vocab_size: int | None) -> tuple[int, int]:
     """(hidden size, vocabulary) of the head, refused in one line if the target's differ."""
     h, v = config.hidden_size, config.vocab_size
-    if hidden_size is not None and h != hidden_size:
-        raise SpecdecError(f"{kind} head {path} has hidden size {h} but the target has {hidden_size}: "
-                           "it was trained for a different model")
-    if vocab_size is not None and v != vocab_size:
-        raise SpecdecError(f"{kind} head {path} has a vocabulary of {v} tokens but the target has {vocab_size}: "
-                           "it was trained for a different model")
+    check_sizes(f"{kind} head {path}", h, v, hidden_size, vocab_size)
     return h, v
 
 

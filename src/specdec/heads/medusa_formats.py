@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_dir
+from specdec.files import atomic_dir, read_json_object
 from specdec.heads.medusa import MedusaHeads
 from specdec.heads.medusa_io import build_heads, check_target, load_medusa
 
@@ -51,13 +51,7 @@ def _config(path: Path, required: bool = True) -> dict | None:
         if required:
             raise SpecdecError(f"no Medusa heads at {path}: config.json is missing")
         return None
-    try:
-        raw = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SpecdecError(f"Medusa heads {path}: config.json is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise SpecdecError(f"Medusa heads {path}: config.json must hold a JSON object")
-    return raw
+    return read_json_object(f, f"Medusa heads {path}")
 
 
 def _is_ours(cfg: dict) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir
+from specdec.heads import check_sizes
 from specdec.heads.medusa import LM_HEADS, MedusaHeads
 
 CONFIG_KEYS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "lm_head")
@@ -92,12 +93,7 @@ def load_medusa(path: str | os.PathLike, hidden_size: int | None = None, vocab_s
 
 
 def check_target(path: Path, h: int, v: int, hidden_size: int | None, vocab_size: int | None) -> None:
-    if hidden_size is not None and h != hidden_size:
-        raise SpecdecError(f"Medusa heads {path} have hidden size {h} but the target has {hidden_size}: "
-                           "they were trained for a different model")
-    if vocab_size is not None and v != vocab_size:
-        raise SpecdecError(f"Medusa heads {path} have a vocabulary of {v} tokens but the target has {vocab_size}: "
-                           "they were trained for a different model")
+    check_sizes(f"Medusa heads {path}", h, v, hidden_size, vocab_size)
 
 
 def build_heads(path: Path, h: int, v: int, k_heads: int, n_layers: int, lm_head: str,

@@ -24,9 +24,9 @@ from dataclasses import asdict, astuple, dataclass, field, replace
 
 import torch
 
-from specdec.drafters.base import DecodeContext, NoDrafter
+from specdec.drafters.base import NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import Stats, follow
+from specdec.engine import Stats, begin_on, follow
 from specdec.errors import SpecdecError
 from specdec.machine import forward_costs, machine_summary
 from specdec.sampling import SamplingParams
@@ -88,13 +88,8 @@ def walk(drafter, target, prompt: list[int], continuation: list[int], configs: S
     p, n_seq = len(prompt), len(seq)
     if not configs or not continuation:
         raise SpecdecError("nothing to measure: no configurations or an empty continuation")
-    target.reset()
-    out = target.forward(torch.tensor(seq), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
+    ctx, out = begin_on(target, drafter, seq, p)
     feats, aux = out.features, out.aux
-    target.rollback()
-    ctx = DecodeContext(seq[:p + 1], SamplingParams(), None, p, feats[:p],
-                        aux_features=None if aux is None else aux[:p])
-    drafter.begin(ctx)
     by_k: dict[int, list[TreeBudget]] = {}
     for c in configs:
         by_k.setdefault(c.topk, []).append(c)
