@@ -147,7 +147,7 @@ def decode(
     t0 = _clock(dev)
     stats.prompt_tokens = len(prompt_ids)
     stats.drafter = drafter.name
-    stats.kernels = getattr(runner, "kernel_path", "")
+    stats.kernels = runner.kernel_path
     try:
         with lease.hold():
             stats.wait_time += _clock(dev) - t0
