@@ -154,6 +154,7 @@ def _answers(screen: str) -> list[str]:
             and not line[4:].startswith("/")]
 
 
+@pytest.mark.slow
 def test_a_conversation_on_a_terminal_keeps_its_history_until_reset_and_ends_at_eof(model_dir):
     s = Session("--model", model_dir, "--method", "pld", "--max-new-tokens", "6", "--threads", "1", "-v")
     s.expect(">>> ")
@@ -177,6 +178,7 @@ def test_a_conversation_on_a_terminal_keeps_its_history_until_reset_and_ends_at_
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_color_draft_paints_the_same_text(model_dir):
     base = ["--model", model_dir, "--method", "pld", "--max-new-tokens", "12", "--threads", "1"]
     turns = "w1 w2 w1 w2\nw3 w1 w2\n"
@@ -200,6 +202,7 @@ def test_color_draft_paints_the_same_text(model_dir):
     assert len(accepted) == 2 and all(p >= (a > 0) for p, a in zip(painted, accepted))
 
 
+@pytest.mark.slow
 def test_piped_turns_and_quiet(model_dir):
     """Lines piped in are turns; -q leaves stderr empty; by default only our own lines are there."""
     base = ["chat", "--model", model_dir, "--method", "pld", "--max-new-tokens", "4"]
@@ -212,6 +215,7 @@ def test_piped_turns_and_quiet(model_dir):
     assert "Loading weights" not in normal.stderr and "Warning" not in normal.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_an_answer_and_returns_to_the_prompt():
     """On the embedded SmolLM2, slow enough to interrupt: the answer stops, the prompt comes back, the
     next turn is answered, Ctrl-C at the prompt leaves cleanly."""
@@ -232,6 +236,7 @@ def test_ctrl_c_stops_an_answer_and_returns_to_the_prompt():
     assert "draft tokens accepted" not in err  # the stopped answer has no statistics line
 
 
+@pytest.mark.slow
 def test_a_turn_beyond_the_context_or_an_unknown_command_is_one_line_and_the_chat_goes_on(model_dir):
     turns = " ".join(["w1"] * 600) + "\n/nonsense\nw2\n"  # the tiny model's context is 512 tokens
     run = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--model", model_dir, "--method", "pld",

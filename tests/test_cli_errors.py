@@ -81,6 +81,7 @@ def _cli(args, **kw):
                           timeout=300, **kw)
 
 
+@pytest.mark.slow
 def test_a_piped_prompt_is_the_prompt_and_dash_reads_stdin(tmp_path):
     model = _tiny_dir(tmp_path)
     base = ["--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]
@@ -101,6 +102,7 @@ def subprocess_devnull():
     return subprocess.DEVNULL
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     """`specdec generate ... | head -1`: no BrokenPipeError traceback."""
     import subprocess
@@ -155,6 +157,7 @@ def _busy_process():
     return p
 
 
+@pytest.mark.slow
 def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
     """Beside a busy process the default thread count drops to the free CPUs, and says so; an explicit
     --threads stays as given."""
@@ -214,6 +217,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(after_s):
     assert (p.returncode, err, out) == (130, "specdec: interrupted\n", "")
 
 
+@pytest.mark.slow
 def test_quiet_prints_nothing_on_stderr_and_the_default_only_our_lines(tmp_path):
     model = _tiny_dir(tmp_path)
     base = ["w1 w2", "--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]

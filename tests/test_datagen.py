@@ -10,6 +10,7 @@ from tests.helpers import tiny_model
 
 # ---- data generation ----
 
+@pytest.mark.slow
 def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
     from specdec.files import cache_dir, packaged_data_dir
     from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen

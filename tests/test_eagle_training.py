@@ -44,6 +44,7 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny, tiny_data, tmp
         train_eagle(TrainConfig(out=str(tmp_path / "b"), **(kw | {"lr": 1.0})), tiny, progress=False)
 
 
+@pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes(tiny, tiny_data, tmp_path):
     model_dir = tmp_path / "target"
     tiny.save_pretrained(model_dir)

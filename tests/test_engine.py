@@ -79,6 +79,7 @@ def test_draft_with_fewer_vocab_rows_is_padded():
     "params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3), SamplingParams(1.2, top_p=0.85)],
     ids=["T1", "T0.8-topk3", "T1.2-topp0.85"],
 )
+@pytest.mark.slow
 def test_speculative_sampling_matches_vanilla_distribution(shape, params, coupled):
     model = flat_tiny()
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))

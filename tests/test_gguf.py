@@ -180,6 +180,7 @@ print(json.dumps({"base_kb": base, "peak_kb": resource.getrusage(resource.RUSAGE
 """
 
 
+@pytest.mark.slow
 def test_loading_maps_the_file_and_builds_no_float_copy(tmp_path):
     """Peak memory grows by about the file's size, not the 7x of an fp32 copy."""
     kw = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=8,

@@ -172,6 +172,7 @@ def test_bad_settings_name_the_flag(field, value, flag):
 
 # ---- processes and the CLI ----
 
+@pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes_follow_one(tiny, tiny_data, tmp_path):
     model_dir = tmp_path / "target"
     tiny.save_pretrained(model_dir)

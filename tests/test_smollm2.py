@@ -15,6 +15,8 @@ import torch
 from specdec.api import from_models
 from specdec.target.loading import load_model
 
+pytestmark = pytest.mark.slow  # every test here runs the real embedded SmolLM2
+
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about autumn leaves.",

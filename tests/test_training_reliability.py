@@ -164,6 +164,7 @@ def test_datagen_resume_redoes_a_truncated_or_changed_shard(chat, tmp_path, caps
     assert sorted(json.loads((out / "manifest.json").read_text())["shards"]) == names
 
 
+@pytest.mark.slow
 def test_datagen_finds_its_data_like_the_rest_of_the_package(chat, tmp_path, monkeypatch):
     """$SPECDEC_DATA first, then the package's own copy: the GSM8K file wherever it is found first, and
     benchmark prompts from every root and --exclude-dir (a copy in any of them is excluded)."""

@@ -319,3 +319,9 @@ def _one_line(cls: type[Options], err: ValidationError, given: Mapping[str, Any]
     f = cls.model_fields.get(name)
     allowed = _allowed(f) if f is not None else e["msg"].removeprefix("Input ").removeprefix("should be ")
     return f"{cls.label(name)} must be {allowed}, got {value!r}"
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Bad arguments print one line like every other specdec error (exit 2), not a usage block."""
+    p.error = lambda message: p.exit(2, f"specdec: error: {message} (see `{p.prog} -h`)\n")
+    return p

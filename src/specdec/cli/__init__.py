@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 
 from specdec.errors import SpecdecError
@@ -17,6 +18,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        _import_torch()
         from specdec.cli.commands import run
 
         return run(argv)
@@ -37,6 +39,20 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
         return 141
+
+
+def _import_torch() -> None:
+    """torch's start-up with Ctrl-C held back: an interrupt inside its C++ initialisation aborts the process
+    ("terminate called ...", exit -6) instead of raising KeyboardInterrupt. A Ctrl-C meanwhile is delivered
+    as soon as the import is done, where `main` turns it into one line."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold back with
+        import torch  # noqa: F401
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _mid_line() -> bool:

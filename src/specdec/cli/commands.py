@@ -16,13 +16,12 @@ from specdec.api import GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.cli import interop as interop_cli
 from specdec.cli import medusa as medusa_cli
-from specdec.cli.args import one_line_errors
 from specdec.cli.chat import repl
 from specdec.cli.output import DEFAULT_PROMPT, detail_line, end_answer, say, write_answer
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter
-from specdec.options import add_flags, arg_type, flag_values
+from specdec.options import add_flags, arg_type, flag_values, one_line_errors
 from specdec.target.loading import Runtime, resolve
 from specdec.training import datagen_cli, train_cli
 from specdec.tune import cli as tune_cli

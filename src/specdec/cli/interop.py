@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.cli.args import one_line_errors
 from specdec.errors import SpecdecError
 from specdec.heads.interop import ENGINES, detect, export_head, import_head
+from specdec.options import one_line_errors
 from specdec.target.loading import load_model
 
 _MODEL_HELP = ("the target (HF dir, .gguf or smollm2): every tensor is checked against it, and it supplies "

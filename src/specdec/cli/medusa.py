@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from specdec.cli.args import one_line_errors
 from specdec.errors import SpecdecError
 from specdec.heads.medusa_formats import FORMATS, detect_format, export_medusa, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
+from specdec.options import one_line_errors
 from specdec.target.loading import load_model
 
 

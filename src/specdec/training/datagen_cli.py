@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.cli.args import one_line_errors
-from specdec.options import add_flags, arg_type, flag_values
+from specdec.options import add_flags, arg_type, flag_values, one_line_errors
 from specdec.target.loading import Runtime, load_model
 from specdec.training.datagen import (
     _DTYPES,

@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdec.cli.args import one_line_errors
-from specdec.options import add_flags, flag_values
+from specdec.options import add_flags, flag_values, one_line_errors
 from specdec.target.loading import Runtime, materialize
 from specdec.training.config import LoopConfig
 from specdec.training.loop import load_target
