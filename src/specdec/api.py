@@ -21,6 +21,9 @@ from specdec.target.base import Runner
 from specdec.target.gguf import GGUFModel
 from specdec.target.loading import Runtime, build_runner, eos_ids, load_model
 
+# the README demo: what `specdec generate` answers without a prompt, and `bench --demo` times
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
 Messages = Sequence[dict]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
@@ -213,29 +213,6 @@ def decode(
     finally:
         lease.release()
         stats.total_time = _clock(dev) - t0
-
-
-def follow(drafter: Drafter, ctx: DecodeContext, new: list[int], features: torch.Tensor,
-           aux: torch.Tensor | None, verdict: Verdict) -> None:
-    """After a verification: ctx gains the emitted tokens and the target features of the rows kept (the
-    root and the accepted nodes), and the drafter follows, unless the sequence ended inside the verdict.
-    Whatever drives a drafter outside decode (cost measurement, `specdec tune`) steps it through here."""
-    ctx.tokens.extend(new)
-    ctx.features, ctx.aux_features = features, aux
-    if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
-        drafter.accept(ctx, verdict)
-
-
-def begin_on(runner: Runner, drafter: Drafter, ids: list[int], prompt_len: int) -> tuple[DecodeContext, ForwardOut]:
-    """A drafter begun on ids[:prompt_len] with the target's features of all of `ids` at hand (one forward,
-    not kept in the runner's cache): how cost measurement and `specdec tune` replay a known text."""
-    runner.reset()
-    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
-    runner.reset()
-    ctx = DecodeContext(list(ids[:prompt_len + 1]), SamplingParams(), None, prompt_len, out.features[:prompt_len],
-                        aux_features=None if out.aux is None else out.aux[:prompt_len])
-    drafter.begin(ctx)
-    return ctx, out
 
 
 def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -> ForwardOut:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.api import DEFAULT_PROMPT
 from specdec.bench.compare import compare
 from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
@@ -15,7 +16,6 @@ from specdec.bench.metrics import OVERALL
 from specdec.bench.outdir import check_out_dir, ensure_writable_dir
 from specdec.bench.report import loaded
 from specdec.bench.runner import BenchConfig, run_bench
-from specdec.cli.output import DEFAULT_PROMPT
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values

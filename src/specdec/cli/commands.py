@@ -12,12 +12,12 @@ import warnings
 
 import torch
 
-from specdec.api import GenerationParams, check_text, load
+from specdec.api import DEFAULT_PROMPT, GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.cli import interop as interop_cli
 from specdec.cli import medusa as medusa_cli
 from specdec.cli.chat import repl
-from specdec.cli.output import DEFAULT_PROMPT, detail_line, end_answer, say, write_answer
+from specdec.cli.output import detail_line, end_answer, say, write_answer
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter

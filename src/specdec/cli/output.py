@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import sys
 
-# the README demo: what `specdec generate` answers without a prompt, and `bench --demo` times
-DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
-
 
 def say(args, line: str) -> None:
     """A note on stderr, unless -q."""

@@ -1,15 +1,19 @@
-"""The one interface every drafting method implements."""
+"""The one interface every drafting method implements, and how a drafter follows a text (engine, costs, tune)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.sampling import Coupling, SamplingParams
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Typical, Verdict
+
+if TYPE_CHECKING:  # the runners import this module's types
+    from specdec.target.base import ForwardOut, Runner
 
 
 @dataclass
@@ -85,3 +89,26 @@ class NoDrafter(Drafter):
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         return DraftTree.empty()
+
+
+def follow(drafter: Drafter, ctx: DecodeContext, new: list[int], features: torch.Tensor,
+           aux: torch.Tensor | None, verdict: Verdict) -> None:
+    """After a verification: ctx gains the emitted tokens and the target features of the rows kept (the
+    root and the accepted nodes), and the drafter follows, unless the sequence ended inside the verdict.
+    Whatever drives a drafter outside decode (cost measurement, `specdec tune`) steps it through here."""
+    ctx.tokens.extend(new)
+    ctx.features, ctx.aux_features = features, aux
+    if len(new) == len(verdict.tokens):  # the drafter only needs to follow a live sequence
+        drafter.accept(ctx, verdict)
+
+
+def begin_on(runner: Runner, drafter: Drafter, ids: list[int], prompt_len: int) -> tuple[DecodeContext, ForwardOut]:
+    """A drafter begun on ids[:prompt_len] with the target's features of all of `ids` at hand (one forward,
+    not kept in the runner's cache): how cost measurement and `specdec tune` replay a known text."""
+    runner.reset()
+    out = runner.forward(torch.tensor(ids), logits_rows=slice(-1, None), aux_layers=drafter.aux_layers)
+    runner.reset()
+    ctx = DecodeContext(list(ids[:prompt_len + 1]), SamplingParams(), None, prompt_len, out.features[:prompt_len],
+                        aux_features=None if out.aux is None else out.aux[:prompt_len])
+    drafter.begin(ctx)
+    return ctx, out

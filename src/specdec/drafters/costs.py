@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters.base import DecodeContext
+from specdec.drafters.base import DecodeContext, begin_on, follow
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import begin_on, follow
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import ContentionMeter, attention_slope, cpu_name, forward_costs, usable_cpus
 from specdec.sampling import SamplingParams

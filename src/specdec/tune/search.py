@@ -24,9 +24,9 @@ from dataclasses import asdict, astuple, dataclass, field, replace
 
 import torch
 
-from specdec.drafters.base import NoDrafter
+from specdec.drafters.base import NoDrafter, begin_on, follow
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import Stats, begin_on, follow
+from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.machine import forward_costs, machine_summary
 from specdec.sampling import SamplingParams
