@@ -52,7 +52,7 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
     assert c.target(13) == pytest.approx(6.0)  # along the last segment
 
 
-def reference_choice(ctrl: Controller, chain_len: int, room: int, ngram: int, ctx, gains) -> Choice:
+def reference_choice(ctrl: Controller, chain_len: int, room: int, ngram: int, ctx, gains, catch_up=0.0) -> Choice:
     """The choice spelled out: every option priced by `expected`, the best rate (vanilla's raised by the
     hurdle), ties within 0.5% to the earliest option."""
     options = [Choice(None, 0)]
@@ -63,7 +63,7 @@ def reference_choice(ctrl: Controller, chain_len: int, room: int, ngram: int, ct
             options += [Choice(None, m)] + [Choice(b, m) for b, _ in ctrl.menu if ctrl.union]
     rates = []
     for o in options:
-        tokens, secs = ctrl.expected(o, chain_len, room, ngram, ctx, gains)
+        tokens, secs = ctrl.expected(o, chain_len, room, ngram, ctx, gains, catch_up)
         rates.append(tokens / secs * (1 + ctrl.hurdle if o.vanilla and not o.chain else 1))
     best = max(rates)
     return next(o for o, r in zip(options, rates) if r >= best * 0.995)
@@ -84,8 +84,9 @@ def test_the_step_choice_is_the_best_priced_option_over_random_states():
         room = [0, 3, 7, 100][i % 4]
         gains = None if i % 3 else [sum(0.9 ** j * u[10] for j in range(1, m + 1)) for m in range(1, chain_len + 1)]
         ctx = [None, 50, 2000][i % 3]
-        got = ctrl.choose(chain_len, room, 2, ctx, gains)
-        assert got == reference_choice(ctrl, chain_len, room, 2, ctx, gains), (i, u)
+        catch_up = [0.0, 0.1 * u[11]][i % 2]
+        got = ctrl.choose(chain_len, room, 2, ctx, gains, catch_up)
+        assert got == reference_choice(ctrl, chain_len, room, 2, ctx, gains, catch_up), (i, u)
         differ += got != Choice(None, 0)
     assert differ > 100  # the states cover drafting choices, not only plain steps
 
@@ -108,6 +109,48 @@ def test_a_draft_must_beat_a_plain_step_by_the_hurdle():
     assert Controller(menu, c, 1.03, {}).choose(0, 100).vanilla
     assert Controller(menu, c, 1.03, {}, hurdle=0.0).choose(0, 100) == Choice(B4, False)
     assert Controller(menu, c, 1.25, {}).choose(0, 100) == Choice(B4, False)  # 1.625 / 1.5 = 1.083
+
+
+def test_a_head_tree_after_plain_steps_is_priced_with_its_catch_up():
+    """A tree that pays after a drafted step does not pay when the head must first read a stretch of
+    plain steps' rows; a chain (no head forward) is not charged for them."""
+    c = costs(0.1)
+    ctrl = Controller(MENU, c, 1.0, PRIOR)
+    assert ctrl.choose(0, 100) == Choice(B4, False)
+    assert ctrl.choose(0, 100, catch_up=0.5).vanilla
+    assert ctrl.choose(4, 100, 3, catch_up=0.5) == ctrl.choose(4, 100, 3) == Choice(None, 4)
+
+
+def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
+    """The head's reading of skipped rows is timed against the drafting's own price: a head whose catch-up
+    takes 20 ms per extra row is learnt as such (from a prior of half a step's follow per row)."""
+    import time
+
+    from specdec.heads.io import load_head
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    free = Costs({n: 1 + 0.17 * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+        free.target_s = {n: 1 + slope * (n - 1) for n in free.target_s}
+        d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, free, 0)
+        assert d.catch_row_s == 0.0
+        extras = []
+        orig = d.eagle.propose
+
+        def slow(ctx, budget=None, orig=orig, d=d, extras=extras):
+            extra = max(0, sum(f.shape[0] for f, _ in d.eagle.pending) - 2)
+            if len(d.eagle.pending) > 1 and extra:
+                extras.append(extra)
+                time.sleep(0.02 * extra)
+            return orig(ctx, budget)
+
+        d.eagle.propose = slow
+        run(target, d, PROMPTS[1], SamplingParams(), 40)
+        if extras:
+            break
+    assert extras
+    assert 0.01 < d.catch_row_s < 0.06, (d.catch_row_s, extras)
 
 
 def test_a_longer_context_prices_every_row_its_attention():

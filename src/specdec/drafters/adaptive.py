@@ -42,6 +42,14 @@ SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, a
 # prior matched tokens of a lookup chain by the n-gram length it matched (greedy; sampled: half)
 LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
 MAX_PENDING = 8  # unverified chains followed at once (each ends within its length)
+# A head tree after plain steps first reads their rows (EagleDrafter.sync): one head forward whose cost
+# grows with the rows, priced per row beyond a drafted step's two (measured on SmolLM2: 4.1 ms after a
+# plain stretch against 1-2 ms, unpriced, so near break-even `auto` kept trying at a loss: 0.92x vanilla).
+# At most CATCH_UP_ROWS are priced: the catch-up is paid once for all the drafting after it, so a long
+# stretch must not price every later try out.
+TYPICAL_ROWS = 2
+CATCH_UP_ROWS = 8
+CATCH_UP_WEIGHT = 4.0  # rows the prior per-row price (half a typical step's follow) counts as
 # a draft must promise this much more than a plain step. Why: near break-even the estimates' errors and
 # the retries after plain steps cost more than drafting gains; measured on SmolLM2 (the README demo
 # prompt drafted 2-node trees that accepted 0.33 tokens against a break-even of 0.35: 0.94x vanilla)
@@ -117,9 +125,10 @@ class Controller:
         a, e, n = self.chain.get(ngram, (0.0, 0.0, 1.0))
         return a / n, e / n
 
-    def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0,
-                 ctx: int | None = None, gains: list[float] | None = None) -> tuple[float, float]:
-        """(expected tokens, expected seconds) of one step with this choice, after ctx cached tokens."""
+    def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None,
+                 gains: list[float] | None = None, catch_up: float = 0.0) -> tuple[float, float]:
+        """(expected tokens, expected seconds) of one step with this choice, after ctx cached tokens;
+        catch_up: the seconds a head tree pays first to read the rows of steps it skipped."""
         c = self.costs
         tree = 0.0
         nodes = 0
@@ -128,7 +137,7 @@ class Controller:
             b = choice.budget
             nodes = min(b.tree_size, room)
             tree = self.scale * self.gain[b] * nodes / b.tree_size
-            secs += self.draft_s[b] + c.follow_s
+            secs += self.draft_s[b] + c.follow_s + catch_up
         extra = 0.0
         if choice.chain:
             n = min(choice.chain, room - nodes)
@@ -142,7 +151,7 @@ class Controller:
         return 1.0 + tree + extra, secs + c.target(1 + nodes, ctx)
 
     def choose(self, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None,
-               gains: list[float] | None = None) -> Choice:
+               gains: list[float] | None = None, catch_up: float = 0.0) -> Choice:
         """chain_len: nodes of this step's lookup draft (0: none); with `gains`, each of its prefixes is
         an option, else the whole draft. The options are vanilla, each menu tree, and per chain length the
         chain alone and each tree + chain, priced as `expected` prices them (the same arithmetic, inlined:
@@ -163,7 +172,7 @@ class Controller:
         trees = []
         for b, g in self.menu:
             nodes = min(b.tree_size, room)
-            trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s)))
+            trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s + catch_up)))
         rates: list[tuple[float, TreeBudget | None, int]] = [(1.0 / (look + target(1)) * (1 + self.hurdle), None, 0)]
         rates += [((1.0 + tree) / (secs + target(1 + nodes)), b, 0) for b, nodes, tree, secs in trees]
         lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
@@ -284,6 +293,14 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
         self.draft_priced: float | None = None
         self.relearned = 0
+        # learned over requests: decayed (seconds, rows) of catch-ups beyond a typical step's rows
+        self.catch = [CATCH_UP_WEIGHT * self.costs.follow_s / TYPICAL_ROWS, CATCH_UP_WEIGHT]
+        self.catch_rows = 0  # rows beyond a typical step's that this step's head tree read first
+        self.catch_base = 0.0  # this step's drafting priced without them
+
+    @property
+    def catch_row_s(self) -> float:
+        return self.catch[0] / self.catch[1]
 
     @property
     def lead(self) -> Drafter:
@@ -306,11 +323,13 @@ class AdaptiveDrafter(FollowsTheMachine):
     def propose(self, ctx: DecodeContext) -> DraftTree:
         chain = self.pld.propose(ctx) if self.pld is not None and ctx.max_nodes > 0 else DraftTree.empty()
         ngram = self.pld.last_ngram if len(chain) else 0
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram, len(ctx.tokens))
+        backlog = len(self.eagle.pending)  # steps whose rows the head has not read yet
+        extra = max(0, sum(f.shape[0] for f, _ in self.eagle.pending) - TYPICAL_ROWS)
+        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram, len(ctx.tokens),
+                                  catch_up=self.catch_row_s * min(extra, CATCH_UP_ROWS))
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
-        backlog = len(self.eagle.pending)  # steps whose rows the head has not read yet
         if choice.budget is not None:
             tree = self.eagle.propose(ctx, choice.budget)
             b = choice.budget
@@ -324,8 +343,10 @@ class AdaptiveDrafter(FollowsTheMachine):
         # what this step's drafting was priced at (None: no head tree, only a lookup at most; or a head that
         # first read several steps' rows: that catch-up is no typical step's, and priced as one it taught the
         # clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer)
-        self.draft_priced = None if choice.budget is None or backlog > 1 else \
+        base = None if choice.budget is None else \
             self.ctrl.draft_s[choice.budget] + self.costs.follow_s + (self.costs.lookup_s if len(chain) else 0.0)
+        self.draft_priced = None if backlog > 1 else base
+        self.catch_rows, self.catch_base = (extra, base) if base is not None and backlog > 1 and extra else (0, 0.0)
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
@@ -334,6 +355,11 @@ class AdaptiveDrafter(FollowsTheMachine):
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)
             self.rows = 0
+        if self.catch_rows:  # what reading the skipped rows took beyond the drafting's own price
+            d = DECAY ** self.catch_rows
+            self.catch[0] = d * self.catch[0] + max(0.0, ctx.draft_s - self.catch_base)
+            self.catch[1] = d * self.catch[1] + self.catch_rows
+            self.catch_rows = 0
         self.eagle.accept(ctx, verdict)
         if self.last is None:
             return
