@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo test test-fast lint chromium clean
 
 $(STAMP): pyproject.toml
 	# a C++ compiler and Python's headers build the streaming linear kernel on first use (else slower linears)
@@ -25,7 +25,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts
 
-test: $(STAMP) lint
+# the playground's browser test drives Debian's chromium through Playwright (no browser download); it
+# skips without one
+chromium:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "no chromium: the playground's browser test will be skipped"
+
+test: $(STAMP) lint chromium
 	$(BIN)/python -m pytest -q
 
 # the tests not marked `slow` (each of those takes over ~3 s): under 2 minutes on a quiet 2-core machine

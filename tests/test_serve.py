@@ -11,8 +11,8 @@ import time
 import pytest
 import uvicorn
 
-from specdec.api import from_models
-from specdec.serve.app import build_app
+from specdec.api import Chunk, from_models
+from specdec.serve.app import Pieces, build_app
 from tests.helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]
@@ -139,6 +139,41 @@ def test_outputs_equal_the_decoders_greedy_text_streamed_or_not(server, dec):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == chat.text
     assert events[-1]["choices"][0]["finish_reason"] == chat.finish_reason and "specdec" in events[-1]
+
+
+def test_stream_chunks_carry_each_tokens_text_and_depth(server, dec):
+    msgs = [{"role": "user", "content": PROMPT * 2}]
+    want = dec.generate(msgs, max_new_tokens=40)
+    _, r = stream_request(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 40,
+                                                           "temperature": 0})
+    pieces, depths = [], []
+    for e in sse(r)[1:]:
+        content = e["choices"][0]["delta"].get("content", "")
+        extra = e.get("specdec", {})
+        assert "".join(extra.get("tokens", [])) == content
+        pieces += extra.get("tokens", [])
+        depths += extra.get("depths", [])
+    # the word tokenizer: one piece per token, each the token's word
+    assert [p.strip() for p in pieces] == [dec.tokenizer.decode([t]) for t in want.token_ids]
+    assert 0 in depths and max(depths) >= 1
+    # one target token per forward, and the prefill's (the last forward's may be cut by max_tokens)
+    assert want.stats.target_forwards <= sum(d == 0 for d in depths) <= want.stats.target_forwards + 1
+    final = e["specdec"]
+    assert final["tau"] == pytest.approx(want.stats.tau, abs=1e-3) and final["tokens_per_second"] > 0
+    assert json.loads(server.get("/v1/models")[1])["data"][0]["specdec"] == {"method": "pld"}
+
+
+def test_pieces_follow_tokens_across_held_back_text_and_split_characters():
+    # bytes as tokens: a character's first byte has no text of its own, its text comes with the last byte
+    pieces = Pieces(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    a, b, e1, e2, c = b"ab\xc3\xa9c"
+    # text held back (a stop string could begin at "b"): "b" arrives with the next chunk, without tokens
+    assert pieces.split(Chunk("a", [a, b], depths=[0, 1])) == {"tokens": ["a"], "depths": [0]}
+    assert pieces.split(Chunk("b\u00e9", [e1, e2], depths=[2, 0])) == {"tokens": ["b", "\u00e9"], "depths": [1, 0]}
+    assert pieces.split(Chunk("", [], depths=[])) == {}
+    assert pieces.split(Chunk("c", [c], depths=[1])) == {"tokens": ["c"], "depths": [1]}
+    # an engine that gives no depths: no pieces from there on, the text is unchanged
+    assert pieces.split(Chunk("c", [c])) == {} and pieces.split(Chunk("c", [c], depths=[0])) == {}
 
 
 def test_the_official_openai_client_gets_the_decoders_text(server, dec):

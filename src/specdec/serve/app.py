@@ -1,24 +1,26 @@
 """The routes: /v1/chat/completions, /v1/completions (streamed as SSE or not), /v1/models, /health,
-/metrics. Requests are checked (fields, model, context) before they are queued; every error is an
-OpenAI-style body, and a failure ends its own request only."""
+/metrics, and the playground page at /. Requests are checked (fields, model, context) before they are
+queued; every error is an OpenAI-style body, and a failure ends its own request only."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from importlib.resources import files
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.api import Decoder, Generation, GenerationParams
+from specdec.api import Chunk, Decoder, Generation, GenerationParams
 from specdec.errors import SpecdecError
 from specdec.serve.engine import Engine, Job, QueueFull, SerialEngine
 from specdec.serve.metrics import Metrics
@@ -66,6 +68,12 @@ def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, m
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
+    playground = files("specdec.serve").joinpath("static/playground.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return playground
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -73,7 +81,8 @@ def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, m
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdec", "max_model_len": decoder.runner.max_length}]}
+                                            "owned_by": "specdec", "max_model_len": decoder.runner.max_length,
+                                            "specdec": {"method": decoder.method}}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -119,7 +128,7 @@ def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, m
             raise APIError(429, "the server's queue is full: retry later", "rate_limit_error", None, "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
-        out = Output(job, metrics, len(ids), rid, kind, model_name, decoder.method)
+        out = Output(job, metrics, len(ids), rid, kind, model_name, decoder.method, Pieces(decoder._text))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(out.sse(include_usage), media_type="text/event-stream")
@@ -132,8 +141,8 @@ class Output:
     """One request's answer, as one response or as server-sent events; it keeps the metrics."""
 
     def __init__(self, job: Job, metrics: Metrics, prompt_tokens: int, rid: str, kind: str, model: str,
-                 method: str) -> None:
-        self.job, self.metrics, self.prompt_tokens = job, metrics, prompt_tokens
+                 method: str, pieces: Pieces) -> None:
+        self.job, self.metrics, self.prompt_tokens, self.pieces = job, metrics, prompt_tokens, pieces
         self.rid, self.kind, self.model, self.method = rid, kind, model, method
         self.created = int(time.time())
         self.generated = 0
@@ -183,7 +192,8 @@ class Output:
                     piece = ({"delta": {"content": chunk.text} if chunk.text else {}} if self.chat
                              else {"text": chunk.text, "logprobs": None})
                     event = {**self._head(kind), "choices": [{"index": 0, **piece, "finish_reason": fin}]}
-                    yield _event(event | ({"specdec": self._extra(final)} if final else {}))
+                    extra = self.pieces.split(chunk) | (self._extra(final) if final else {})
+                    yield _event(event | ({"specdec": extra} if extra else {}))
         except Exception as e:  # the stream has begun: the error goes in it
             yield _event(error_body(f"decoding failed: {e}", "server_error"))
             yield "data: [DONE]\n\n"
@@ -202,8 +212,52 @@ class Output:
     def _extra(self, final: Generation) -> dict:
         s = final.stats
         return {"method": self.method, "drafter": s.drafter, "tau": round(s.tau, 4),
+                "tokens_per_second": round(s.tokens_per_second, 2),
                 "target_forwards": s.target_forwards, "accepted_tokens_per_position": list(s.depth_accepts),
                 "tried_per_position": list(s.depth_tries)}
+
+
+class Pieces:
+    """Cuts a stream's text into the pieces its tokens produced, each with its depth (Chunk.depths), so a
+    client can colour the answer by how each token was produced. A chunk's pieces concatenate to its text."""
+
+    WINDOW = 6  # tokens of left context decoded with each new token: enough for its text, and no O(n^2)
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.depths: list[int] = []
+        self.ends: list[int] = []  # where each token's text ends in the answer
+        self.pos = 0  # characters of the answer cut so far
+        self.off = False
+
+    def _len(self, ids: list[int]) -> int:
+        return len(self.decode(ids).rstrip("\ufffd")) if ids else 0  # an incomplete character counts once whole
+
+    def split(self, chunk: Chunk) -> dict:
+        """{"tokens": [text, ...], "depths": [depth, ...]} for this chunk; {} if it has no text or no depths."""
+        if len(chunk.depths) != len(chunk.token_ids):
+            self.off = True  # an engine that does not tell depths: the positions after this are unknown
+        if self.off or not (self.ids or chunk.token_ids):
+            self.pos += len(chunk.text)
+            return {}
+        for tok, depth in zip(chunk.token_ids, chunk.depths):
+            start = max(0, len(self.ids) - self.WINDOW)
+            before = self._len(self.ids[start:])
+            self.ids.append(tok)
+            self.depths.append(depth)
+            grown = max(0, self._len(self.ids[start:]) - before)
+            self.ends.append((self.ends[-1] if self.ends else 0) + grown)
+        texts, depths, owner = [], [], None
+        for i, ch in enumerate(chunk.text, self.pos):
+            k = max(0, min(bisect.bisect_right(self.ends, i), len(self.depths) - 1))
+            if k != owner:
+                texts.append("")
+                depths.append(self.depths[k])
+                owner = k
+            texts[-1] += ch
+        self.pos += len(chunk.text)
+        return {"tokens": texts, "depths": depths} if texts else {}
 
 
 def _event(obj: dict) -> str:
