@@ -1,4 +1,4 @@
-"""`specdec import-head SRC --out DIR` and `specdec export-head DIR --to vllm|sglang --out OUT`."""
+"""`specdec import-head SRC --out DIR` and `specdec export-head DIR --to vllm|sglang|llamacpp --out OUT`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.heads.interop import ENGINES, detect, export_head, import_head
 from specdec.options import one_line_errors
-from specdec.target.loading import load_model
+from specdec.target.loading import load_model, resolve
 
 _MODEL_HELP = ("the target (HF dir, .gguf or smollm2): every tensor is checked against it, and it supplies "
                "the LM head rows and layer count a head may take from it; without it nothing is checked")
@@ -24,11 +24,13 @@ def add_parser(sub) -> None:
     i.add_argument("--out", required=True, help="output head dir (written atomically)")
     i.add_argument("--model", default=None, help=_MODEL_HELP)
     i.set_defaults(func=cmd_import)
-    e = one_line_errors(sub.add_parser("export-head", help="write a head for vLLM or SGLang"))
+    e = one_line_errors(sub.add_parser("export-head", help="write a head for vLLM, SGLang or llama.cpp (EAGLE-3: "
+                                       "one .gguf for llama-server --spec-type draft-eagle3)"))
     e.add_argument("src", help="the head dir (ours, or any layout import-head reads)")
     e.add_argument("--to", required=True, choices=ENGINES, help="the engine")
-    e.add_argument("--out", required=True, help="output dir (written atomically)")
-    e.add_argument("--model", default=None, help=_MODEL_HELP)
+    e.add_argument("--out", required=True, help="output dir (written atomically); a .gguf file with --to llamacpp")
+    e.add_argument("--model", default=None, help=_MODEL_HELP + "; with --to llamacpp, required: the target's .gguf "
+                   "(or smollm2), whose tokenizer the file carries")
     e.set_defaults(func=cmd_export)
 
 
@@ -61,8 +63,26 @@ def cmd_import(args) -> int:
 def cmd_export(args) -> int:
     src, out = Path(args.src), Path(args.out)
     detect(src)
+    if args.to == "llamacpp":
+        return _export_llamacpp(args, src, out)
     _check_out(src, out)
     lm, n_layers = _target(args.model)
     arch = export_head(src, args.to, out, lm, n_layers)
     print(f"{src} -> {out}: {arch} for {args.to}", file=sys.stderr)
+    return 0
+
+
+def _export_llamacpp(args, src: Path, out: Path) -> int:
+    if out.suffix != ".gguf" or out.is_dir():
+        raise SpecdecError(f"--out {out}: --to llamacpp writes one file, give a path ending in .gguf")
+    if args.model is None:
+        raise SpecdecError("--to llamacpp needs --model: the target's .gguf file (or smollm2), whose tokenizer "
+                           "llama.cpp checks the draft's against")
+    gguf = resolve(args.model)
+    if gguf.suffix != ".gguf":
+        raise SpecdecError(f"--model {args.model}: --to llamacpp needs the target's .gguf file (llama-server runs "
+                           "it; its tokenizer is copied), not an HF directory")
+    arch = export_head(src, "llamacpp", out, target_gguf=gguf)
+    print(f"{src} -> {out}: {arch} for llama.cpp (llama-server -m {gguf} -md {out} --spec-type draft-eagle3)",
+          file=sys.stderr)
     return 0

@@ -1,5 +1,5 @@
 """Draft heads in and out: import published EAGLE-1/2, EAGLE-3 and Medusa checkpoints into our head dirs,
-and export ours for vLLM and SGLang.
+and export ours for vLLM, SGLang and llama.cpp (EAGLE-3 only: heads.llamacpp).
 
 Published layouts (detected from the files; see heads.io and heads.medusa_formats for the tensors):
   EAGLE-1/2 (SafeAILab): a LlamaConfig with num_hidden_layers 1 (+ "bias"), fc.weight [H, 2H] (+ fc.bias),
@@ -34,10 +34,10 @@ from specdec.heads.medusa_formats import MEDUSA_FILES, export_vllm, import_medus
 from specdec.heads.medusa_io import save_medusa
 from specdec.heads.model import EagleHead
 
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "llamacpp")
 ARCHITECTURES = {("eagle", "vllm"): "EagleLlamaForCausalLM", ("eagle", "sglang"): "LlamaForCausalLMEagle",
                  ("eagle3", "vllm"): "Eagle3LlamaForCausalLM", ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
-                 ("medusa", "vllm"): "MedusaModel"}
+                 ("medusa", "vllm"): "MedusaModel", ("eagle3", "llamacpp"): "eagle3 GGUF (--spec-type draft-eagle3)"}
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _NOT_ENGINE = ("specdec", "connector", "pad", "sampler_intermediate_size", "_attn_implementation_autoset",
                "transformers_version")
@@ -98,13 +98,16 @@ def import_head(src: str | os.PathLike, out: str | os.PathLike, target_lm_head: 
 
 
 def export_head(src: str | os.PathLike, to: str, out: str | os.PathLike, target_lm_head: torch.Tensor | None = None,
-                target_layers: int | None = None) -> str:
+                target_layers: int | None = None, target_gguf: str | os.PathLike | None = None) -> str:
     """Write the head at `src` (any known layout) for engine `to`; returns its architecture name. A head the
-    engine would load but draft differently is refused, naming the option it cannot represent."""
+    engine would load but draft differently is refused, naming the option it cannot represent. `to` =
+    llamacpp writes one .gguf file at `out` and needs the target's GGUF (`target_gguf`: its tokenizer)."""
     if to not in ENGINES:
         raise SpecdecError(f"--to must be one of {', '.join(ENGINES)}, got {to!r}")
     if Path(out).resolve() == Path(src).resolve():
         raise SpecdecError("--out must differ from the head's directory (the export writes a new directory)")
+    if to == "llamacpp":
+        return _export_llamacpp(src, out, target_gguf)
     kind, head = load_any(src, target_lm_head, target_layers)
     if (kind, to) not in ARCHITECTURES:
         raise SpecdecError(f"{to} has no {kind} drafter: export these heads --to vllm")
@@ -115,6 +118,23 @@ def export_head(src: str | os.PathLike, to: str, out: str | os.PathLike, target_
     else:
         _export_eagle(head, to, out)
     return ARCHITECTURES[kind, to]
+
+
+def _export_llamacpp(src, out, target_gguf) -> str:
+    from specdec.heads.llamacpp import TargetGGUF, export_llamacpp
+
+    if target_gguf is None:
+        raise SpecdecError("--to llamacpp needs the target's .gguf file (--model FILE.gguf, or smollm2): "
+                           "llama.cpp checks the draft's vocabulary against it, and its tokenizer is copied")
+    kind = detect(src)
+    if kind != "eagle3":
+        why = "Medusa" if kind == "medusa" else "EAGLE-1/2"
+        raise SpecdecError(f"llama.cpp has no {why} drafter (its --spec-type draft-eagle3 runs EAGLE-3 heads "
+                           "only): export this head --to vllm" + (" or --to sglang" if kind == "eagle" else ""))
+    target = TargetGGUF(target_gguf)
+    _, head = load_any(src, None, target.layers)
+    export_llamacpp(head, out, target_gguf)
+    return ARCHITECTURES["eagle3", "llamacpp"]
 
 
 def _engine_config(head: EagleHead, arch: str) -> dict:

@@ -38,7 +38,15 @@ from specdec.target.batched import batch_generate
 from specdec.target.gguf import GGUFModel
 from specdec.target.loading import eos_ids
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
-from specdec.training.shards import list_shards, pack_shard, read_manifest, resume_shards, write_manifest, write_shard
+from specdec.training.shards import (
+    list_shards,
+    merge_manifests,
+    pack_shard,
+    read_manifest,
+    resume_shards,
+    write_manifest,
+    write_shard,
+)
 
 __all__ = ["Plan", "run_datagen", "generate_answers", "teacher_force", "benchmark_prompts", "is_benchmark",
            "list_shards", "pack_shard", "write_shard"]
@@ -277,10 +285,29 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def run_ranks(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, **kw) -> dict:
+    """run_datagen as this process's share of a run across processes (RANK / WORLD_SIZE: torchrun,
+    accelerate launch); rank 0 writes the one manifest.json after every rank is done."""
+    from specdec.training import dist
+
+    rank, world = dist.rank_world()
+    dist.init(world)
+    t = run_datagen(model, tok, out_dir, n_shards, plan, rank=rank, world=world, **kw)
+    if world > 1:
+        dist.barrier()
+        if rank == 0:
+            merge_manifests(Path(out_dir))
+        dist.finish()
+    return t
+
+
 def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, batch_size: int = 64,
                 gsm8k: str | os.PathLike | None = None, exclude_dir: str | os.PathLike | None = None,
-                feature_dtype: str = "float16", progress: bool = True) -> dict:
-    """Make shards 0..n_shards-1 that are not there yet (or fail their check). Returns totals of this call."""
+                feature_dtype: str = "float16", progress: bool = True, rank: int = 0, world: int = 1) -> dict:
+    """Make shards 0..n_shards-1 that are not there yet (or fail their check). Returns totals of this call.
+    Across `world` processes, process `rank` makes shards i with i % world == rank (each shard's samples
+    depend on i alone: the same data as one process) and records them in its own manifest; the caller
+    folds those into manifest.json once all are done (merge_manifests)."""
     from tqdm import tqdm
 
     gsm_path, excl = check_run(out_dir, n_shards, plan, batch_size, gsm8k, exclude_dir, feature_dtype)
@@ -305,10 +332,11 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
     # only a run that passed every check writes: a failed one never locks the directory
     if old is None:
         atomic_write_text(meta_file, json.dumps(meta, indent=1))
-    todo, manifest = resume_shards(out, n_shards, _say)
+    todo, manifest = resume_shards(out, n_shards, _say, rank, world)
     totals = {"shards": 0, "sequences": 0, "tokens": 0, "answer_tokens": 0, "gen_seconds": 0.0, "tf_seconds": 0.0}
-    bar = tqdm(total=n_shards * plan.shard_size, initial=(n_shards - len(todo)) * plan.shard_size, unit="seq",
-               disable=not progress, dynamic_ncols=True, desc="datagen")
+    mine = len(range(rank, n_shards, world))
+    bar = tqdm(total=mine * plan.shard_size, initial=(mine - len(todo)) * plan.shard_size, unit="seq",
+               disable=not progress, dynamic_ncols=True, desc="datagen" if world == 1 else f"datagen rank {rank}")
     t_start = time.perf_counter()
     for i in todo:
         src, temp = plan.shard(i)
@@ -351,7 +379,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         info = {"source": src, "temperature": temp, "sequences": len(seqs), "tokens": int(tensors["offsets"][-1]),
                 "answer_tokens": n_ans, "gen_seconds": round(t1 - t0, 2), "tf_seconds": round(t2 - t1, 2)}
         manifest[f"shard-{i:05d}.safetensors"] = write_shard(out / f"shard-{i:05d}.safetensors", tensors, info)
-        write_manifest(out, manifest)
+        write_manifest(out, manifest, rank if world > 1 else None)
         if src == "gsm8k-gold" or len(ps) < plan.shard_size:
             bar.update(plan.shard_size - (len(ps) if src != "gsm8k-gold" else 0))
         totals["shards"] += 1
@@ -364,5 +392,7 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         bar.write(f"shard {i} ({src}, T={temp}): {len(seqs)} seqs, {n_ans} answer tokens, {gen}, "
                   f"{t2 - t1:.1f} s teacher forcing")
     bar.close()
+    if world == 1:
+        merge_manifests(out)  # ranks' manifests of an earlier run across processes
     totals["seconds"] = time.perf_counter() - t_start
     return totals

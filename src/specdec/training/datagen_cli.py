@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from specdec.errors import SpecdecError
 from specdec.options import add_flags, arg_type, flag_values, one_line_errors
 from specdec.target.loading import Runtime, load_model
 from specdec.training.datagen import (
@@ -13,10 +16,12 @@ from specdec.training.datagen import (
     Plan,
     aux_layer_list,
     check_run,
-    run_datagen,
+    run_ranks,
     source_list,
     temperature_list,
 )
+from specdec.training.dist import init, rank_world
+from specdec.training.shards import MANIFEST, merge_manifests
 
 
 def add_parser(sub) -> None:
@@ -27,8 +32,12 @@ def add_parser(sub) -> None:
                    "the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory, checked writable before the "
                    "model loads (re-run the same command to resume)")
-    p.add_argument("--shards", type=arg_type(int, ge=1), required=True, metavar="N",
-                   help="total shards wanted (existing ones are skipped)")
+    p.add_argument("--shards", type=arg_type(int, ge=1), default=None, metavar="N",
+                   help="total shards wanted (existing ones are skipped); required unless --merge. Under "
+                   "torchrun / accelerate launch (RANK, WORLD_SIZE) process r makes shards i with i %% WORLD_SIZE "
+                   "== r, and rank 0 writes the one manifest once all are done")
+    p.add_argument("--merge", action="store_true", help="only fold the per-process manifests of a run across "
+                   "processes into manifest.json (after a run whose processes did not all finish), no model")
     p.add_argument("--shard-size", type=PLAN_RULES["shard_size"], default=d.shard_size, metavar="N",
                    help=f"sequences per shard (default {d.shard_size})")
     p.add_argument("--batch-size", type=arg_type(int, ge=1), default=64, metavar="N",
@@ -60,17 +69,28 @@ def add_parser(sub) -> None:
 
 
 def cmd_datagen(args) -> int:
+    if args.merge:
+        out = Path(args.out)
+        if not out.is_dir():
+            raise SpecdecError(f"--out {out}: no such directory to merge")
+        print(f"datagen: {out / MANIFEST} lists {merge_manifests(out)} shards")
+        return 0
+    if args.shards is None:
+        raise SpecdecError("--shards is required (unless --merge)")
+    rank, world = rank_world()
     rt = Runtime.parse(flag_values(args, Runtime))
     plan = Plan(shard_size=args.shard_size, sources=args.sources, temperatures=args.temperatures,
                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, top_p=args.top_p,
                 seed=args.seed, aux_layers=args.aux_layers)
     check_run(args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir, args.feature_dtype)
     rt.apply()
+    init(world)
     model, tok, _ = load_model(args.model, rt.device, torch.float32 if rt.device in (None, "cpu") else None)
-    t = run_datagen(model, tok, args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir,
-                    args.feature_dtype)
+    t = run_ranks(model, tok, args.out, args.shards, plan, batch_size=args.batch_size, gsm8k=args.gsm8k,
+                  exclude_dir=args.exclude_dir, feature_dtype=args.feature_dtype)
     gen = t["gen_seconds"]
-    print(f"datagen: {t['shards']} new shards, {t['sequences']} sequences, {t['tokens']} tokens "
+    who = "" if world == 1 else f" (rank {rank} of {world})"
+    print(f"datagen{who}: {t['shards']} new shards, {t['sequences']} sequences, {t['tokens']} tokens "
           f"({t['answer_tokens']} answer tokens) in {t['seconds']:.0f} s; generation "
           f"{t['answer_tokens'] / gen if gen else 0:.0f} tok/s")
     return 0

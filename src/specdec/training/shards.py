@@ -4,6 +4,7 @@ imply."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from specdec.errors import SpecdecError
 from specdec.files import atomic_file, atomic_write_text
 
 MANIFEST = "manifest.json"
+RANK_MANIFESTS = "manifest.rank-*.json"  # one per process of a run across processes
 
 
 # ---- shards on disk ----
@@ -63,15 +65,31 @@ def file_entry(path: Path) -> dict:
 
 
 def read_manifest(data_dir: Path) -> dict[str, dict]:
-    f = data_dir / MANIFEST
-    try:
-        return json.loads(f.read_text())["shards"] if f.is_file() else {}
-    except (ValueError, KeyError):
-        return {}  # a damaged manifest: every shard is checked by its structure instead
+    """manifest.json with the ranks' own manifests of a run across processes over it (not merged yet)."""
+    out: dict[str, dict] = {}
+    for f in [Path(data_dir) / MANIFEST, *sorted(Path(data_dir).glob(RANK_MANIFESTS))]:
+        # a damaged manifest: every shard is checked by its structure instead
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            out.update(json.loads(f.read_text())["shards"] if f.is_file() else {})
+    return out
 
 
-def write_manifest(data_dir: Path, shards: dict[str, dict]) -> None:
-    atomic_write_text(data_dir / MANIFEST, json.dumps({"shards": dict(sorted(shards.items()))}, indent=1))
+def write_manifest(data_dir: Path, shards: dict[str, dict], rank: int | None = None) -> None:
+    """manifest.json, or with `rank` that process's own (ranks never write one file together)."""
+    name = MANIFEST if rank is None else RANK_MANIFESTS.replace("*", f"{rank:05d}")
+    atomic_write_text(Path(data_dir) / name, json.dumps({"shards": dict(sorted(shards.items()))}, indent=1))
+
+
+def merge_manifests(data_dir: Path) -> int:
+    """Fold the ranks' manifests into manifest.json (then removed); returns the shards it lists."""
+    data_dir = Path(data_dir)
+    ranks = sorted(data_dir.glob(RANK_MANIFESTS))
+    merged = read_manifest(data_dir)
+    if ranks:
+        write_manifest(data_dir, merged)
+        for f in ranks:
+            f.unlink(missing_ok=True)
+    return len(merged)
 
 
 def shard_problem(path: Path, entry: dict | None) -> str | None:
@@ -95,25 +113,31 @@ def shard_problem(path: Path, entry: dict | None) -> str | None:
     return None if size == 8 + n + end else f"it has {size} bytes, its header says {8 + n + end}"
 
 
-def resume_shards(out: Path, n_shards: int, say=print) -> tuple[list[int], dict]:
+def resume_shards(out: Path, n_shards: int, say=print, rank: int = 0, world: int = 1) -> tuple[list[int], dict]:
     """The shards still to make and the manifest: a shard that is missing, or whose size or sha256 is
-    not the manifest's (e.g. truncated by a full disk), is made again."""
-    manifest, todo, changed = read_manifest(out), [], False
-    for i in range(n_shards):
+    not the manifest's (e.g. truncated by a full disk), is made again. Across `world` processes, process
+    `rank` owns shards i with i % world == rank and its manifest lists only those."""
+    known, todo, manifest, changed = read_manifest(out), [], {}, False
+    for i in range(rank, n_shards, world):
         name = f"shard-{i:05d}.safetensors"
-        if name not in manifest and not (out / name).exists():
+        if name not in known and not (out / name).exists():
             todo.append(i)
             continue
-        why = shard_problem(out / name, manifest.get(name))
-        if why is None and name not in manifest:  # written just before a kill, or by an older datagen
-            manifest[name], changed = file_entry(out / name), True
-        elif why is not None:
+        why = shard_problem(out / name, known.get(name))
+        if why is None:
+            manifest[name] = known.get(name) or file_entry(out / name)  # unlisted: written just before a kill
+            changed |= name not in known
+        else:
             say(f"datagen: {out / name} is damaged or missing ({why}): making it again")
             (out / name).unlink(missing_ok=True)
-            manifest.pop(name, None)
             todo.append(i)
+            changed = True
+    if world == 1:
+        manifest = {**known, **manifest}
+        for i in todo:
+            manifest.pop(f"shard-{i:05d}.safetensors", None)
     if changed:
-        write_manifest(out, manifest)
+        write_manifest(out, manifest, rank if world > 1 else None)
     return todo, manifest
 
 
