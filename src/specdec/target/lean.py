@@ -25,8 +25,8 @@ SUPPORTED = ("llama", "qwen2", "mistral")
 # output independent of its forward's other rows (llama.attend_rows); longer ones (prompt prefill, which
 # vanilla and speculative decoding share) use one attention call per layer.
 EXACT_ROWS = 64
-PROBE_MIN_PARAMS = 4_000_000
-FORK_CAPACITY = 256  # a fork's first cache rows (it grows by doubling)  # below this, one-row steps stay on the packed kernel unprobed
+PROBE_MIN_PARAMS = 4_000_000  # below this, one-row steps stay on the packed kernel unprobed
+FORK_CAPACITY = 256  # a fork's first cache rows (it grows by doubling)
 
 
 def supports(model) -> bool:
@@ -235,7 +235,8 @@ class LeanRunner(Runner):
         for w in dict.fromkeys(self.windows):
             m, c = mask, causal
             if w is not None and end > w:  # sliding window: also hide rows `w` or more positions back
-                base = mask if mask is not None else torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
+                base = mask if mask is not None else (
+                    torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start))
                 m, c = base & ((positions[:, None] - kv.pos[None, :end]) < w), False
             rows = None
             if exact:  # the fused kernels read the mask themselves
