@@ -1,10 +1,15 @@
 """Continuous batching (batch.py): every sequence of a batch emits what it emits decoded alone, whoever
 joins or leaves meanwhile; sampled sequences follow the target's distribution."""
 
+import socket
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 
+from specdec.api import from_models
 from specdec.batch import Batch
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -14,7 +19,17 @@ from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree
-from tests.helpers import SMALL_V, chi2_pvalue, drafter_for, exact_first3, flat_tiny, make_head, run, tiny_model
+from tests.helpers import (
+    SMALL_V,
+    chi2_pvalue,
+    drafter_for,
+    exact_first3,
+    flat_tiny,
+    make_head,
+    run,
+    tiny_model,
+    word_tokenizer,
+)
 
 # (prompt, max_new_tokens): mixed lengths, so sequences leave at different steps and others join
 REQUESTS = [([1, 2, 3], 24), ([5, 17, 33, 2, 9, 41, 60, 3], 6), ([88], 31), (list(range(10, 40)), 12),
@@ -146,3 +161,80 @@ def test_sampled_batch_follows_the_target_distribution():
         for t in got[k:2 * n:2]:
             counts[t[0] * SMALL_V ** 2 + t[1] * SMALL_V + t[2]] += 1
         assert chi2_pvalue(counts, exact_first3(model, prompts[k], settings[k])) > 1e-3
+
+
+# ---- behind `specdec serve --max-batch 4` ----
+
+@pytest.fixture(scope="module")
+def served():
+    from tests.test_serve import MODEL, WORDS, Server
+
+    tok = word_tokenizer(WORDS)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    dec = from_models(tiny_model("llama"), tok, "pld")
+    server = Server(dec, max_batch=4)
+    engine = server.app.state.engine
+    sizes, step = [], engine.batch.step
+
+    def slow_step():  # steps slow enough that requests overlap, and a record of each step's batch size
+        sizes.append(len(engine.batch.active))
+        time.sleep(0.01)
+        return step()
+
+    engine.batch.step = slow_step
+    yield dec, server, MODEL, sizes
+    server.stop()
+
+
+def test_server_batches_concurrent_requests_each_as_alone(served):
+    import openai
+
+    from specdec.serve.engine import BatchEngine
+
+    dec, server, model, sizes = served
+    assert isinstance(server.app.state.engine, BatchEngine)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    prompts = ["w3 w7 w1 w9 w3 w7 w2", "w5", "w1 w2 w3 w1 w2 w3 w1 w2", "w40 w41 w42", "w9 w8 w7 w6 w5", "w11 w12"]
+    kws = [dict(max_tokens=30, temperature=0), dict(max_tokens=5, temperature=0),
+           dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=3), dict(max_tokens=17, temperature=0),
+           dict(max_tokens=40, temperature=0.7, seed=11), dict(max_tokens=9, temperature=0)]
+    full = dec.generate(prompts[3], max_new_tokens=17).text
+    kws[3]["stop"] = full.split()[2]  # a stop string ends one answer early
+    want = [dec.generate(p, max_new_tokens=k["max_tokens"], temperature=k["temperature"], top_p=k.get("top_p", 1.0),
+                         seed=k.get("seed"), stop=k.get("stop")) for p, k in zip(prompts, kws)]
+    got = [None] * len(prompts)
+
+    def ask(i):
+        if i % 2:  # streamed and whole responses mixed
+            parts = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompts[i],
+                                                                          stream=True, **kws[i]) if c.choices]
+            got[i] = "".join(parts)
+        else:
+            got[i] = client.completions.create(model=model, prompt=prompts[i], **kws[i]).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == [w.text for w in want]
+    assert max(sizes) == 4  # four at a time, the others queued until a slot freed
+    assert server.metric("batch_size") == 0 and server.metric("num_requests_running") == 0
+
+
+def test_a_client_that_leaves_frees_its_slot(served):
+    from tests.test_serve import stream_request
+
+    dec, server, model, _ = served
+    before = server.metric("generation_tokens_total")
+    c, r = stream_request(server, "/v1/completions", {"model": model, "prompt": "w3 w7 w1 w9", "max_tokens": 400,
+                                                      "temperature": 0})
+    r.readline()
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    deadline = time.time() + 10
+    while server.metric("num_requests_running") and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric('requests_total{outcome="cancelled"}') >= 1
+    assert server.metric("generation_tokens_total") - before < 400
