@@ -238,3 +238,24 @@ def test_a_client_that_leaves_frees_its_slot(served):
     assert server.metric("num_requests_running") == 0
     assert server.metric('requests_total{outcome="cancelled"}') >= 1
     assert server.metric("generation_tokens_total") - before < 400
+
+
+def test_a_method_that_cannot_batch_is_served_one_at_a_time(served, capsys):
+    import dataclasses
+
+    from specdec.serve.engine import SerialEngine, make_engine
+
+    class Solo(NoDrafter):
+        name = "solo"
+
+        def fork(self):
+            return None
+
+    dec = dataclasses.replace(served[0], drafter=Solo())
+    engine = make_engine(dec, max_batch=4)
+    try:
+        assert isinstance(engine, SerialEngine)
+        assert "drafter 'solo' cannot decode several sequences at once yet: requests decode one at a time" \
+            in capsys.readouterr().err
+    finally:
+        engine.close()
