@@ -45,8 +45,8 @@ class Slow:
 
 
 class Server:
-    def __init__(self, dec, max_queue=64):
-        self.app = build_app(dec, MODEL, max_queue=max_queue)
+    def __init__(self, dec, max_queue=64, max_batch=1):
+        self.app = build_app(dec, MODEL, max_queue=max_queue, max_batch=max_batch)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -131,48 +131,19 @@ class Decoder:
         return self._stream(self.encode(prompt), params)
 
     def _stream(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[Chunk]:
-        stops = params.stop
         stats = Stats()
-        ids: list[int] = []
-        sent = 0  # characters of text already yielded
-        held: list[int] = []  # ids and depths not yet yielded (their text is held back, or was cut)
-        depths: list[int] = []
-        forwards = 0  # verify forwards seen
-        finish = None
+        text = TextStream(self, prompt_ids, params.stop, stats)
         steps = self.steps(prompt_ids, params, params.max_new_tokens, stats)
         try:
             for new in steps:
-                start = len(ids)
-                ids.extend(new)
-                # a verify step records its accepted path (accepted + 1) before yielding: its first
-                # accepted - 1 tokens are drafts at depths 1, 2, ...; the prefill's token records none
-                drafted = stats.accept_lengths[-1] - 1 if len(stats.accept_lengths) > forwards else 0
-                forwards = len(stats.accept_lengths)
-                step_depths = [i + 1 if i < drafted else 0 for i in range(len(new))]
-                text = self._text(ids)
-                hit = _find_stop(text, stops)
-                if hit is not None:
-                    # the output must be what vanilla decoding would give: cut at the token that completes it
-                    while len(ids) > start + 1 and _find_stop(self._text(ids[:-1]), stops) is not None:
-                        ids.pop()
-                    held += ids[start:]
-                    depths += step_depths[:len(ids) - start]
-                    text, finish = text[:hit], "stop"
-                    stats.new_tokens = len(ids)
-                    stats.finish_reason = finish
+                chunk = text.push(new)
+                if chunk is not None:
+                    yield chunk
+                if text.stopped:
                     break
-                held += new
-                depths += step_depths
-                safe = _safe_prefix_len(text, stops)
-                if safe > sent:
-                    yield Chunk(text[sent:safe], held, depths=depths)
-                    sent, held, depths = safe, [], []
         finally:
             steps.close()
-        text = self._text(ids) if finish is None else text
-        finish = finish or stats.finish_reason
-        gen = Generation(text, ids, prompt_ids, stats, finish)
-        yield Chunk(text[sent:], held, gen, depths)
+        yield text.final()
 
     def generate(self, prompt: str | Messages, **kw) -> Generation:
         for chunk in self.stream(prompt, **kw):
@@ -183,6 +154,64 @@ class Decoder:
     def _text(self, ids: list[int]) -> str:
         with self._tok_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """A request's new tokens, step by step -> Chunks of text. Holds back an unfinished UTF-8 character and
+    any tail that could still become a stop string; at a stop string the answer ends where vanilla
+    decoding would end it (at the token completing it)."""
+
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], stops: list[str], stats: Stats) -> None:
+        self.decoder, self.prompt_ids, self.stops, self.stats = decoder, prompt_ids, stops, stats
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already yielded
+        self.held: list[int] = []  # ids and depths not yet yielded (their text is held back, or was cut)
+        self.depths: list[int] = []
+        self.forwards = 0  # verify forwards seen
+        self.finish: str | None = None  # "stop" once a stop string ended the answer
+
+    @property
+    def stopped(self) -> bool:
+        return self.finish is not None
+
+    def push(self, new: list[int]) -> Chunk | None:
+        """A step's new tokens: the chunk of text they complete, if any."""
+        stats, ids, start = self.stats, self.ids, len(self.ids)
+        ids.extend(new)
+        # a verify step records its accepted path (accepted + 1) before yielding: its first
+        # accepted - 1 tokens are drafts at depths 1, 2, ...; the prefill's token records none
+        drafted = stats.accept_lengths[-1] - 1 if len(stats.accept_lengths) > self.forwards else 0
+        self.forwards = len(stats.accept_lengths)
+        step_depths = [i + 1 if i < drafted else 0 for i in range(len(new))]
+        text = self.decoder._text(ids)
+        hit = _find_stop(text, self.stops)
+        if hit is not None:
+            # the output must be what vanilla decoding would give: cut at the token that completes it
+            while len(ids) > start + 1 and _find_stop(self.decoder._text(ids[:-1]), self.stops) is not None:
+                ids.pop()
+            self.held += ids[start:]
+            self.depths += step_depths[:len(ids) - start]
+            self.text, self.finish = text[:hit], "stop"
+            stats.new_tokens = len(ids)
+            stats.finish_reason = self.finish
+            return None
+        self.held += new
+        self.depths += step_depths
+        self.text = text
+        safe = _safe_prefix_len(text, self.stops)
+        if safe <= self.sent:
+            return None
+        chunk = Chunk(text[self.sent:safe], self.held, depths=self.depths)
+        self.sent, self.held, self.depths = safe, [], []
+        return chunk
+
+    def final(self) -> Chunk:
+        """The last chunk, carrying the whole Generation (after the last step, or a stop string)."""
+        text = self.decoder._text(self.ids) if self.finish is None else self.text
+        finish = self.finish or self.stats.finish_reason
+        gen = Generation(text, self.ids, self.prompt_ids, self.stats, finish)
+        return Chunk(text[self.sent:], self.held, gen, self.depths)
 
 
 def check_text(text: str, name: str) -> None:

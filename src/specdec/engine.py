@@ -111,6 +111,119 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class Sequence:
+    """One request's decoding: prefill, then steps split around the target forward. plan() has the
+    drafter propose and gives the rows to verify; apply(out) verifies them, commits the accepted rows,
+    keeps the stats, has the drafter follow, and gives the new tokens. decode() runs one sequence; a batch
+    (batch.py) runs plan for each, one packed forward, then apply for each.
+
+    on_verify(tree, verdict), if given, sees every verified draft (e.g. the benchmark's calibration of
+    tree scores vs acceptance); it runs outside the draft/verify timers."""
+
+    def __init__(self, runner: Runner, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
+                 max_new_tokens: int, eos_ids: set[int], stats: Stats,
+                 on_verify: Callable[[DraftTree, Verdict], None] | None = None) -> None:
+        if not prompt_ids:
+            raise SpecdecError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) >= runner.max_length:
+            raise SpecdecError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is {runner.max_length}: "
+                "no room to generate"
+            )
+        self.runner, self.drafter, self.prompt_ids, self.params = runner, drafter, prompt_ids, params
+        self.max_new_tokens, self.eos_ids, self.stats, self.on_verify = max_new_tokens, eos_ids, stats, on_verify
+        self.dev = runner.device
+        self.gen = params.generator(self.dev)
+        self.coupling = params.coupling(runner.vocab_size)
+        self.typical = drafter.acceptance
+        if self.typical is not None and not params.greedy:
+            stats.acceptance = f"LOSSY {self.typical}"
+        self.aux = drafter.aux_layers
+        stats.prompt_tokens = len(prompt_ids)
+        stats.drafter = drafter.name
+        stats.kernels = runner.kernel_path
+        self.n = 0  # tokens emitted
+        self.ended = False  # out of context
+        self.ctx: DecodeContext | None = None
+        self._tree, self._t = DraftTree.empty(), 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.ended or self.stats.finish_reason == "stop" or self.n >= self.max_new_tokens
+
+    def prefill(self) -> list[int]:
+        """The prompt into the target's cache, the first token, the drafter begun; with the runner held."""
+        runner, drafter, stats = self.runner, self.drafter, self.stats
+        drafter.prepare()
+        stats.costs = drafter.costs_source
+        out = _prefill(runner, self.prompt_ids, self.aux)
+        first = verify(DraftTree.empty(), out.logits, self.params, self.gen, coupling=self.coupling,
+                       position=len(self.prompt_ids)).bonus
+        self.ctx = DecodeContext(list(self.prompt_ids) + [first], self.params, self.gen, len(self.prompt_ids),
+                                 out.features, aux_features=out.aux, coupling=self.coupling)
+        drafter.begin(self.ctx)
+        self.n = stats.new_tokens = 1
+        stats.finish_reason = "stop" if first in self.eos_ids else "length"
+        return [first]
+
+    def resume(self) -> None:
+        """Rebuild the target cache and drafter state after another request used them (engine._resume)."""
+        t = _clock(self.dev)
+        _resume(self.runner, self.drafter, self.ctx, len(self.prompt_ids))
+        self.stats.resumes += 1
+        self.stats.prefill_time += _clock(self.dev) - t
+
+    def plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The drafter proposes; the rows to verify (tokens, positions, mask: Runner.forward's), or None
+        when the context is full (the sequence is then done)."""
+        runner, ctx = self.runner, self.ctx
+        room = runner.max_length - runner.length - 1  # rows left after the root
+        if room < 0:
+            self.stats.finish_reason, self.ended = "length", True
+            return None
+        # drafting past what we may still emit (the bonus is always free) is wasted work
+        ctx.max_nodes = min(room, self.max_new_tokens - self.n - 1)
+        t = _clock(self.dev)
+        tree = self.drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
+        if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
+            tree = tree.select(torch.arange(ctx.max_nodes))
+        self._t = _clock(self.dev)
+        self.stats.draft_time += self._t - t
+        ctx.draft_s = self._t - t
+        self._tree = tree
+        root = torch.tensor([ctx.tokens[-1]])
+        positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+        mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
+        return torch.cat([root, tree.tokens.cpu()]), positions, mask
+
+    def apply(self, out: ForwardOut) -> list[int]:
+        """Verify the planned rows' forward: commit the accepted ones; the new tokens (cut at EOS and
+        max_new_tokens)."""
+        stats, ctx, tree = self.stats, self.ctx, self._tree
+        verdict = verify(tree, out.logits, self.params, self.gen, self.typical, self.coupling, len(ctx.tokens))
+        keep = [0] + [i + 1 for i in verdict.path]
+        self.runner.commit(keep)
+        t2 = _clock(self.dev)
+        stats.verify_time += t2 - self._t
+        ctx.verify_s = t2 - self._t
+        stats.record(tree, verdict.path)
+        if self.on_verify is not None:
+            self.on_verify(tree, verdict)
+        new = verdict.tokens[: self.max_new_tokens - self.n]
+        for i, tok in enumerate(new):
+            if tok in self.eos_ids:
+                new = new[: i + 1]
+                stats.finish_reason = "stop"
+                break
+        self.n += len(new)
+        stats.new_tokens = self.n
+        rows = torch.tensor(keep, device=out.features.device)
+        follow(self.drafter, ctx, new, out.features[rows], None if out.aux is None else out.aux[rows], verdict)
+        return new
+
+
 def decode(
     runner: Runner,
     drafter: Drafter,
@@ -124,91 +237,28 @@ def decode(
 ) -> Iterator[list[int]]:
     """Yields the new tokens of each step. Closing the generator early (a stop string) is fine.
 
-    on_verify(tree, verdict), if given, sees every verified draft (e.g. the benchmark's calibration of
-    tree scores vs acceptance); it runs outside the draft/verify timers. lease: this request's claim
-    on a runner and drafter that other requests share (slot.py); without one, the caller promises
-    that nothing else uses them until the generator is done."""
-    if not prompt_ids:
-        raise SpecdecError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise SpecdecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= runner.max_length:
-        raise SpecdecError(
-            f"the prompt has {len(prompt_ids)} tokens but the model's context is {runner.max_length}: "
-            "no room to generate"
-        )
+    on_verify: Sequence's. lease: this request's claim on a runner and drafter that other requests share
+    (slot.py); without one, the caller promises that nothing else uses them until the generator is done."""
+    seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, eos_ids, stats, on_verify)
     dev = runner.device
-    gen = params.generator(dev)
-    coupling = params.coupling(runner.vocab_size)
-    typical = drafter.acceptance
-    if typical is not None and not params.greedy:
-        stats.acceptance = f"LOSSY {typical}"
     lease = lease or Slot().lease()
     t0 = _clock(dev)
-    stats.prompt_tokens = len(prompt_ids)
-    stats.drafter = drafter.name
-    stats.kernels = runner.kernel_path
     try:
         with lease.hold():
             stats.wait_time += _clock(dev) - t0
-            drafter.prepare()
-            stats.costs = drafter.costs_source
-            aux = drafter.aux_layers
-            out = _prefill(runner, prompt_ids, aux)
-            first = verify(DraftTree.empty(), out.logits, params, gen, coupling=coupling,
-                           position=len(prompt_ids)).bonus
-            ctx = DecodeContext(list(prompt_ids) + [first], params, gen, len(prompt_ids), out.features,
-                                aux_features=out.aux, coupling=coupling)
-            drafter.begin(ctx)
+            first = seq.prefill()
         stats.prefill_time = _clock(dev) - t0 - stats.wait_time
-        n = 1
-        stats.new_tokens = 1
-        stats.finish_reason = "stop" if first in eos_ids else "length"
-        yield [first]
-        while stats.finish_reason != "stop" and n < max_new_tokens:
+        yield first
+        while not seq.done:
             t = _clock(dev)
             with lease.hold() as lost:
                 stats.wait_time += _clock(dev) - t
                 if lost:  # another request used the runner and drafter since our last step: rebuild ours
-                    t = _clock(dev)
-                    _resume(runner, drafter, ctx, len(prompt_ids))
-                    stats.resumes += 1
-                    stats.prefill_time += _clock(dev) - t
-                room = runner.max_length - runner.length - 1  # rows left after the root
-                if room < 0:
-                    stats.finish_reason = "length"
+                    seq.resume()
+                rows = seq.plan()
+                if rows is None:
                     return
-                # drafting past what we may still emit (the bonus is always free) is wasted work
-                ctx.max_nodes = min(room, max_new_tokens - n - 1)
-                t = _clock(dev)
-                tree = drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
-                if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
-                    tree = tree.select(torch.arange(ctx.max_nodes))
-                t1 = _clock(dev)
-                root = torch.tensor([ctx.tokens[-1]])
-                positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
-                mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
-                out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask, aux_layers=aux)
-                verdict = verify(tree, out.logits, params, gen, typical, coupling, len(ctx.tokens))
-                keep = [0] + [i + 1 for i in verdict.path]
-                runner.commit(keep)
-                t2 = _clock(dev)
-                stats.draft_time += t1 - t
-                stats.verify_time += t2 - t1
-                ctx.verify_s, ctx.draft_s = t2 - t1, t1 - t
-                stats.record(tree, verdict.path)
-                if on_verify is not None:
-                    on_verify(tree, verdict)
-                new = verdict.tokens[: max_new_tokens - n]
-                for i, tok in enumerate(new):
-                    if tok in eos_ids:
-                        new = new[: i + 1]
-                        stats.finish_reason = "stop"
-                        break
-                n += len(new)
-                stats.new_tokens = n
-                rows = torch.tensor(keep, device=out.features.device)
-                follow(drafter, ctx, new, out.features[rows], None if out.aux is None else out.aux[rows], verdict)
+                new = seq.apply(runner.forward(*rows, aux_layers=seq.aux))
             yield new  # outside the hold: a suspended request holds no step in progress
     finally:
         lease.release()

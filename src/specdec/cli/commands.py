@@ -196,7 +196,8 @@ def cmd_serve(args) -> int:
         raise SpecdecError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
     args.quiet, args.verbose = False, False
     dec = _load(args, rt, opts)
-    serve(dec, args.model or "smollm2", host=args.host, port=args.port, max_queue=args.max_queue)
+    serve(dec, args.model or "smollm2", host=args.host, port=args.port, max_queue=args.max_queue,
+          max_batch=args.max_batch)
     return 0
 
 
@@ -239,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=arg_type(int, ge=1, le=65535), default=8000, help="port (default 8000)")
     s.add_argument("--max-queue", type=arg_type(int, ge=1), default=64, metavar="N",
                    help="requests that may wait for their turn; more get 429 with Retry-After (default 64)")
+    s.add_argument("--max-batch", type=arg_type(int, ge=1), default=4, metavar="N",
+                   help="requests decoded together, each accepting its own number of tokens per step (default "
+                   "4; 1: one at a time; methods that cannot batch yet, e.g. auto and sps, decode one at a time)")
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)

@@ -57,6 +57,12 @@ class Drafter(ABC):
         """How the step costs it drafts by were obtained, for the stats ("": it uses none)."""
         return ""
 
+    def fork(self) -> Drafter | None:
+        """A drafter like this one with state of its own, sharing the heavy parts (weights): another
+        sequence of a batch. Forks draft one at a time (they may share per-call scratch space). None: it
+        cannot fork (its requests then decode one at a time)."""
+        return None
+
     def prepare(self) -> None:
         """Before a request's prefill, with the target held: a drafter may use the target runner here
         (its cache is rebuilt right after), e.g. to update its costs."""
@@ -86,6 +92,9 @@ class NoDrafter(Drafter):
     """Vanilla decoding: an empty tree, so every forward verifies nothing and samples one token."""
 
     name = "vanilla"
+
+    def fork(self) -> NoDrafter:
+        return NoDrafter()
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         return DraftTree.empty()

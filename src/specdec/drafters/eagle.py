@@ -16,6 +16,7 @@ EAGLE-3 the target's aux-layer states, fused), a draft row the head's own output
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import astuple
@@ -120,6 +121,13 @@ class EagleDrafter(TreeDrafter):
         self.last_hidden: torch.Tensor | None = None  # f̂_n, output of the last committed row (PAD: its f)
         self.root_logits: torch.Tensor | None = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def fork(self) -> EagleDrafter:
+        d = copy.copy(self)  # options, tree shapes and the head's weights shared; the head's cache its own
+        d.runner = self.runner.fork()
+        d.last_hidden = d.root_logits = None
+        d.pending = []
+        return d
 
     def _check_rows(self, ctx: DecodeContext, n: int, what: str) -> None:
         if ctx.features is None or ctx.features.shape[0] != n:

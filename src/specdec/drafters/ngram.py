@@ -46,6 +46,9 @@ class NgramDrafter(Drafter):
         self.draft_depth = tree_size
         self.index: NgramIndex | None = None
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.tree_size, self.topk, self.max_ngram, self.min_value)
+
     def begin(self, ctx: DecodeContext) -> None:
         self.index = None
 

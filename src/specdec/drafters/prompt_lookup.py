@@ -25,6 +25,9 @@ class PromptLookupDrafter(Drafter):
 
     last_ngram = 0  # the n-gram length the last propose() matched (0: none): longer ones predict better
 
+    def fork(self) -> PromptLookupDrafter:
+        return PromptLookupDrafter(self.max_ngram, self.min_ngram, self.chain_len)
+
     def propose(self, ctx: DecodeContext) -> DraftTree:
         # a deterministic chain: q is a point mass, so the verifier stays exact at any temperature
         self.last_ngram = 0

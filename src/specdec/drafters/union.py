@@ -28,6 +28,10 @@ class UnionDrafter(Drafter):
     def lead(self) -> Drafter:
         return self.members[0].lead
 
+    def fork(self) -> UnionDrafter | None:
+        forks = [m.fork() for m in self.members]
+        return None if None in forks else UnionDrafter(*forks, name=self.name)
+
     def begin(self, ctx: DecodeContext) -> None:
         for m in self.members:
             m.begin(ctx)
@@ -57,6 +61,10 @@ class GreedyOnly(Drafter):
     @property
     def lead(self) -> Drafter:
         return self.inner.lead
+
+    def fork(self) -> GreedyOnly | None:
+        inner = self.inner.fork()
+        return None if inner is None else GreedyOnly(inner)
 
     def begin(self, ctx: DecodeContext) -> None:
         self.inner.begin(ctx)

@@ -4,6 +4,7 @@ and the same commit/rollback protocol as the target runners."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,13 @@ class HeadRunner(Cached):
         # so over the draft vocabulary it is a table: one projection fewer per draft step. A full-vocabulary
         # head would need a table the size of the target's embeddings, so it keeps computing it.
         self.token_table = None if self.d2t is None else self._token_table()
+
+    def fork(self) -> HeadRunner:
+        """The same head with an empty cache of its own. Forks share the layers' per-forward scratch (PAD's
+        tail, EAGLE-3's token rows): they run one at a time."""
+        r = copy.copy(self)
+        r.cache = self.cache.fresh(self.cache.capacity)
+        return r
 
     def _build(self, head: EagleHead, pack: bool, weights: str | None) -> None:
         """The connector and the decoder layers."""

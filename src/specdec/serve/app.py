@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Chunk, Decoder, Generation, GenerationParams
 from specdec.errors import SpecdecError
-from specdec.serve.engine import Engine, Job, QueueFull, SerialEngine
+from specdec.serve.engine import Engine, Job, QueueFull, make_engine
 from specdec.serve.metrics import Metrics
 from specdec.serve.protocol import ChatRequest, CompletionRequest, Sampling, error_body
 
@@ -36,8 +36,9 @@ class APIError(Exception):
         self.status, self.body, self.headers = status, error_body(message, type, param, code), headers
 
 
-def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, max_queue: int = 64) -> FastAPI:
-    engine = engine or SerialEngine(decoder, max_queue)
+def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, max_queue: int = 64,
+              max_batch: int = 1) -> FastAPI:
+    engine = engine or make_engine(decoder, max_batch, max_queue)
     metrics = Metrics()
 
     @asynccontextmanager
@@ -86,7 +87,7 @@ def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, m
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.running(), engine.waiting()),
+        return PlainTextResponse(metrics.render(engine.running(), engine.waiting(), engine.batch_size()),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
@@ -264,6 +265,8 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def serve(decoder: Decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64) -> None:
+def serve(decoder: Decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
+          max_batch: int = 1) -> None:
     """Serve until SIGINT/SIGTERM; uvicorn then stops accepting and finishes the requests in flight."""
-    uvicorn.run(build_app(decoder, model_name, max_queue=max_queue), host=host, port=port, log_level="info")
+    uvicorn.run(build_app(decoder, model_name, max_queue=max_queue, max_batch=max_batch), host=host, port=port,
+                log_level="info")

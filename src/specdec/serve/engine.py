@@ -1,14 +1,19 @@
-"""What the app submits requests to. `Engine` is the whole interface: a batching engine can replace
-`SerialEngine` (one worker thread, one request at a time, a bounded queue) without touching the app."""
+"""What the app submits requests to. `Engine` is the whole interface: `SerialEngine` decodes one request
+at a time, `BatchEngine` up to --max-batch together (batch.py), each behind one worker thread and a
+bounded queue."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 from typing import Protocol
 
-from specdec.api import Chunk, Decoder, GenerationParams
+from specdec.api import Chunk, Decoder, GenerationParams, TextStream
+from specdec.batch import Batch
+from specdec.engine import Sequence, Stats
+from specdec.errors import SpecdecError
 
 _END = object()
 
@@ -55,6 +60,9 @@ class Engine(Protocol):
 
     def running(self) -> int: ...
 
+    def batch_size(self) -> int:
+        """Sequences in the decoding batch (stepping together) now."""
+
     def close(self) -> None: ...
 
 
@@ -78,6 +86,9 @@ class SerialEngine:
         return self._queue.qsize()
 
     def running(self) -> int:
+        return self._running
+
+    def batch_size(self) -> int:
         return self._running
 
     def close(self) -> None:
@@ -107,3 +118,110 @@ class SerialEngine:
                     break
         finally:
             stream.close()  # releases the decoder for the next request
+
+
+class BatchEngine:
+    """Decodes up to `max_batch` requests together on a worker thread (batch.Batch): between steps,
+    finished and cancelled requests leave and queued ones join, in arrival order; at most `max_queue`
+    wait. Each request keeps its own sampling parameters, seed, stop strings and max tokens. Raises
+    SpecdecError when the Decoder's runner or drafter cannot fork (make_engine then serves serially)."""
+
+    def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64) -> None:
+        self.decoder, self.max_batch = decoder, max_batch
+        self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids)
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._live: dict[Sequence, tuple[Job, TextStream]] = {}
+        self._size = 0
+        self._thread = threading.Thread(target=self._work, name="specdec-serve-batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def running(self) -> int:
+        return len(self._live)
+
+    def batch_size(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _work(self) -> None:
+        closing = False
+        while not closing or self._live:
+            while not closing and len(self._live) < self.max_batch:
+                try:  # idle: wait for a request; busy: take what is queued and step on
+                    job = self._queue.get(block=not self._live)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                elif job.cancelled:
+                    job.end()
+                else:
+                    self._join(job)
+            for seq, (job, _) in list(self._live.items()):
+                if job.cancelled:  # its client left: the slot is free for the next step
+                    self._end(seq)
+            self._size = len(self.batch.active)
+            if not self._live:
+                continue
+            try:
+                results = self.batch.step()
+            except Exception as e:  # the packed forward failed: every request in it fails
+                for seq, (job, _) in list(self._live.items()):
+                    job.put(e)
+                    self._end(seq)
+                continue
+            for seq, new in results:
+                if isinstance(new, Exception):
+                    self._live[seq][0].put(new)
+                    self._end(seq)
+                else:
+                    self._emit(seq, new)
+            self._size = len(self.batch.active)
+
+    def _join(self, job: Job) -> None:
+        p = job.params
+        try:
+            ids = self.decoder.encode(job.prompt)
+            seq, first = self.batch.join(ids, p, p.max_new_tokens, Stats())
+        except Exception as e:  # this request fails, the others go on
+            job.put(e)
+            job.end()
+            return
+        self._live[seq] = (job, TextStream(self.decoder, ids, p.stop, seq.stats))
+        self._emit(seq, first)
+
+    def _emit(self, seq: Sequence, new: list[int]) -> None:
+        job, text = self._live[seq]
+        chunk = text.push(new) if new else None
+        if chunk is not None:
+            job.put(chunk)
+        if text.stopped or seq.done:
+            job.put(text.final())
+            self._end(seq)
+
+    def _end(self, seq: Sequence) -> None:
+        job, _ = self._live.pop(seq)
+        self.batch.leave(seq)
+        job.end()
+
+
+def make_engine(decoder: Decoder, max_batch: int = 1, max_queue: int = 64) -> Engine:
+    """BatchEngine for max_batch > 1 where the method can fork per request; else SerialEngine (a note
+    on stderr says why)."""
+    if max_batch > 1:
+        try:
+            return BatchEngine(decoder, max_batch, max_queue)
+        except SpecdecError as e:
+            print(f"specdec serve: {e}: requests decode one at a time", file=sys.stderr)
+    return SerialEngine(decoder, max_queue)

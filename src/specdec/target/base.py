@@ -4,7 +4,7 @@ explicit mask and positions against a KV cache, and compaction of that cache to 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,10 @@ class ForwardOut:
     logits: torch.Tensor  # [rows, V] for the requested rows
     features: torch.Tensor  # [n, H] last hidden state after the final norm (feeds the LM head)
     aux: torch.Tensor | None = None  # [n, k * H] hidden states entering the asked-for layers (None: none asked)
+
+
+# one sequence's rows of a packed forward: (its runner, tokens [n], positions [n] or None, mask or None)
+Part = tuple["Runner", torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 class Cached:
@@ -96,6 +100,16 @@ class Runner(Cached, ABC):
             return self.weights
         top = max(float(p.detach().abs().max()) for p in head.parameters())
         return "fp16" if top < 6e4 else self.weights  # fp16 overflows past 65504
+
+    def fork(self) -> Runner | None:
+        """A runner over the same weights with an empty cache of its own: one sequence of a batch
+        (forward_many). None: this runner cannot (its sequences then decode one at a time)."""
+        return None
+
+    def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = ()) -> list[ForwardOut]:
+        """Runner.forward for each part (a fork of this runner, tokens, positions, mask), each into its
+        own cache, in as few forwards as the runner can while giving each row the bits it gets alone."""
+        return [r.forward(t, p, m, aux_layers=aux_layers) for r, t, p, m in parts]
 
     @abstractmethod
     def _forward(

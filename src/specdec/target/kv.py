@@ -71,6 +71,12 @@ class KVCache(Rows):
         self.pos = torch.empty(0, dtype=torch.long) if positions else None
         self._resize(capacity)
 
+    def fresh(self, capacity: int) -> KVCache:
+        """An empty cache of the same shape (another sequence over the same layers)."""
+        n_layers, batch, n_kv, head_dim = self.dims
+        return KVCache(n_layers, n_kv, head_dim, self.max_length, self.device, self.dtype, capacity, batch,
+                       self.pos is not None)
+
     def reserve(self, n: int) -> None:
         """Room for `n` rows after the used ones; capacity at least doubles (amortised O(1) growth),
         capped at max_length."""

@@ -5,13 +5,16 @@ reference: tests compare the two.
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from specdec.target import stream
-from specdec.target.base import ForwardOut, Runner
+from specdec.target.base import ForwardOut, Part, Runner
 from specdec.target.gguf import QuantTensor
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, Rope, chain_attention, visible_columns
@@ -23,6 +26,7 @@ SUPPORTED = ("llama", "qwen2", "mistral")
 # vanilla and speculative decoding share) use one attention call per layer.
 EXACT_ROWS = 64
 PROBE_MIN_PARAMS = 4_000_000  # below this, one-row steps stay on the packed kernel unprobed
+FORK_CAPACITY = 256  # a fork's first cache rows (it grows by doubling)
 
 
 def supports(model) -> bool:
@@ -136,10 +140,86 @@ class LeanRunner(Runner):
             return [w if t == "sliding_attention" else None for t in types]
         return [w] * n_layers
 
-    @torch.inference_mode()
+    def fork(self) -> LeanRunner:
+        r = copy.copy(self)  # layers, RoPE tables and LM head shared: only the cache is the fork's own
+        r.cache = self.cache.fresh(FORK_CAPACITY)
+        return r
+
+    def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = ()) -> list[ForwardOut]:
+        """Sequences packed into forwards of at most exact_rows rows: their linears run once on all their rows,
+        each row's bits those it gets alone (row-invariant linears, attention per sequence). Without exact
+        rows (or a sequence longer than them) a sequence runs alone, as it would anyway."""
+        outs: list[ForwardOut | None] = [None] * len(parts)
+        group: list[int] = []
+
+        def run(group: list[int]) -> None:
+            if len(group) == 1:
+                r, t, pos, m = parts[group[0]]
+                outs[group[0]] = r.forward(t, pos, m, aux_layers=aux_layers)
+                return
+            seqs = []
+            for i in group:
+                r, t, pos, m = parts[i]
+                _, pos = r._new_rows(t.numel(), pos, m)
+                seqs.append((r, t.to(self.device), pos.to(self.device), None if m is None else m.to(self.device)))
+            for i, out in zip(group, self._run(seqs, [None] * len(seqs), tuple(aux_layers))):
+                outs[i] = out
+            for r, t, _, _ in seqs:
+                r.cache.n_pending += t.numel()
+
+        rows = 0
+        for i, (_, t, _, _) in enumerate(parts):
+            if group and rows + t.numel() > self.exact_rows:
+                run(group)
+                group, rows = [], 0
+            group.append(i)
+            rows += t.numel()
+        if group:
+            run(group)
+        return outs
+
     def _forward(self, tokens, positions, mask, logits_rows, aux_layers=()) -> ForwardOut:
+        return self._run([(self, tokens, positions, mask)], [logits_rows], aux_layers)[0]
+
+    @torch.inference_mode()
+    def _run(self, seqs: list[Part], logits_rows: list[slice | None], aux_layers: tuple[int, ...]) -> list[ForwardOut]:
+        """One forward over the new rows of several forks of this runner (one: a plain forward): each
+        sequence's rows attend over its own cache as in a forward of its own."""
+        plans = [self._attention_plan(*s) for s in seqs]
+        sizes = [t.numel() for _, t, _, _ in seqs]
+        tokens = seqs[0][1] if len(seqs) == 1 else torch.cat([t for _, t, _, _ in seqs])
+        h = (self.embed.rows(tokens)[None] if isinstance(self.embed, QuantTensor)
+             else F.embedding(tokens[None], self.embed))
+        aux = []
+        for i, (layer, w) in enumerate(zip(self.layers, self.windows)):
+            if i in aux_layers:
+                aux.append(h[0])
+            qkv = layer.project(h)
+            if len(seqs) == 1:
+                p = plans[0]
+                a = layer.attend(qkv, p.cos, p.sin, p.kv, p.start, *p.masks[w])
+            else:
+                parts = qkv.split(sizes, dim=1)
+                a = torch.cat([layer.attend(x, p.cos, p.sin, p.kv, p.start, *p.masks[w])
+                               for x, p in zip(parts, plans)], dim=1)
+            h = layer.finish(a, h)
+        feats = (self.fused.rms_norm(h[0], self.norm, self.eps) if self.fused
+                 else F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps))
+        aux_t = torch.cat(aux, -1) if aux_layers else None
+        if len(seqs) == 1:
+            wanted = feats if logits_rows[0] is None else feats[logits_rows[0]]
+            return [ForwardOut(self.lm_head(wanted), feats, aux_t)]
+        fs = feats.split(sizes)
+        wanted = [f if lr is None else f[lr] for f, lr in zip(fs, logits_rows)]
+        logits = self.lm_head(torch.cat(wanted)).split([x.shape[0] for x in wanted])
+        auxs = aux_t.split(sizes) if aux_t is not None else [None] * len(seqs)
+        return [ForwardOut(lg, f, a) for lg, f, a in zip(logits, fs, auxs)]
+
+    def _attention_plan(self, runner: LeanRunner, tokens: torch.Tensor, positions: torch.Tensor,
+                        mask: torch.Tensor | None) -> _Plan:
+        """Where a sequence's new rows go in its cache and what each attends to, per sliding window."""
         n = tokens.numel()
-        kv = self.cache
+        kv = runner.cache
         start = kv.length + kv.n_pending
         end = start + n
         if end > kv.capacity:
@@ -150,26 +230,25 @@ class LeanRunner(Runner):
         causal, chain = False, mask is None
         if mask is None:
             mask, causal = chain_attention(start, n, self.device)
-        masks, rows = {}, {}
         exact = n <= self.exact_rows
-        h = (self.embed.rows(tokens)[None] if isinstance(self.embed, QuantTensor)
-             else F.embedding(tokens[None], self.embed))
-        aux = []
-        for i, (layer, w) in enumerate(zip(self.layers, self.windows)):
-            if i in aux_layers:
-                aux.append(h[0])
+        masks: dict[int | None, tuple] = {}
+        for w in dict.fromkeys(self.windows):
             m, c = mask, causal
             if w is not None and end > w:  # sliding window: also hide rows `w` or more positions back
-                if w not in masks:
-                    base = mask if mask is not None else (
-                        torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
-                    )
-                    masks[w] = base & ((positions[:, None] - kv.pos[None, :end]) < w)
-                m, c = masks[w], False
-            if exact and w not in rows:  # the fused kernels read the mask themselves
-                rows[w] = True if self.fused else visible_columns(None if chain and m is mask else m, start, n)
-            h = layer(h, cos, sin, kv, start, m, c, rows[w] if exact else None)
-        feats = (self.fused.rms_norm(h[0], self.norm, self.eps) if self.fused
-                 else F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps))
-        wanted = feats if logits_rows is None else feats[logits_rows]
-        return ForwardOut(self.lm_head(wanted), feats, torch.cat(aux, -1) if aux_layers else None)
+                base = mask if mask is not None else (
+                    torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start))
+                m, c = base & ((positions[:, None] - kv.pos[None, :end]) < w), False
+            rows = None
+            if exact:  # the fused kernels read the mask themselves
+                rows = True if self.fused else visible_columns(None if chain and m is mask else m, start, n)
+            masks[w] = (m, c, rows)
+        return _Plan(kv, start, cos, sin, masks)
+
+
+@dataclass
+class _Plan:
+    kv: KVCache
+    start: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict  # sliding window (None: none) -> (mask, causal, rows) for Block.attend

@@ -1,0 +1,261 @@
+"""Continuous batching (batch.py): every sequence of a batch emits what it emits decoded alone, whoever
+joins or leaves meanwhile; sampled sequences follow the target's distribution."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.api import from_models
+from specdec.batch import Batch
+from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.union import UnionDrafter
+from specdec.engine import Stats
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.target.lean import LeanRunner
+from specdec.tree import DraftTree
+from tests.helpers import (
+    SMALL_V,
+    chi2_pvalue,
+    drafter_for,
+    exact_first3,
+    flat_tiny,
+    make_head,
+    run,
+    tiny_model,
+    word_tokenizer,
+)
+
+# (prompt, max_new_tokens): mixed lengths, so sequences leave at different steps and others join
+REQUESTS = [([1, 2, 3], 24), ([5, 17, 33, 2, 9, 41, 60, 3], 6), ([88], 31), (list(range(10, 40)), 12),
+            ([4, 5, 6, 4, 5, 6, 4, 5, 6, 4], 20), ([7, 8, 7, 8, 7], 3), ([50, 51, 52, 53], 17)]
+EOS = {96}
+
+
+def drive(batch: Batch, requests, params, max_batch: int) -> list[list[int]]:
+    """Decode every request, at most max_batch at a time: a queued request joins as soon as one leaves
+    (between steps), and one more joins after the first step even when that leaves the batch full."""
+    out = [[] for _ in requests]
+    stats = [Stats() for _ in requests]
+    owner: dict = {}
+    queue = list(range(len(requests)))
+
+    def admit(limit):
+        while queue and len(batch.active) < limit:
+            i = queue.pop(0)
+            p = params[i] if isinstance(params, list) else params
+            seq, first = batch.join(requests[i][0], p, requests[i][1], stats[i])
+            owner[seq] = i
+            out[i] += first
+
+    admit(max_batch - 1)
+    while batch.active or queue:
+        for seq, new in batch.step():
+            assert not isinstance(new, Exception), new
+            out[owner[seq]] += new
+        admit(max_batch)
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=2)
+
+
+def drafters(model) -> dict[str, Drafter]:
+    return {"vanilla": NoDrafter(), "pld": PromptLookupDrafter(chain_len=4),
+            "eagle2": drafter_for(model, make_head(model, seed=1), dynamic=True),
+            "eagle+pld": UnionDrafter(drafter_for(model, make_head(model, seed=1), dynamic=False),
+                                      PromptLookupDrafter(chain_len=3))}
+
+
+@pytest.mark.parametrize("method", ["vanilla", "pld", "eagle2", "eagle+pld"])
+def test_greedy_batch_equals_each_request_alone(model, method):
+    runner = LeanRunner(model, exact=True)
+    assert runner.exact_rows > 0  # packed forwards (else each sequence runs alone)
+    drafter = drafters(model)[method]
+    alone = [run(runner, drafter, p, SamplingParams(), n, EOS) for p, n in REQUESTS]
+    got, stats = drive(Batch(runner, drafter, EOS), REQUESTS, SamplingParams(), max_batch=4)
+    for (want, want_stats), g, s in zip(alone, got, stats):
+        assert g == want
+        assert s.accept_lengths == want_stats.accept_lengths and s.tree_sizes == want_stats.tree_sizes
+    if method != "vanilla":
+        assert any(sum(s.accept_lengths) > len(s.accept_lengths) for s in stats)  # drafts were accepted
+
+
+def test_packed_forward_splits_past_the_exact_rows(model):
+    """More rows than exact_rows in one step: forwards of at most exact_rows rows, the same tokens."""
+    runner = LeanRunner(model, exact=True)
+    runner.exact_rows = 6  # a budget the 4-row chains of 4 sequences overflow
+    drafter = PromptLookupDrafter(chain_len=4)
+    reqs = REQUESTS[:5]
+    alone = [run(runner, drafter, p, SamplingParams(), n, EOS)[0] for p, n in reqs]
+    got, _ = drive(Batch(runner, drafter, EOS), reqs, SamplingParams(), max_batch=4)
+    assert got == alone
+
+
+def test_a_failing_sequence_leaves_alone(model):
+    class Breaks(NoDrafter):
+        def fork(self):
+            return Breaks()
+
+        def propose(self, ctx):
+            if ctx.prompt_len == 1 and len(ctx.tokens) > 3:
+                raise RuntimeError("drafter broke")
+            return DraftTree.empty()
+
+    runner = LeanRunner(model, exact=True)
+    batch = Batch(runner, Breaks(), EOS)
+    a, _ = batch.join([88], SamplingParams(), 10)
+    b, first = batch.join([1, 2, 3], SamplingParams(), 10)
+    out, errors = list(first), []
+    while batch.active:
+        for seq, new in batch.step():
+            if isinstance(new, Exception):
+                assert seq is a
+                errors.append(str(new))
+            elif seq is b:
+                out += new
+    assert errors == ["drafter broke"]
+    assert out == run(runner, NoDrafter(), [1, 2, 3], SamplingParams(), 10, EOS)[0]
+
+
+def test_a_drafter_that_cannot_fork_is_refused_in_one_line(model):
+    class Solo(NoDrafter):
+        name = "solo"
+
+        def fork(self):
+            return None
+
+    with pytest.raises(SpecdecError, match="drafter 'solo' cannot decode several sequences at once"):
+        Batch(LeanRunner(model), Solo(), EOS)
+
+
+@pytest.mark.slow
+def test_sampled_batch_follows_the_target_distribution():
+    """Sequences of two sampling settings (and a greedy one) in one batch, drafted by an EAGLE-2 head with
+    sampled children: each setting's first 3 tokens follow the target's exact joint."""
+    model = flat_tiny()
+    runner = LeanRunner(model, exact=True)
+    drafter = drafter_for(model, make_head(model, seed=3), dynamic=True, depth=3, topk=2, tree_size=4,
+                          children="sample")
+    settings = [SamplingParams(1.0), SamplingParams(0.7, top_p=0.8)]
+    prompts = [[1, 3, 0, 2, 1], [2, 2, 4, 0]]
+    n = 300
+    reqs, params = [], []
+    for i in range(n):
+        for k in range(2):
+            reqs.append((prompts[k], 6 if i % 2 else 4))  # lengths differ: sequences join mid-decode
+            params.append(settings[k])
+    reqs.append(([1, 2, 3], 8))
+    params.append(SamplingParams())
+    torch.manual_seed(0)
+    got, _ = drive(Batch(runner, drafter, set()), reqs, params, max_batch=4)
+    for k in range(2):
+        counts = np.zeros(SMALL_V ** 3)
+        for t in got[k:2 * n:2]:
+            counts[t[0] * SMALL_V ** 2 + t[1] * SMALL_V + t[2]] += 1
+        assert chi2_pvalue(counts, exact_first3(model, prompts[k], settings[k])) > 1e-3
+
+
+# ---- behind `specdec serve --max-batch 4` ----
+
+@pytest.fixture(scope="module")
+def served():
+    from tests.test_serve import MODEL, WORDS, Server
+
+    tok = word_tokenizer(WORDS)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    dec = from_models(tiny_model("llama"), tok, "pld")
+    server = Server(dec, max_batch=4)
+    engine = server.app.state.engine
+    sizes, step = [], engine.batch.step
+
+    def slow_step():  # steps slow enough that requests overlap, and a record of each step's batch size
+        sizes.append(len(engine.batch.active))
+        time.sleep(0.01)
+        return step()
+
+    engine.batch.step = slow_step
+    yield dec, server, MODEL, sizes
+    server.stop()
+
+
+def test_server_batches_concurrent_requests_each_as_alone(served):
+    import openai
+
+    from specdec.serve.engine import BatchEngine
+
+    dec, server, model, sizes = served
+    assert isinstance(server.app.state.engine, BatchEngine)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    prompts = ["w3 w7 w1 w9 w3 w7 w2", "w5", "w1 w2 w3 w1 w2 w3 w1 w2", "w40 w41 w42", "w9 w8 w7 w6 w5", "w11 w12"]
+    kws = [dict(max_tokens=30, temperature=0), dict(max_tokens=5, temperature=0),
+           dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=3), dict(max_tokens=17, temperature=0),
+           dict(max_tokens=40, temperature=0.7, seed=11), dict(max_tokens=9, temperature=0)]
+    full = dec.generate(prompts[3], max_new_tokens=17).text
+    kws[3]["stop"] = full.split()[2]  # a stop string ends one answer early
+    want = [dec.generate(p, max_new_tokens=k["max_tokens"], temperature=k["temperature"], top_p=k.get("top_p", 1.0),
+                         seed=k.get("seed"), stop=k.get("stop")) for p, k in zip(prompts, kws)]
+    got = [None] * len(prompts)
+
+    def ask(i):
+        if i % 2:  # streamed and whole responses mixed
+            parts = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompts[i],
+                                                                          stream=True, **kws[i]) if c.choices]
+            got[i] = "".join(parts)
+        else:
+            got[i] = client.completions.create(model=model, prompt=prompts[i], **kws[i]).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == [w.text for w in want]
+    assert max(sizes) == 4  # four at a time, the others queued until a slot freed
+    assert server.metric("batch_size") == 0 and server.metric("num_requests_running") == 0
+
+
+def test_a_client_that_leaves_frees_its_slot(served):
+    from tests.test_serve import stream_request
+
+    dec, server, model, _ = served
+    before = server.metric("generation_tokens_total")
+    c, r = stream_request(server, "/v1/completions", {"model": model, "prompt": "w3 w7 w1 w9", "max_tokens": 400,
+                                                      "temperature": 0})
+    r.readline()
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    deadline = time.time() + 10
+    while server.metric("num_requests_running") and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric('requests_total{outcome="cancelled"}') >= 1
+    assert server.metric("generation_tokens_total") - before < 400
+
+
+def test_a_method_that_cannot_batch_is_served_one_at_a_time(served, capsys):
+    import dataclasses
+
+    from specdec.serve.engine import SerialEngine, make_engine
+
+    class Solo(NoDrafter):
+        name = "solo"
+
+        def fork(self):
+            return None
+
+    dec = dataclasses.replace(served[0], drafter=Solo())
+    engine = make_engine(dec, max_batch=4)
+    try:
+        assert isinstance(engine, SerialEngine)
+        assert "drafter 'solo' cannot decode several sequences at once yet: requests decode one at a time" \
+            in capsys.readouterr().err
+    finally:
+        engine.close()
