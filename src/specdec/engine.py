@@ -13,7 +13,7 @@ from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
-from specdec.target.base import ForwardOut, Runner, tree_mask
+from specdec.target.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
@@ -185,10 +185,7 @@ def decode(
                 if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
                     tree = tree.select(torch.arange(ctx.max_nodes))
                 t1 = _clock(dev)
-                root = torch.tensor([ctx.tokens[-1]])
-                positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
-                mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
-                out = runner.forward(torch.cat([root, tree.tokens.cpu()]), positions, mask, aux_layers=aux)
+                out = _verify_forward(runner, drafter, ctx, tree, aux)
                 verdict = verify(tree, out.logits, params, gen, typical, coupling, len(ctx.tokens))
                 keep = [0] + [i + 1 for i in verdict.path]
                 runner.commit(keep)
@@ -213,6 +210,26 @@ def decode(
     finally:
         lease.release()
         stats.total_time = _clock(dev) - t0
+
+
+def _verify_forward(runner: Runner, drafter: Drafter, ctx: DecodeContext, tree: DraftTree,
+                    aux: tuple[int, ...]) -> ForwardOut:
+    """The root and the tree in one forward, with the drafter's side rows after them where they fit (their
+    logits go back to the drafter); the result holds the root's and the tree's rows only."""
+    n, start = 1 + len(tree), runner.length
+    tokens = torch.cat([torch.tensor([ctx.tokens[-1]]), tree.tokens.cpu()])
+    positions = start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+    side = drafter.side_rows(ctx)
+    rows = n + (len(side) if side is not None else 0)
+    # side rows past the context's end, or past the rows a runner keeps exact (tree rows would change bits)
+    if side is None or not len(side) or start + rows > runner.max_length or \
+            start + int(side.offsets.max()) >= runner.max_length or rows > (runner.exact_rows or rows):
+        mask = tree_mask(start, tree.ancestor_mask()) if len(tree) else None
+        return runner.forward(tokens, positions, mask, aux_layers=aux)
+    out = runner.forward(torch.cat([tokens, side.tokens.cpu()]), torch.cat([positions, start + side.offsets.cpu()]),
+                         side_mask(start, tree.ancestor_mask(), side.sees), aux_layers=aux)
+    drafter.side_logits(out.logits[n:])
+    return ForwardOut(out.logits[:n], out.features[:n], None if out.aux is None else out.aux[:n])
 
 
 def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -> ForwardOut:
