@@ -13,7 +13,7 @@ from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
-from specdec.target.base import ForwardOut, Runner, tree_mask
+from specdec.target.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
@@ -193,15 +193,27 @@ class Sequence:
         self.stats.draft_time += self._t - t
         ctx.draft_s = self._t - t
         self._tree = tree
-        root = torch.tensor([ctx.tokens[-1]])
-        positions = runner.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
-        mask = tree_mask(runner.length, tree.ancestor_mask()) if len(tree) else None
-        return torch.cat([root, tree.tokens.cpu()]), positions, mask
+        start, n = runner.length, 1 + len(tree)
+        tokens = torch.cat([torch.tensor([ctx.tokens[-1]]), tree.tokens.cpu()])
+        positions = start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+        side = self.drafter.side_rows(ctx)
+        rows = n + (len(side) if side is not None else 0)
+        # side rows past the context's end, or past the rows a runner keeps exact (tree rows would change bits)
+        self._side = side is not None and len(side) > 0 and start + rows <= runner.max_length and \
+            start + int(side.offsets.max()) < runner.max_length and rows <= (runner.exact_rows or rows)
+        if not self._side:
+            return tokens, positions, tree_mask(start, tree.ancestor_mask()) if len(tree) else None
+        return (torch.cat([tokens, side.tokens.cpu()]), torch.cat([positions, start + side.offsets.cpu()]),
+                side_mask(start, tree.ancestor_mask(), side.sees))
 
     def apply(self, out: ForwardOut) -> list[int]:
         """Verify the planned rows' forward: commit the accepted ones; the new tokens (cut at EOS and
         max_new_tokens)."""
         stats, ctx, tree = self.stats, self.ctx, self._tree
+        if self._side:  # the drafter's side rows: their logits go back to it, and they are never committed
+            n = 1 + len(tree)
+            self.drafter.side_logits(out.logits[n:])
+            out = ForwardOut(out.logits[:n], out.features[:n], None if out.aux is None else out.aux[:n])
         verdict = verify(tree, out.logits, self.params, self.gen, self.typical, self.coupling, len(ctx.tokens))
         keep = [0] + [i + 1 for i in verdict.path]
         self.runner.commit(keep)

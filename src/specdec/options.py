@@ -315,7 +315,8 @@ def _one_line(cls: type[Options], err: ValidationError, given: Mapping[str, Any]
     if e.get("type") == "missing":
         return f"{cls.label(name)} must be given"
     if e.get("type") == "value_error":  # a field validator says "must be ..., got ..." itself
-        return f"{cls.label(name)} {e.get('ctx', {}).get('error', e['msg'])}"
+        said = e.get("ctx", {}).get("error", e["msg"])
+        return f"{cls.label(name)} {said}" if loc else str(said)  # a model validator names its fields itself
     f = cls.model_fields.get(name)
     allowed = _allowed(f) if f is not None else e["msg"].removeprefix("Input ").removeprefix("should be ")
     return f"{cls.label(name)} must be {allowed}, got {value!r}"

@@ -35,6 +35,21 @@ class DecodeContext:
     coupling: Coupling | None = None
 
 
+@dataclass
+class SideRows:
+    """Rows a drafter adds to the verify forward after the tree's, for its own use (lookahead's Jacobi
+    window). They see the committed cache, the root and the side rows `sees` names; the tree never sees
+    them, so the verified rows are what they would be without them; the verifier never reads them, and
+    the cache keeps none of them. Their logits go back to the drafter (Drafter.side_logits)."""
+
+    tokens: torch.Tensor  # [M] long
+    offsets: torch.Tensor  # [M] long: position minus the root's (>= 1)
+    sees: torch.Tensor  # [M, M] bool: row i sees side row j (each row sees itself)
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+
 class Drafter(ABC):
     name: str = "drafter"
     draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
@@ -73,6 +88,14 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, ctx: DecodeContext) -> DraftTree: ...
+
+    def side_rows(self, ctx: DecodeContext) -> SideRows | None:
+        """After propose: rows to ride in the same target forward as the draft (None: none)."""
+        return None
+
+    def side_logits(self, logits: torch.Tensor) -> None:
+        """After that forward, before accept: the side rows' logits [M, V]. Not called when they did not
+        fit (the context's end, or more rows than the runner keeps exact)."""
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         """After verification: ctx.tokens already holds the new tokens, ctx.features the target

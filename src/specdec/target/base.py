@@ -157,3 +157,14 @@ def tree_mask(n_cached: int, ancestors: torch.Tensor) -> torch.Tensor:
     m = torch.ones(n, n_cached + n, dtype=torch.bool, device=ancestors.device)
     m[:, n_cached:] = ancestors
     return m
+
+
+def side_mask(n_cached: int, ancestors: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    """tree_mask's rows, then side rows (drafters.base.SideRows) that see the cached rows, the root and the
+    side rows `sees` names; no tree row sees a side row."""
+    n, m = ancestors.shape[0], sees.shape[0]
+    out = torch.zeros(n + m, n_cached + n + m, dtype=torch.bool, device=ancestors.device)
+    out[:n, :n_cached + n] = tree_mask(n_cached, ancestors)
+    out[n:, :n_cached + 1] = True
+    out[n:, n_cached + n:] = sees
+    return out
