@@ -7,7 +7,7 @@ import torch
 from specdec.drafters import registry
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.lookahead import MAX_ROWS, LookaheadDrafter
-from specdec.engine import _verify_forward
+from specdec.engine import Sequence, Stats
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.target.lean import EXACT_ROWS, LeanRunner
@@ -73,25 +73,28 @@ def test_verified_rows_are_bit_identical_with_and_without_the_window():
     assert target.exact_rows == EXACT_ROWS == MAX_ROWS
     prompt = [4, 8, 15, 16, 23, 42, 4, 8]
     drafter = Recorder(window=4, ngram_size=4, guesses=2)
-    ctx = DecodeContext(prompt + [15], SamplingParams(), None, len(prompt))
-    drafter.begin(ctx)
-    drafter.levels = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
     tree = DraftTree(torch.tensor([16, 23, 17, 42]), torch.tensor([-1, 0, -1, 1]))
+    n = 1 + len(tree)
     outs = []
     for d in (NoDrafter(), drafter):
-        target.reset()
-        target.forward(torch.tensor(prompt))
-        target.commit(range(len(prompt)))
-        outs.append(_verify_forward(target, d, ctx, tree, ()))
-        assert target.n_pending == 1 + len(tree) + (12 if d is drafter else 0)
-    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].features, outs[1].features)
+        seq = Sequence(target, d, prompt, SamplingParams(), 10, set(), Stats())
+        (root,) = seq.prefill()
+        d.propose = lambda ctx, budget=None: tree  # the same tree with and without the window
+        if d is drafter:
+            drafter.levels = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
+        out = target.forward(*seq.plan())
+        assert target.n_pending == n + (12 if d is drafter else 0)
+        outs.append((out.logits[:n].clone(), out.features[:n].clone()))
+        seq.apply(out)
+        assert target.length == len(seq.ctx.tokens) - 1  # every token but the new root: no side row kept
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     (side,) = drafter.got
     assert side.shape[0] == 12
     # row (level l, column j) sees the root, level 0's columns 0..j, then its column's levels 1..l
     levels = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
     for lvl in range(3):
         for col in range(4):
-            seq = prompt + [15] + levels[0][: col + 1] + [levels[k][col] for k in range(1, lvl + 1)]
+            seq = prompt + [root] + levels[0][: col + 1] + [levels[k][col] for k in range(1, lvl + 1)]
             target.reset()
             want = target.forward(torch.tensor(seq)).logits[-1]
             torch.testing.assert_close(side[lvl * 4 + col], want, atol=1e-4, rtol=1e-4)

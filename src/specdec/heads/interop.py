@@ -30,6 +30,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, read_json_object
 from specdec.heads.io import _is_eagle3, _read_tensors, load_head, save_head
+from specdec.heads.llamacpp import TargetGGUF, export_llamacpp
 from specdec.heads.medusa_formats import MEDUSA_FILES, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
 from specdec.heads.model import EagleHead
@@ -121,8 +122,6 @@ def export_head(src: str | os.PathLike, to: str, out: str | os.PathLike, target_
 
 
 def _export_llamacpp(src, out, target_gguf) -> str:
-    from specdec.heads.llamacpp import TargetGGUF, export_llamacpp
-
     if target_gguf is None:
         raise SpecdecError("--to llamacpp needs the target's .gguf file (--model FILE.gguf, or smollm2): "
                            "llama.cpp checks the draft's vocabulary against it, and its tokenizer is copied")

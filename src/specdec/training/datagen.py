@@ -37,6 +37,7 @@ from specdec.target import lean as lean_mod
 from specdec.target.batched import batch_generate
 from specdec.target.gguf import GGUFModel
 from specdec.target.loading import eos_ids
+from specdec.training import dist
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import (
     list_shards,
@@ -288,8 +289,6 @@ def _say(msg: str) -> None:
 def run_ranks(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, **kw) -> dict:
     """run_datagen as this process's share of a run across processes (RANK / WORLD_SIZE: torchrun,
     accelerate launch); rank 0 writes the one manifest.json after every rank is done."""
-    from specdec.training import dist
-
     rank, world = dist.rank_world()
     dist.init(world)
     t = run_datagen(model, tok, out_dir, n_shards, plan, rank=rank, world=world, **kw)
