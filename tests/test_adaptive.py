@@ -210,6 +210,31 @@ def test_low_acceptance_stops_drafting_and_a_later_try_follows():
     assert 3 <= steps <= 40 and c.choose(0, 100).budget == B4
 
 
+def test_tries_that_fail_in_a_row_come_ever_more_rarely():
+    """After a run of trees with nothing accepted, the estimate returns to the prior more slowly: the next
+    try comes later than from the same estimate with no misses counted; one accepted token resets it."""
+
+    def steps_to_retry(c: Controller) -> int:
+        n = 0
+        while c.choose(0, 100).vanilla:
+            c.step()
+            n += 1
+        return n
+
+    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    for _ in range(4):
+        c.step(tree_observed=True)
+        c.observe_tree(0, 0.9)
+    assert c.misses == 4
+    same = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    same.num, same.den = c.num, c.den  # the same estimate, no misses counted
+    slow, fast = steps_to_retry(c), steps_to_retry(same)
+    assert slow >= 2 * fast > 0
+    c.step(tree_observed=True)
+    c.observe_tree(1, 0.9)
+    assert c.misses == 0
+
+
 def test_steady_acceptance_is_read_as_it_is_not_pulled_toward_the_prior():
     """Text accepting half the table's tokens, step after step: the estimate settles at 0.5, and the
     controller stops drafting where half the gain does not pay (the prior pull once read it as ~0.66)."""
