@@ -106,6 +106,17 @@ def load_resume(cfg: LoopConfig) -> dict | None:
     return resume
 
 
+def same_start(acc, start: int, out: str) -> None:
+    """Every process resumes from the same step: a process that cannot see rank 0's checkpoints would
+    otherwise train from another state (or wait forever for the others)."""
+    if acc.num_processes == 1:
+        return
+    starts = acc.gather(torch.tensor([start], device=acc.device)).tolist()
+    if len(set(starts)) > 1:
+        raise SpecdecError(f"the processes found different checkpoints in {out} (steps {starts}): --out must be "
+                           "on a file system every process sees")
+
+
 def load_data(cfg, resume: dict | None, fingerprint: dict, hidden_size: int, world: int,
               main: bool = True, aux: bool = False) -> tuple[ShardData, int]:
     """The run's shards (a resume: exactly the ones it started with), checked against the target, and
@@ -131,6 +142,8 @@ def load_data(cfg, resume: dict | None, fingerprint: dict, hidden_size: int, wor
               f"over {warmup_steps(cfg, total)} instead", file=sys.stderr, flush=True)
     if cfg.batch_size < world:
         raise SpecdecError(f"batch size {cfg.batch_size} is smaller than the {world} processes")
+    if len(data) < world:  # a step's batch holds every sequence at most: some process would get none
+        raise SpecdecError(f"the {len(data)} trainable sequences in {cfg.data} are fewer than the {world} processes")
     return data, total
 
 

@@ -12,7 +12,8 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_file, atomic_write_text
@@ -144,7 +145,9 @@ def resume_shards(out: Path, n_shards: int, say=print, rank: int = 0, world: int
 # ---- shards in memory ----
 
 class ShardData:
-    """All shards in memory (fp16 features: ~1.2 KB per token at H = 576)."""
+    """The shards' tokens and loss masks in memory; their features (fp16: ~1.2 KB per token at H = 576,
+    four times that with EAGLE-3's aux layers) memory-mapped and read per batch, so each process of a run
+    across processes reads only the rows it trains on and processes on one machine share the page cache."""
 
     def __init__(self, data: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024,
                  aux: bool = False) -> None:
@@ -164,16 +167,26 @@ class ShardData:
         self.names = [str(f) for f in files]
         self.metas = [json.loads((d / "meta.json").read_text()) for d in dirs if (d / "meta.json").is_file()]
         self.aux_layers: tuple[int, ...] = aux_layers_of(data) if aux else ()
-        ids, feats, masks, spans, auxes = [], [], [], [], []
-        base, self.n_sequences, first = 0, 0, []
-        for f in files:
+        ids, masks, first = [], [], []
+        # per trained sequence: its global rows (a, b) and where its features are (shard, first local row)
+        self.spans: list[tuple[int, int]] = []
+        self._where: list[tuple[int, int]] = []
+        self._feats, self._aux = [], []  # per shard: lazy slices of the mapped file
+        base, self.n_sequences = 0, 0
+        for s, f in enumerate(files):
             if not f.is_file():
                 raise SpecdecError(f"data shard {f} is missing (it was there when this run started)")
             try:
-                t = load_file(str(f))
+                h = safe_open(str(f), framework="pt")
+                off, m = h.get_tensor("offsets").tolist(), h.get_tensor("loss_mask")
+                ids.append(h.get_tensor("input_ids").long())
+                self._feats.append(h.get_slice("features"))
             except Exception as e:
                 raise SpecdecError(f"cannot read data shard {f}: {e}") from None
-            off, m = t["offsets"].tolist(), t["loss_mask"]
+            if aux:
+                if "aux_features" not in set(h.keys()):
+                    raise SpecdecError(f"data shard {f} holds no aux_features: re-run datagen with --aux-layers eagle3")
+                self._aux.append(h.get_slice("aux_features"))
             for a, b in zip(off[:-1], off[1:]):
                 self.n_sequences += 1
                 starts = m[a:b].nonzero()
@@ -182,23 +195,21 @@ class ShardData:
                 # a row is trained when its input token (row + 1) is an answer token inside max_len:
                 # a sequence without one would only add zero-loss rows to a batch
                 if m[a + 1: min(b, a + max_len)].any():
-                    spans.append((base + a, base + min(b, a + max_len)))
-            ids.append(t["input_ids"].long())
-            feats.append(t["features"])
-            if aux:
-                if "aux_features" not in t:
-                    raise SpecdecError(f"data shard {f} holds no aux_features: re-run datagen with --aux-layers eagle3")
-                auxes.append(t["aux_features"])
-            masks.append(t["loss_mask"])
+                    self.spans.append((base + a, base + min(b, a + max_len)))
+                    self._where.append((s, a))
+            masks.append(m)
             base += off[-1]
-        self.ids, self.feats, self.mask = torch.cat(ids), torch.cat(feats), torch.cat(masks)
-        self.spans = spans
-        self.dropped = self.n_sequences - len(spans)  # sequences with nothing to train on
+        self.ids, self.mask = torch.cat(ids), torch.cat(masks)
+        self.dropped = self.n_sequences - len(self.spans)  # sequences with nothing to train on
         self.first_answer = min(first) if first else None  # the earliest answer token's position
-        self.hidden_size = self.feats.shape[1]
-        self.aux = torch.cat(auxes) if aux else None  # [N, k * H]
-        if self.aux is not None and self.aux.shape[1] != len(self.aux_layers) * self.hidden_size:
-            raise SpecdecError(f"the aux_features in {data} are {self.aux.shape[1]} wide, not {len(self.aux_layers)} "
+        self.hidden_size = self._feats[0].get_shape()[1]
+        widths = {sl.get_shape()[1] for sl in self._feats}
+        if len(widths) > 1:
+            raise SpecdecError(f"the shards in {data} hold features of different sizes {sorted(widths)}: "
+                               "train on data made with one target")
+        self.aux_width = self._aux[0].get_shape()[1] if aux else 0
+        if aux and ({sl.get_shape()[1] for sl in self._aux} != {len(self.aux_layers) * self.hidden_size}):
+            raise SpecdecError(f"the aux_features in {data} are {self.aux_width} wide, not {len(self.aux_layers)} "
                                f"layers x {self.hidden_size}: re-run datagen with --aux-layers eagle3")
 
     def __len__(self) -> int:
@@ -220,14 +231,14 @@ class ShardData:
         t = max(lens)
         h = self.hidden_size
         ids = torch.zeros(len(seq_idx), t, dtype=torch.long)
-        feats = torch.zeros(len(seq_idx), t, h + (0 if self.aux is None else self.aux.shape[1]))
+        feats = torch.zeros(len(seq_idx), t, h + self.aux_width)
         mask = torch.zeros(len(seq_idx), t)
         for r, i in enumerate(seq_idx):
-            a, b = self.spans[i]
+            (a, b), (s, la) = self.spans[i], self._where[i]
             ids[r, : b - a] = self.ids[a:b]
-            feats[r, : b - a, :h] = self.feats[a:b].float()
-            if self.aux is not None:
-                feats[r, : b - a, h:] = self.aux[a:b].float()
+            feats[r, : b - a, :h] = self._feats[s][la: la + b - a].float()
+            if self.aux_width:
+                feats[r, : b - a, h:] = self._aux[s][la: la + b - a].float()
             mask[r, : b - a] = self.mask[a:b].float()
         return ids, feats, mask
 

@@ -7,8 +7,10 @@ runs; at the end of a complete run the result is written. A trainer fills the ho
 
 The loop: step s trains on `global_batch(s)`; each process takes its slice of it and the trainer's `loss`
 normalises by the global row count (DDP averages gradients over processes), so N processes follow the
-1-process run. It writes a checkpoint every `save_every` steps and at the end, logs every `log_every` steps
-to log.jsonl, and stops after `stop_after` steps (a testing aid: as if killed).
+1-process run (`torchrun` or `accelerate launch`: DDP, gloo on CPU, nccl on CUDA; each process reads
+only its rows of the memory-mapped shards). Only the main process writes checkpoints and logs, and every
+process resumes from the newest checkpoint. It writes a checkpoint every `save_every` steps and at the
+end, logs every `log_every` steps to log.jsonl, and stops after `stop_after` steps (a testing aid: as if killed).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from specdec.heads.shipped import target_fingerprint
 from specdec.training.config import LoopConfig
-from specdec.training.loop import finished_run, load_data, load_resume, save_checkpoint, start_log
+from specdec.training.loop import finished_run, load_data, load_resume, same_start, save_checkpoint, start_log
 from specdec.training.shards import global_batch
 
 
@@ -109,6 +111,7 @@ class Trainer:
         self.setup()
         fp = target_fingerprint(self.target)
         self.resume = resume = load_resume(cfg)
+        same_start(acc, resume["step"] if resume else 0, cfg.out)
         self.data, self.total = load_data(cfg, resume, fp, self.target_lm.shape[1], acc.num_processes,
                                           acc.is_main_process, self.aux)
         torch.manual_seed(cfg.seed)
