@@ -134,7 +134,7 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
     for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
         free.target_s = {n: 1 + slope * (n - 1) for n in free.target_s}
         d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, free, 0)
-        assert d.catch_row_s == 0.0
+        assert d.catch.row_s == 0.0
         extras = []
         orig = d.eagle.propose
 
@@ -150,7 +150,7 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
         if extras:
             break
     assert extras
-    assert 0.01 < d.catch_row_s < 0.06, (d.catch_row_s, extras)
+    assert 0.01 < d.catch.row_s < 0.06, (d.catch.row_s, extras)
 
 
 def test_a_longer_context_prices_every_row_its_attention():

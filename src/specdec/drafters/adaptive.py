@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import QUIET, Costs, StepClock, store_learned
+from specdec.drafters.costs import QUIET, CatchUp, Costs, StepClock, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.machine import ContentionMeter
@@ -42,14 +42,6 @@ SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, a
 # prior matched tokens of a lookup chain by the n-gram length it matched (greedy; sampled: half)
 LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
 MAX_PENDING = 8  # unverified chains followed at once (each ends within its length)
-# A head tree after plain steps first reads their rows (EagleDrafter.sync): one head forward whose cost
-# grows with the rows, priced per row beyond a drafted step's two (measured on SmolLM2: 4.1 ms after a
-# plain stretch against 1-2 ms, unpriced, so near break-even `auto` kept trying at a loss: 0.92x vanilla).
-# At most CATCH_UP_ROWS are priced: the catch-up is paid once for all the drafting after it, so a long
-# stretch must not price every later try out.
-TYPICAL_ROWS = 2
-CATCH_UP_ROWS = 8
-CATCH_UP_WEIGHT = 4.0  # rows the prior per-row price (half a typical step's follow) counts as
 # a draft must promise this much more than a plain step. Why: near break-even the estimates' errors and
 # the retries after plain steps cost more than drafting gains; measured on SmolLM2 (the README demo
 # prompt drafted 2-node trees that accepted 0.33 tokens against a break-even of 0.35: 0.94x vanilla)
@@ -298,14 +290,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
         self.draft_priced: float | None = None
         self.relearned = 0
-        # learned over requests: decayed (seconds, rows) of catch-ups beyond a typical step's rows
-        self.catch = [CATCH_UP_WEIGHT * self.costs.follow_s / TYPICAL_ROWS, CATCH_UP_WEIGHT]
-        self.catch_rows = 0  # rows beyond a typical step's that this step's head tree read first
-        self.catch_base = 0.0  # this step's drafting priced without them
-
-    @property
-    def catch_row_s(self) -> float:
-        return self.catch[0] / self.catch[1]
+        self.catch = CatchUp(self.costs.follow_s)  # learned over requests
 
     @property
     def lead(self) -> Drafter:
@@ -329,15 +314,8 @@ class AdaptiveDrafter(FollowsTheMachine):
         chain = self.pld.propose(ctx) if self.pld is not None and ctx.max_nodes > 0 else DraftTree.empty()
         ngram = self.pld.last_ngram if len(chain) else 0
         backlog = len(self.eagle.pending)  # steps whose rows the head has not read yet
-        extra, whole = 0, True
-        for f, _ in self.eagle.pending:  # rows past a typical step's, counted as far as they are priced
-            extra += f.shape[0]
-            if extra > TYPICAL_ROWS + CATCH_UP_ROWS:
-                whole = False
-                break
-        extra = max(0, extra - TYPICAL_ROWS)
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram, len(ctx.tokens),
-                                  catch_up=self.catch_row_s * min(extra, CATCH_UP_ROWS))
+        extra = self.catch.extra_rows(self.eagle.pending)
+        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram, len(ctx.tokens), catch_up=self.catch.price(extra))
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
@@ -357,9 +335,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         base = None if choice.budget is None else \
             self.ctrl.draft_s[choice.budget] + self.costs.follow_s + (self.costs.lookup_s if len(chain) else 0.0)
         self.draft_priced = None if backlog > 1 else base
-        # learnt from catch-ups whose rows were all counted
-        learn = base is not None and backlog > 1 and extra and whole
-        self.catch_rows, self.catch_base = (extra, base) if learn else (0, 0.0)
+        self.catch.drafted(extra if base is not None and backlog > 1 else 0, base or 0.0)
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
@@ -368,11 +344,7 @@ class AdaptiveDrafter(FollowsTheMachine):
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)
             self.rows = 0
-        if self.catch_rows:  # what reading the skipped rows took beyond the drafting's own price
-            d = DECAY ** self.catch_rows
-            self.catch[0] = d * self.catch[0] + max(0.0, ctx.draft_s - self.catch_base)
-            self.catch[1] = d * self.catch[1] + self.catch_rows
-            self.catch_rows = 0
+        self.catch.observe(ctx.draft_s)
         self.eagle.accept(ctx, verdict)
         if self.last is None:
             return
