@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -297,6 +297,10 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.catch = [CATCH_UP_WEIGHT * self.costs.follow_s / TYPICAL_ROWS, CATCH_UP_WEIGHT]
         self.catch_rows = 0  # rows beyond a typical step's that this step's head tree read first
         self.catch_base = 0.0  # this step's drafting priced without them
+
+    def fork(self) -> AdaptiveDrafter:
+        # state of its own, these costs; no clock: in a batch its verify_s times the whole packed forward
+        return replace(self, eagle=self.eagle.fork(), clock=None, choices=Counter())
 
     @property
     def catch_row_s(self) -> float:
