@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench.load import markdown, percentile, soak_plan
+from specdec.bench.load import Result, markdown, percentile, soak_plan
+from specdec.cli.commands import build_parser
+from specdec.errors import SpecdecError
 from tests.helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]
@@ -62,8 +64,6 @@ def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path):
     lines = (tmp_path / "out" / "load.md").read_text().splitlines()
     assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 6
     assert r.stdout.splitlines() == lines
-    from specdec.bench.load import Result
-
     assert markdown([Result(**x) for x in results]).splitlines() == lines
 
 
@@ -78,3 +78,16 @@ def test_soak_every_answer_equals_the_request_alone(tiny_dir, tmp_path):
     assert s["left"] > 0 and s["malformed_rejected"] > 0
     assert s["checked"] == x["completed"] == 60 - s["left"] - s["malformed_rejected"]
     assert "rss_growth_mb" in s
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--methods", "vanila"], "unknown method 'vanila'"),
+    (["--methods", "auto:depth=0"], "depth"),
+    (["--limits", "1,x"], "--limits expects a comma list of integers"),
+    (["--server-args", "--threads '2"], "--server-args"),
+])
+def test_bad_input_is_one_line_before_any_server_starts(flags, message, tmp_path):
+    args = build_parser().parse_args(["bench", "serve", "--out", str(tmp_path / "out"), *flags])
+    with pytest.raises(SpecdecError, match=message):
+        args.func(args)
+    assert not (tmp_path / "out").exists()

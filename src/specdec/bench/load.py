@@ -105,19 +105,21 @@ class ServerProcess:
         with open(log, "w") as f:  # the server writes to it, not we
             self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        self._wait(timeout)
+        try:
+            self._wait(timeout)
+        except BaseException:  # Ctrl-C included: no server is left running
+            self.stop()
+            raise
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.stop()
                 tail = self.log.read_text().strip().splitlines()[-1:] or ["(no output)"]
                 raise SpecdecError(f"specdec serve exited with {self.proc.returncode}: {tail[0]}")
             if healthy(self.url, 1.0):
                 return
             time.sleep(0.2)
-        self.stop()
         raise SpecdecError(f"specdec serve did not answer /health within {timeout:g} s (log: {self.log})")
 
     @property
