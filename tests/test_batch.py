@@ -11,14 +11,21 @@ import torch
 
 from specdec.api import from_models
 from specdec.batch import Batch
+from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.costs import Costs, StepClock
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.headless import HeadlessDrafter, draft_menu
+from specdec.drafters.medusa import MedusaDrafter, sparse_choices
+from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.union import UnionDrafter
 from specdec.engine import Stats
 from specdec.errors import SpecdecError
+from specdec.heads.medusa import MedusaRunner
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     SMALL_V,
     chi2_pvalue,
@@ -26,6 +33,8 @@ from tests.helpers import (
     exact_first3,
     flat_tiny,
     make_head,
+    make_heads,
+    noisy_copy,
     run,
     tiny_model,
     word_tokenizer,
@@ -72,6 +81,59 @@ def drafters(model) -> dict[str, Drafter]:
             "eagle2": drafter_for(model, make_head(model, seed=1), dynamic=True),
             "eagle+pld": UnionDrafter(drafter_for(model, make_head(model, seed=1), dynamic=False),
                                       PromptLookupDrafter(chain_len=3))}
+
+
+B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
+
+
+def unit_costs(slope: float, menu) -> Costs:
+    """t(N) = 1 + slope * (N - 1) (a unit forward): drafting pays on some steps and not on others."""
+    return Costs({n: 1 + slope * (n - 1) for n in (1, 2, 3, 5, 9, 13, 17, 25, 33)},
+                 {b: 0.02 * b.tree_size for b, _ in menu}, 0.01, 0.001)
+
+
+def auto_drafters(model) -> dict[str, Drafter]:
+    """`auto` with a tiny head (and lookup chain), without one (n-gram draft, and a draft model), Medusa."""
+    menu = [(B4, 0.9), (B8, 1.3)]
+    return {"auto": AdaptiveDrafter(drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8),
+                                    menu, unit_costs(0.1, menu), lookup=4),
+            "auto-headless": HeadlessDrafter(NgramDrafter(8, 2), unit_costs(0.05, [])),
+            "auto-headless+sps": HeadlessDrafter(NgramDrafter(8, 2), unit_costs(0.05, draft_menu()),
+                                                 DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1), exact=True),
+                                                                   model.config.vocab_size), draft_menu()),
+            "medusa": MedusaDrafter(MedusaRunner(make_heads(model, 3), model.lm_head.weight),
+                                    sparse_choices([[0.6, 0.2, 0.1]] * 3, 8))}
+
+
+
+
+
+@pytest.mark.parametrize("method", ["auto", "auto-headless", "auto-headless+sps", "medusa"])
+def test_greedy_batch_of_auto_equals_each_request_alone(model, method):
+    """Each sequence's controller is its own: what it chooses follows only its own verdicts (the choices
+    differ from the template's between requests only by what the template learned across them)."""
+    runner = LeanRunner(model, exact=True)
+    drafter = auto_drafters(model)[method]
+    alone = [run(runner, drafter, p, SamplingParams(), n, EOS) for p, n in REQUESTS]
+    got, stats = drive(Batch(runner, drafter, EOS), REQUESTS, SamplingParams(), max_batch=4)
+    assert got == [want for want, _ in alone]
+    sizes = {n for s in stats for n in s.tree_sizes}
+    assert any(sum(s.accept_lengths) > len(s.accept_lengths) for s in stats)  # drafts were accepted
+    if method.startswith("auto"):
+        assert 0 in sizes and len(sizes) >= 3  # plain steps and drafts of several sizes, chosen per sequence
+
+
+def test_forks_of_auto_never_teach_the_clock(model):
+    """In a batch a sequence's verify time is the packed forward's: the forks price by the template's
+    costs and observe nothing, so the template's clock stays as it was."""
+    menu = [(B4, 0.9), (B8, 1.3)]
+    clock = StepClock()
+    drafter = AdaptiveDrafter(drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8),
+                              menu, unit_costs(0.1, menu), lookup=4, clock=clock)
+    fork = drafter.fork()
+    assert fork.clock is None and fork.costs is drafter.costs and fork.eagle.runner is not drafter.eagle.runner
+    drive(Batch(LeanRunner(model, exact=True), drafter, EOS), REQUESTS, SamplingParams(), max_batch=4)
+    assert clock.steps == 0 and not drafter.choices
 
 
 @pytest.mark.parametrize("method", ["vanilla", "pld", "eagle2", "eagle+pld"])

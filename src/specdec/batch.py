@@ -6,7 +6,11 @@ target forward verifies all their rows (Runner.forward_many: the linears run onc
 sequence attends over its own cache), then each sequence verifies and commits its own rows
 (Sequence.apply). Each sequence owns a fork of the target runner (its KV cache) and of the drafter (its
 state) over shared weights; a row's bits are those it gets decoded alone, so every sequence emits what it
-would emit alone. A joining sequence's prompt is prefilled on its own, between steps."""
+would emit alone. A joining sequence's prompt is prefilled on its own, between steps.
+
+A sequence's ctx.verify_s here is the packed forward's time (and its neighbours' verification), not a
+price of its own rows: drafters that learn prices from it (adaptive `auto`) fork without their clock,
+drafting by the costs they had."""
 
 from __future__ import annotations
 

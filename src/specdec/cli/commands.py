@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for their turn; more get 429 with Retry-After (default 64)")
     s.add_argument("--max-batch", type=arg_type(int, ge=1), default=4, metavar="N",
                    help="requests decoded together, each accepting its own number of tokens per step (default "
-                   "4; 1: one at a time; methods that cannot batch yet, e.g. auto and sps, decode one at a time)")
+                   "4; 1: one at a time; methods that cannot batch yet, e.g. lookahead, decode one at a time)")
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import astuple
 
 import torch
@@ -27,6 +28,14 @@ class DraftModelDrafter(TreeDrafter):
         self.draft_depth = chain_len if tree is None else tree.depth
         self.target_vocab = target_vocab
         self.cached: list[int] = []  # tokens whose KV the draft cache holds (committed)
+
+    def fork(self) -> DraftModelDrafter | None:
+        runner = self.runner.fork()
+        if runner is None:
+            return None
+        d = copy.copy(self)  # the draft model's weights shared: the cache is the fork's own
+        d.runner, d.cached = runner, []
+        return d
 
     def begin(self, ctx: DecodeContext) -> None:
         self.runner.reset()

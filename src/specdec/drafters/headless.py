@@ -17,6 +17,7 @@ sampled draft-model chain is never merged with them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -133,6 +134,16 @@ class HeadlessDrafter(FollowsTheMachine):
         self.rows = self.rows_ctx = 0
         self.pending: list[_Pending] = []
         self.last: tuple[DraftTree | None, float] | None = None
+
+    def fork(self) -> HeadlessDrafter | None:
+        """Another sequence of a batch: forks of the n-gram and draft-model drafters, its own Controller,
+        calibration and pending drafts, priced by this drafter's costs as they stand; never learning
+        prices (clock None: in a batch a sequence's verify_s times the whole packed forward)."""
+        draft = None if self.draft is None else self.draft.fork()
+        if self.draft is not None and draft is None:
+            return None
+        ngram = None if self.ngram is None else self.ngram.fork()
+        return dataclasses.replace(self, ngram=ngram, draft=draft, clock=None, choices=Counter())
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy

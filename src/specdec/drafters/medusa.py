@@ -16,6 +16,7 @@ opt-in) lives in verify.py with the other acceptance rules.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import os
 import time
@@ -95,6 +96,11 @@ class MedusaDrafter(Drafter):
         self.draft_depth = max(map(len, self.choices))
         self.acceptance = typical
         self.feature: torch.Tensor | None = None
+
+    def fork(self) -> MedusaDrafter:
+        d = copy.copy(self)  # the heads hold no per-sequence state: only the feature is the fork's own
+        d.feature = None
+        return d
 
     def begin(self, ctx: DecodeContext) -> None:
         if ctx.features is None or ctx.features.shape[0] < 1:

@@ -1,0 +1,93 @@
+"""`specdec bench serve` on a tiny model: the load table's shape with every request completed, and the
+soak (clients leaving mid-stream, malformed bodies) with every answer equal to the request alone."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.bench.load import Result, markdown, percentile, soak_plan
+from specdec.cli.commands import build_parser
+from specdec.errors import SpecdecError
+from tests.helpers import tiny_model, word_tokenizer
+
+WORDS = [f"w{i}" for i in range(95)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed=2).save_pretrained(d)
+    tok = word_tokenizer(WORDS)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(d)
+    q = d / "questions.jsonl"  # repetitive prompts: prompt lookup's drafts get accepted
+    q.write_text("".join(json.dumps({"question_id": i, "category": "writing",
+                                     "turns": [" ".join(f"w{(i + k) % 7 + 3}" for k in range(4 + i))]}) + "\n"
+                         for i in range(5)))
+    return d
+
+
+def bench(tiny_dir, out, *flags):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--model", str(tiny_dir),
+                        "--questions", str(tiny_dir / "questions.jsonl"), "--out", str(out), *flags],
+                       capture_output=True, text=True, env=env, timeout=600)
+    return r, json.loads((out / "load.json").read_text())["results"] if (out / "load.json").exists() else []
+
+
+def test_percentiles_and_the_soak_plan():
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
+    assert percentile([], 0.5) is None
+    plan = soak_plan(400, 20, 7, left=0.1, malformed=0.05, seed=1)
+    leavers = {i % 20 for i, (k, _) in enumerate(plan) if k == "left"}
+    assert len(leavers) == 2  # 10% of the clients, each on every request it sends
+    assert 0.02 < sum(k == "malformed" for k, _ in plan) / 400 < 0.09
+    assert {p for _, p in plan} == set(range(7))
+
+
+@pytest.mark.slow
+def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path):
+    r, results = bench(tiny_dir, tmp_path / "out", "--methods", "vanilla,pld", "--limits", "1,3",
+                       "--clients", "4", "--requests", "8", "--max-tokens", "64")
+    assert r.returncode == 0, r.stderr
+    assert [(x["method"], x["max_batch"]) for x in results] == [("vanilla", 1), ("vanilla", 3), ("pld", 1), ("pld", 3)]
+    for x in results:
+        assert x["completed"] == x["requests"] == 8 and x["errors"] == 0
+        assert x["tokens_per_s"] > 0 and x["p50_latency_s"] <= x["p99_latency_s"] and x["p50_ttft_s"] > 0
+        assert x["rss_before_mb"] > 0 and x["rss_after_mb"] > 0
+        assert 1 <= x["mean_batch"] <= x["max_batch"]
+    lines = (tmp_path / "out" / "load.md").read_text().splitlines()
+    assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 6
+    assert r.stdout.splitlines() == lines
+    assert markdown([Result(**x) for x in results]).splitlines() == lines
+
+
+@pytest.mark.slow
+def test_soak_every_answer_equals_the_request_alone(tiny_dir, tmp_path):
+    r, results = bench(tiny_dir, tmp_path / "out", "--soak", "--methods", "pld", "--limits", "4",
+                       "--clients", "8", "--requests", "60", "--max-tokens", "16", "--malformed", "0.1")
+    assert r.returncode == 0, r.stderr
+    [x] = results
+    s = x["soak"]
+    assert s["server_alive"] and s["mismatched"] == 0 and x["errors"] == 0
+    assert s["left"] > 0 and s["malformed_rejected"] > 0
+    assert s["checked"] == x["completed"] == 60 - s["left"] - s["malformed_rejected"]
+    assert "rss_growth_mb" in s
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--methods", "vanila"], "unknown method 'vanila'"),
+    (["--methods", "auto:depth=0"], "depth"),
+    (["--limits", "1,x"], "--limits expects a comma list of integers"),
+    (["--server-args", "--threads '2"], "--server-args"),
+])
+def test_bad_input_is_one_line_before_any_server_starts(flags, message, tmp_path):
+    args = build_parser().parse_args(["bench", "serve", "--out", str(tmp_path / "out"), *flags])
+    with pytest.raises(SpecdecError, match=message):
+        args.func(args)
+    assert not (tmp_path / "out").exists()
