@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
                    "torchrun / accelerate launch (RANK, WORLD_SIZE) process r makes shards i with i %% WORLD_SIZE "
                    "== r, and rank 0 writes the one manifest once all are done")
     p.add_argument("--merge", action="store_true", help="only fold the per-process manifests of a run across "
-                   "processes into manifest.json (after a run whose processes did not all finish), no model")
+                   "processes into manifest.json (after a run whose processes did not all finish), no model "
+                   "(default: off)")
     p.add_argument("--shard-size", type=PLAN_RULES["shard_size"], default=d.shard_size, metavar="N",
                    help=f"sequences per shard (default {d.shard_size})")
     p.add_argument("--batch-size", type=arg_type(int, ge=1), default=64, metavar="N",
