@@ -8,7 +8,8 @@ import torch
 
 from specdec.drafters.adaptive import AdaptiveDrafter, Choice, Controller, matched, menu_from_tuning
 from specdec.drafters.base import NoDrafter
-from specdec.drafters.costs import Costs, StepClock, load_costs, size_class
+from specdec.drafters.clock import StepClock
+from specdec.drafters.costs import Costs, load_costs, size_class
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
@@ -123,14 +124,14 @@ def test_a_head_tree_after_plain_steps_is_priced_with_its_catch_up():
 
 def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
     """The head's reading of skipped rows is timed against the drafting's own price: a head whose catch-up
-    takes 20 ms per extra row is learnt as such (from a prior of half a step's follow per row)."""
+    takes 20 ms per extra row is learnt as such (from a measured price of 0 here)."""
     import time
 
     from specdec.heads.io import load_head
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
-    free = Costs({n: 1 + 0.17 * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)
+    free = Costs({n: 1 + 0.17 * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)  # no prior
     for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
         free.target_s = {n: 1 + slope * (n - 1) for n in free.target_s}
         d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, free, 0)
@@ -438,6 +439,28 @@ def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
 
 
 # ---- costs measured here, cached per machine ----
+
+def test_the_catch_up_per_row_is_measured_at_load(tiny, trained):
+    """A head whose reading of queued rows takes 1 ms per row is measured as 1 ms per extra row (the
+    catch-up of 10 rows against a typical step's 2), and the price round-trips through the cost file."""
+    import time
+
+    from specdec.drafters.costs import measure_costs
+    from specdec.heads.io import load_head
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    eagle = drafter_for(tiny, head, True)
+    real = eagle.sync
+
+    def slow(ctx):
+        time.sleep(0.001 * sum(f.shape[0] for f, _ in eagle.pending))
+        real(ctx)
+
+    eagle.sync = slow
+    c = measure_costs(LeanRunner(tiny), eagle, MENU, 6, ctx_len=64)
+    assert 0.0007 < c.catch_row_s < 0.003, c.catch_row_s
+    assert Costs.from_json(c.to_json()).catch_row_s == pytest.approx(c.catch_row_s, abs=1e-7)
+
 
 def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch):
     from specdec.drafters import costs as costs_mod

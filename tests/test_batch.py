@@ -13,7 +13,8 @@ from specdec.api import from_models
 from specdec.batch import Batch
 from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.base import Drafter, NoDrafter
-from specdec.drafters.costs import Costs, StepClock
+from specdec.drafters.clock import StepClock
+from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.headless import HeadlessDrafter, draft_menu
 from specdec.drafters.medusa import MedusaDrafter, sparse_choices

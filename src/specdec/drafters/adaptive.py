@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import QUIET, CatchUp, Costs, StepClock, store_learned
+from specdec.drafters.clock import CatchUp, StepClock
+from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.machine import ContentionMeter
@@ -290,7 +291,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
         self.draft_priced: float | None = None
         self.relearned = 0
-        self.catch = CatchUp(self.costs.follow_s)  # learned over requests
+        self.catch = CatchUp(self.costs.catch_row_s)  # measured at load, then learned over requests
 
     def fork(self) -> AdaptiveDrafter:
         # state of its own, these costs; no clock: in a batch its verify_s times the whole packed forward

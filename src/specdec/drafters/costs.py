@@ -7,7 +7,6 @@ rescaled per size class, never by stopping a request to run probes."""
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import hashlib
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, begin_on, follow
+from specdec.drafters.clock import CatchUp, size_class
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -36,15 +36,8 @@ from specdec.verify import Verdict
 ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 # the second context the widest forward is timed at: how fast a row's attention grows with the context
 LONG_CTX = 512  # its prefill is most of the ~1 s this adds
-VERSION = 2  # of the measurement (2: the attention slope); part of the cache key, so older files re-measure
-# forward sizes that share an online scale (lower bounds): one row is bandwidth-bound, wide ones compute-bound,
-# and another process's load slows the two differently
-SIZE_CLASSES = (1, 2, 5, 9, 17)
+VERSION = 3  # of the measurement (2: attention slope, 3: catch-up per row); in the cache key: older files re-measure
 QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
-
-
-def size_class(n: int) -> int:
-    return max(bisect.bisect_right(SIZE_CLASSES, n) - 1, 0)
 
 
 @dataclass
@@ -64,6 +57,7 @@ class Costs:
     sampled_s: dict[TreeBudget, float] = field(default_factory=dict)
     attend_s: float = 0.0
     ctx: int = 0
+    catch_row_s: float = 0.0  # each row past a typical step's that the head reads before drafting (clock.CatchUp)
 
     def __post_init__(self) -> None:  # here, so that a measurement cached before the floor gets it too
         self.target_s = floor_one_row(self.target_s)
@@ -93,7 +87,8 @@ class Costs:
         f1 = factors[0] if draft is None else draft
         return Costs({n: t * factors[size_class(n)] for n, t in self.target_s.items()},
                      {b: t * f1 for b, t in self.draft_s.items()}, self.follow_s * f1, self.lookup_s * f1,
-                     {b: t * f1 for b, t in self.sampled_s.items()}, self.attend_s * f1, self.ctx)
+                     {b: t * f1 for b, t in self.sampled_s.items()}, self.attend_s * f1, self.ctx,
+                     self.catch_row_s * f1)
 
     @functools.cached_property
     def sizes(self) -> list[int]:  # sorted once: target() runs for every option of every step
@@ -105,14 +100,15 @@ class Costs:
                 "follow_ms": round(self.follow_s * 1e3, 4), "lookup_ms": round(self.lookup_s * 1e3, 4),
                 "sampled_draft_ms": [[b.depth, b.topk, b.tree_size, round(t * 1e3, 4)]
                                      for b, t in self.sampled_s.items()],
-                "attend_us_per_row_token": round(self.attend_s * 1e6, 6), "ctx": self.ctx}
+                "attend_us_per_row_token": round(self.attend_s * 1e6, 6), "ctx": self.ctx,
+                "catch_row_ms": round(self.catch_row_s * 1e3, 4)}
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
         return cls({int(n): t / 1e3 for n, t in d["target_ms"].items()},
                    {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d["draft_ms"]}, d["follow_ms"] / 1e3,
                    d["lookup_ms"] / 1e3, {TreeBudget(a, b, c): t / 1e3 for a, b, c, t in d.get("sampled_draft_ms", [])},
-                   d.get("attend_us_per_row_token", 0.0) / 1e6, d.get("ctx", 0))
+                   d.get("attend_us_per_row_token", 0.0) / 1e6, d.get("ctx", 0), d.get("catch_row_ms", 0.0) / 1e3)
 
 
 def cost_key(runner: Runner, head_dir: str | None, menu: list[tuple[TreeBudget, float]], lookup: int,
@@ -139,7 +135,7 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
     top = max(b.tree_size for b, _ in menu) + lookup + 1
     target_s, attend_s = target_costs(runner, top, {1 + b.tree_size for b, _ in [*menu, *sampled]}, ctx_len)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 16,), generator=g).tolist()
+    ids = torch.randint(0, min(runner.vocab_size, 1000), (ctx_len + 48,), generator=g).tolist()
     ctx, out = begin_on(runner, drafter, ids, ctx_len)
     feats, aux = out.features, out.aux
     draft_s = {b: _time_warm(lambda: drafter.propose(ctx, b), reps) for b, _ in menu}
@@ -160,10 +156,24 @@ def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, fl
         t = time.perf_counter()
         drafter.propose(ctx, b0)  # reads the new rows first
         catch_up.append(time.perf_counter() - t - draft_s[b0])
+    # a draft after plain steps: the head first reads CatchUp.PRICED_ROWS more rows (steps of 2 rows)
+    follow_s, wide = max(0.0, min(catch_up)), []
+    at = ctx_len + 2 * reps
+    for _ in range(reps):
+        for j in range(at, at + CatchUp.TYPICAL_ROWS + CatchUp.PRICED_ROWS, 2):
+            new = ids[j + 1:j + 3]
+            follow(drafter, ctx, new, feats[j:j + 2], None if aux is None else aux[j:j + 2], Verdict([0], new, new[-1]))
+        at += CatchUp.TYPICAL_ROWS + CatchUp.PRICED_ROWS
+        runner.forward(torch.tensor(ids[:1]), logits_rows=slice(-1, None))
+        runner.reset()
+        t = time.perf_counter()
+        drafter.propose(ctx, b0)
+        wide.append(time.perf_counter() - t - draft_s[b0])
+    catch_row_s = max(0.0, min(wide) - follow_s) / CatchUp.PRICED_ROWS
     pld = PromptLookupDrafter(chain_len=max(lookup, 1))
     look = _time_warm(lambda: pld.propose(ctx), reps)
     drafter.runner.reset()  # every request begins afresh anyway
-    return Costs(target_s, draft_s, max(0.0, min(catch_up)), look, sampled_s, attend_s, ctx_len)
+    return Costs(target_s, draft_s, follow_s, look, sampled_s, attend_s, ctx_len, catch_row_s)
 
 
 def target_costs(runner, top: int, sizes: set[int], ctx_len: int) -> tuple[dict[int, float], float]:
@@ -208,117 +218,6 @@ def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafte
                                                 getattr(dcfg, "hidden_size", 0), getattr(dcfg, "num_hidden_layers", 0),
                                                 str(draft.runner.dtype), draft.runner.weights]}
     return cached_costs(key, lambda: measure_plain_costs(runner, ngram, draft, menu), recalibrate)
-
-
-class StepClock:
-    """How the observed verify forwards compare with their price, over the last ~100 steps of all
-    requests, in total and per size class. Why: costs are cached per machine, not per load: measured
-    while another process ran (t(1) 35 ms, flat to t(3)), they priced drafting as free on the idle
-    machine (t(1) 15 ms) for good; and a forward timed by a probe (the least disturbed of a few) sits
-    below a typical step under load. `factors` turns what was seen into new prices (Costs.rescaled)."""
-
-    MIN_SEEN = 3.0  # decayed steps of a size class before its own ratio is trusted
-    CLASS_SEEN = 8.0  # ... before its own ratio alone can say the prices drifted
-
-    def __init__(self, drift: float = 1.1, min_steps: int = 64, decay: float = 0.99) -> None:
-        self.drift, self.min_steps, self.decay = drift, min_steps, decay
-        self.seen = self.priced = 0.0
-        self.by_class = [[0.0, 0.0, 0.0] for _ in SIZE_CLASSES]  # decayed (seen, priced, steps) per size class
-        self.draft = [0.0, 0.0, 0.0]  # decayed (seen, priced, steps) of the drafting before a verify
-        self.steps = 0
-
-    def observe(self, seconds: float, priced: float, rows: int = 1) -> None:
-        d = self.decay
-        self.seen = d * self.seen + seconds
-        self.priced = d * self.priced + priced
-        for i, c in enumerate(self.by_class):
-            hit = i == size_class(rows)
-            c[0] = d * c[0] + (seconds if hit else 0.0)
-            c[1] = d * c[1] + (priced if hit else 0.0)
-            c[2] = d * c[2] + hit
-        self.steps += 1
-
-    def observe_draft(self, seconds: float, priced: float) -> None:
-        """A drafted step's propose() (the head's catch-up included) against its price."""
-        d, c = self.decay, self.draft
-        c[0], c[1], c[2] = d * c[0] + seconds, d * c[1] + priced, d * c[2] + 1
-
-    def _off(self, seen: float, priced: float) -> bool:
-        return priced > 0 and not 1 / self.drift <= seen / priced <= self.drift
-
-    @property
-    def drifted(self) -> bool:
-        """Enough steps ran, and they took more than `drift` times, or less than 1/drift of, their price:
-        in total, in a well-observed size class, or in drafting. Why per class: a one-row forward 15%
-        cheaper than its price beside wider ones 9% cheaper is 13% off in total, yet it flips the choice
-        near break-even (measured: the README demo prompt at 0.92x vanilla)."""
-        if self.steps < self.min_steps or self.priced <= 0:
-            return False
-        classes = [c for c in self.by_class if c[2] >= self.CLASS_SEEN]
-        draft = [self.draft] if self.draft[2] >= self.CLASS_SEEN else []
-        return self._off(self.seen, self.priced) or any(self._off(c[0], c[1]) for c in classes + draft)
-
-    def draft_factor(self) -> float | None:
-        """Observed / priced drafting, or None if too few drafted steps ran."""
-        c = self.draft
-        return c[0] / c[1] if c[2] >= self.MIN_SEEN and c[1] > 0 else None
-
-    def factors(self) -> list[float]:
-        """Observed / priced per size class; a class seen fewer than MIN_SEEN times takes the nearest
-        class's that was (the smaller on a tie), or the overall ratio."""
-        seen = [i for i, c in enumerate(self.by_class) if c[2] >= self.MIN_SEEN and c[1] > 0]
-        if not seen:
-            return [self.seen / self.priced if self.priced > 0 else 1.0] * len(SIZE_CLASSES)
-        own = {i: self.by_class[i][0] / self.by_class[i][1] for i in seen}
-        return [own[min(seen, key=lambda j: (abs(j - i), j))] for i in range(len(SIZE_CLASSES))]
-
-    def restarted(self) -> StepClock:
-        """A clock for the prices just learned from this one."""
-        return StepClock(self.drift, self.min_steps, self.decay)
-
-
-class CatchUp:
-    """What a head tree after plain steps pays first to read their rows (EagleDrafter.sync), per row past a
-    drafted step's TYPICAL_ROWS; learned from the drafts that paid it, from a prior of half a step's follow
-    per row. Unpriced (4.1 ms after a plain stretch against 1-2 ms, SmolLM2), `auto` kept trying near
-    break-even at a loss (README demo prompt: 0.92x vanilla). At most PRICED_ROWS are priced: the catch-up
-    is paid once for all the drafting after it, so a long stretch must not price every later try out."""
-
-    TYPICAL_ROWS, PRICED_ROWS, PRIOR_ROWS, DECAY = 2, 8, 4.0, 0.85
-    def __init__(self, follow_s: float) -> None:
-        self.seconds, self.rows = self.PRIOR_ROWS * follow_s / self.TYPICAL_ROWS, self.PRIOR_ROWS
-        self.pending = (0, 0.0)  # (rows beyond a typical step's, the drafting's price without them) to learn
-
-    @property
-    def row_s(self) -> float:
-        return self.seconds / self.rows
-
-    def extra_rows(self, pending: list[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
-        """Rows of the head's queued steps past a typical step's, counted only as far as priced (the queue
-        grows by a step on every plain step)."""
-        rows = 0
-        for f, _ in pending:
-            rows += f.shape[0]
-            if rows > self.TYPICAL_ROWS + self.PRICED_ROWS:
-                break
-        return max(0, rows - self.TYPICAL_ROWS)
-
-    def price(self, extra: int) -> float:
-        return self.row_s * min(extra, self.PRICED_ROWS)
-
-    def drafted(self, extra: int, base: float) -> None:
-        """A head tree read `extra` rows first (0: none to learn from), its drafting priced `base` without
-        them; learned only when all were counted."""
-        self.pending = (extra, base) if 0 < extra <= self.PRICED_ROWS else (0, 0.0)
-
-    def observe(self, draft_s: float) -> None:
-        """The drafting just timed: what it took beyond its price is the catch-up of the rows it read."""
-        extra, base = self.pending
-        if extra:
-            d = self.DECAY ** extra
-            self.seconds = d * self.seconds + max(0.0, draft_s - base)
-            self.rows = d * self.rows + extra
-            self.pending = (0, 0.0)
 
 
 def floor_one_row(target_s: dict[int, float]) -> dict[int, float]:

@@ -28,7 +28,8 @@ import torch
 
 from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, Controller, FollowsTheMachine, matched
 from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
-from specdec.drafters.costs import Costs, StepClock, load_plain_costs
+from specdec.drafters.clock import StepClock
+from specdec.drafters.costs import Costs, load_plain_costs
 from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
 from specdec.drafters.registry import Target
