@@ -1,8 +1,6 @@
 """Hydra heads and drafting: training rows equal the runner's, the file round-trips and is told apart from
 Medusa's, and decoding is lossless (exact at T = 0, chi-square at T > 0 with top-k and sampled children)."""
 
-import math
-
 import pytest
 import torch
 
@@ -16,22 +14,9 @@ from specdec.heads.medusa_io import load_medusa, save_medusa
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from tests import helpers
-from tests.helpers import PROMPTS, chi2_pvalue, exact_first3, flat_tiny, run, sample_first3
+from tests.helpers import PROMPTS, chi2_pvalue, exact_first3, flat_tiny, make_hydra, run, sample_first3
 
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1], [0.2]]
-
-
-def make_hydra(model, k=3, layers=1, lm_head="target", vocab=None, seed=0, scale=0.5):
-    """Random Hydra blocks (not the zero init: every head must read its path)."""
-    h = HydraHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head)
-    h.init_lm_heads(model.lm_head.weight.detach(), vocab)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for blk in h.blocks:
-            for lin in blk.layers:
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / math.sqrt(lin.in_features))
-                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
-    return h.eval()
 
 
 def runner_of(model, heads):
