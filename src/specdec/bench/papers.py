@@ -33,6 +33,7 @@ HEAD_OPTION = {"medusa": "heads", "hydra": "heads", "eagle": "head", "eagle2": "
 SHIPPED_KIND = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle"}  # fspad ships none
 LOSSY = ("medusa", "hydra")  # their typical acceptance: extra rows at T > 0
 PUBLISHED = "papers/eagle2_table1_vicuna7b.json"
+NO_HEAD = "no head for this target (pass --methods {m}:{opt}=DIR)"
 # flags that pick questions another way
 OWN_QUESTIONS = ("dataset", "questions", "categories", "limit", "last", "per_category", "quick", "demo")
 
@@ -90,6 +91,8 @@ def plan(args, has_draft: bool) -> Plan:
     p = Plan(questions(args.per_task or 1), specs)
     if not has_draft:
         p.na["sps"] = "no draft model (--draft)"
+    if "head" not in specs["fspad"].opts:  # none ships: its options cannot even be parsed without one
+        p.na["fspad"] = NO_HEAD.format(m="fspad", opt="head")
     return p
 
 
@@ -100,7 +103,7 @@ def check_heads(p: Plan, model) -> None:
             continue
         kind = SHIPPED_KIND.get(m)
         if kind is None or find_shipped_head(model, kind) is None:
-            p.na[m] = f"no head for this target (pass --methods {m}:{opt}=DIR)"
+            p.na[m] = NO_HEAD.format(m=m, opt=opt)
 
 
 def published() -> dict:
