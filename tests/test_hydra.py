@@ -100,12 +100,15 @@ def test_from_models_builds_hydra_from_a_saved_dir(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params,children", [(SamplingParams(1.0), "topk"), (SamplingParams(1.0), "sample"),
-                                             (SamplingParams(0.8, top_k=3), "sample")],
-                         ids=["topk-T1", "sampled-T1", "sampled-T0.8-topk3"])
-def test_hydra_sampling_matches_vanilla_distribution(params, children):
+@pytest.mark.parametrize("params,children,reduced", [
+    (SamplingParams(1.0), "topk", False), (SamplingParams(1.0), "sample", False),
+    (SamplingParams(0.8, top_k=3), "sample", False), (SamplingParams(1.0), "sample", True)],
+    ids=["topk-T1", "sampled-T1", "sampled-T0.8-topk3", "sampled-reduced-vocab-T1"])
+def test_hydra_sampling_matches_vanilla_distribution(params, children, reduced):
+    """Lossless at T > 0 with top-k children and with children drawn from each parent's own head
+    distribution (q over the target vocabulary, zero outside a reduced draft vocabulary)."""
     model = flat_tiny()
-    heads = make_hydra(model, 3, seed=3)
+    heads = make_hydra(model, 3, seed=3, vocab=torch.arange(0, model.config.vocab_size, 2) if reduced else None)
     choices = sparse_choices([[0.5, 0.3], [0.4, 0.3], [0.3]], 5)
     drafter = HydraDrafter(runner_of(model, heads), choices, children=children)
     prompt = [1, 3, 0, 2]
