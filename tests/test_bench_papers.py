@@ -9,9 +9,12 @@ import pytest
 import specdec.bench.cli as bench_cli
 from specdec.bench import papers
 from specdec.bench.methods import MethodSpec
+from specdec.bench.runner import answer_loglik
 from specdec.cli import main
 from specdec.heads.medusa_io import save_medusa
-from tests.helpers import make_hydra
+from specdec.target.gguf import GGUFModel
+from specdec.target.lean import LeanRunner
+from tests.helpers import make_hydra, tiny_gguf
 
 
 def concordance(a: list[float], b: list[float]) -> float:
@@ -95,3 +98,14 @@ def test_a_functional_run_on_a_tiny_target(bench_models, tmp_path, monkeypatch, 
         cells = row(md, "SmolLM2-135M-Instruct", m)[2:]
         assert "N/A" not in cells and cells[-2].endswith("x")
     assert "Kendall's τ" in md and "over 3 methods (PLD, Lookahead, Hydra)" in md
+
+
+def test_answer_loglik_of_a_gguf_target_is_its_runners(tmp_path):
+    """T > 0 runs score the sampled answers with the target: a GGUF model has no HF forward, so its
+    runner scores them, and agrees with the HF model holding the same (de-quantized) weights."""
+    path, hf = tiny_gguf(tmp_path / "t.gguf", "Q8_0")
+    model = GGUFModel(path, hf.config)
+    prompt, answer = [5, 9, 11, 2], [7, 7, 30, 1, 64]
+    want = answer_loglik(hf, prompt, answer)
+    got = answer_loglik(model, prompt, answer, LeanRunner(model, weights="gguf"))
+    assert got == pytest.approx(want, rel=0.01) and want < 0  # Q8_0 kernels round activations too
