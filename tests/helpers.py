@@ -17,6 +17,7 @@ from specdec.bench.data import Question
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.engine import Stats, decode
+from specdec.heads.hydra import HydraHeads
 from specdec.heads.medusa import MedusaHeads
 from specdec.heads.model import Eagle3Head, EagleHead, head_config
 from specdec.heads.runner import HeadRunner
@@ -382,4 +383,17 @@ def make_heads(model, k=3, layers=1, lm_head="own", vocab=None, seed=0, scale=0.
                 lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
         for lm in (h.lm_heads or []) if lm_noise else []:
             lm.weight.add_(torch.randn(lm.weight.shape, generator=g) * lm_noise)
+    return h.eval()
+
+
+def make_hydra(model, k=3, layers=1, lm_head="target", vocab=None, seed=0, scale=0.5):
+    """Random Hydra blocks (not the zero init: every head must read its path)."""
+    h = HydraHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head)
+    h.init_lm_heads(model.lm_head.weight.detach(), vocab)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for blk in h.blocks:
+            for lin in blk.layers:
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / math.sqrt(lin.in_features))
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
     return h.eval()

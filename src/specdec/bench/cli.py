@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from specdec.api import DEFAULT_PROMPT
-from specdec.bench import load
+from specdec.bench import load, papers
 from specdec.bench.compare import compare
 from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
@@ -35,11 +35,17 @@ PRESETS = {
     "precision": {"methods": ",".join(f"{m}:weights={w}" if w != "fp32" else m
                                       for w in ("fp32", "bf16", "fp16", "int8") for m in ("vanilla", "auto")),
                   "demo": True, "per_task": 1, "first_turn": True, "max_new_tokens": 128},
+    # the EAGLE-2 paper's Table 1 (bench/papers.py): its methods and Spec-Bench columns; --per-task: per column
+    "papers-table": {"per_task": 10, "max_new_tokens": 256, "temperatures": "0,1"},
 }
 PRESET_HELP = {"warm": "vanilla vs auto, the demo prompt + 1 question per Spec-Bench task, 128 tokens",
                "adaptive": "vanilla vs static, adaptive (top-k children) and shipped auto, 5 per task, T=0 and 1",
                "precision": "vanilla and auto at fp32, bf16, fp16 and int8 weights, each audited against its own "
-                            "vanilla, agreement with fp32 reported"}
+                            "vanilla, agreement with fp32 reported",
+               "papers-table": "the EAGLE-2 paper's Table 1 (SpS, PLD, Medusa, Lookahead, Hydra, EAGLE, EAGLE-2, "
+                               "FSPAD, auto over MT-bench, HumanEval, GSM8K, CNN/DM, Natural Questions; 10 per "
+                               "column, T=0 and 1) beside its Vicuna-7B row, and Kendall's tau of the orderings; "
+                               "--methods gives its methods options (hydra:heads=DIR)"}
 MAX_SEED = 2**32 - 1
 
 
@@ -145,17 +151,8 @@ def _temperatures(args, sp: SamplingParams) -> list[float]:
     return ts
 
 
-def cmd_bench(args) -> int:
-    # everything a user can get wrong is checked before the (slow) model load
-    _apply_preset(args)
-    sp = SamplingParams.parse(flag_values(args, SamplingParams))
-    temps = _temperatures(args, sp)
-    rt = Runtime.parse(flag_values(args, Runtime))
-    gguf = native_gguf(args.model, rt.device, rt.weights)
-    asked = [m.split(":")[0].strip() for m in (args.methods or "").split(",")]
-    if gguf and rt.weights is None and any(m in HF_PEERS for m in asked):  # HF peers need the HF forward:
-        rt, gguf = rt.model_copy(update={"weights": "fp32"}), False  # the run uses the converted copy
-    specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights, hf=not gguf)
+def _questions(args) -> list[Question]:
+    """The questions --dataset/--questions, --categories and the subset flags pick."""
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if args.last and (args.limit or args.per_category or args.per_task or args.quick):
         raise SpecdecError("--last cannot be combined with --limit, --per-category, --per-task or --quick")
@@ -173,10 +170,27 @@ def cmd_bench(args) -> int:
         qs = quick_subset(qs, QUICK["per_category"], QUICK["mt_questions"])
         if args.limit:
             qs = qs[: args.limit]
+    return qs
+
+
+def cmd_bench(args) -> int:
+    # everything a user can get wrong is checked before the (slow) model load
+    _apply_preset(args)
+    table = papers.plan(args, args.draft is not None) if args.preset == "papers-table" else None
+    sp = SamplingParams.parse(flag_values(args, SamplingParams))
+    temps = _temperatures(args, sp)
+    rt = Runtime.parse(flag_values(args, Runtime))
+    gguf = native_gguf(args.model, rt.device, rt.weights)
+    asked = [m.split(":")[0].strip() for m in (args.methods or "").split(",")]
+    if gguf and rt.weights is None and any(m in HF_PEERS for m in asked):  # HF peers need the HF forward:
+        rt, gguf = rt.model_copy(update={"weights": "fp32"}), False  # the run uses the converted copy
+    if table is not None:  # its methods per temperature, once the heads are known (below)
+        args.methods = ",".join(s.label for s in table.methods_at(max(temps)))
+    specs = parse_methods(args.methods, has_draft=args.draft is not None, weights=rt.weights, hf=not gguf)
+    qs = table.questions if table is not None else _questions(args)
     if args.first_turn:
         qs = [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
     if args.demo:
-
         qs = [Question("demo", "demo", [DEFAULT_PROMPT]), *qs]
     max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
     repeats = args.repeats or 1
@@ -188,7 +202,7 @@ def cmd_bench(args) -> int:
         methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
         warmup=args.warmup, threads=rt.threads, backend=rt.backend, weights=rt.weights, progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        extra={"dataset": args.dataset or "spec_bench", "draft": args.draft,
+        extra={"dataset": "papers-table" if table else args.dataset or "spec_bench", "draft": args.draft,
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",
                "questions_file": args.questions, "quick": args.quick, "preset": args.preset},
     )
@@ -199,16 +213,26 @@ def cmd_bench(args) -> int:
     draft = dtok = None
     if args.draft:  # a .gguf draft on its own blocks too, unless the run asks for another precision
         draft, dtok, _ = load_model(args.draft, next(model.parameters()).device, None, rt.weights, flag="--draft")
-    if args.methods is None:
+    if table is None and args.methods is None:
         _add_shipped_eagle(cfg, model)
-    ok = True
+    if table is not None:
+        papers.check_heads(table, model)
+    ok, summaries = True, {}
     for t, o in outs.items():  # one warm process: the model loads once for every temperature
+        if table is not None:
+            cfg.methods = parse_methods(",".join(s.label for s in table.methods_at(t)), args.draft is not None,
+                                        weights=rt.weights, hf=not gguf)
         # once the methods are final (eagle2 joins with a shipped head): the banner lists exactly what runs
         print(f"specdec bench: {len(qs)} questions, methods {', '.join(s.label for s in cfg.methods)}, "
               f"max_new_tokens {max_new}, T={t}, {repeats} repeat(s) -> {o}", file=sys.stderr)
         res = run_bench(dataclasses.replace(cfg, temperature=t), qs, model, tok, draft, dtok, o,
                         overwrite=args.overwrite)
         ok = _print_summary(res, o) and ok
+        summaries[t] = res["summary"]
+    if table is not None:
+        md = papers.table(table, summaries, args.model or "SmolLM2-135M-Instruct")
+        (out / "papers-table.md").write_text(md + "\n")
+        print(f"\n{md}\npapers table: {out / 'papers-table.md'}")
     return 0 if ok else 1
 
 

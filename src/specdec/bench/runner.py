@@ -254,7 +254,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         for r in records:
             if r.get("stats") is not None:
                 r["stats"]["loglik_per_token"] = answer_loglik(model, prompts[(r["question_id"], r["turn"])],
-                                                               r["tokens"])
+                                                               r["tokens"], vanilla.runner)
     # losslessness audit: at T=0 the timed outputs themselves; at T>0 a greedy replay of a few prompts
     if cfg.temperature == 0:
         audit_recs = records
@@ -346,12 +346,21 @@ def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
 
 
 @torch.inference_mode()
-def answer_loglik(model, prompt_ids: list[int], answer: list[int]) -> float | None:
-    """Mean log p_target(x_t | x_<t) (T = 1) over the answer tokens: one teacher-forced forward."""
+def answer_loglik(model, prompt_ids: list[int], answer: list[int], runner=None) -> float | None:
+    """Mean log p_target(x_t | x_<t) (T = 1) over the answer tokens: one teacher-forced forward (HF's;
+    a GGUF model has none: `runner`'s, our vanilla's, from an empty cache)."""
     if not answer:
         return None
     dev = next(model.parameters()).device
-    logits = model(torch.tensor([list(prompt_ids) + list(answer)], device=dev)).logits[0, len(prompt_ids) - 1:-1]
+    ids = list(prompt_ids) + list(answer)
+    if isinstance(model, GGUFModel):
+        runner.reset()
+        try:
+            logits = runner.forward(torch.tensor(ids), logits_rows=slice(len(prompt_ids) - 1, len(ids) - 1)).logits
+        finally:
+            runner.reset()
+    else:
+        logits = model(torch.tensor([ids], device=dev)).logits[0, len(prompt_ids) - 1:-1]
     lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(answer, device=dev)[:, None])
     return float(lp.mean())
 

@@ -32,6 +32,9 @@ class _Block(nn.Module):
 
 
 class MedusaHeads(nn.Module):
+    model_type = "medusa"  # config.json's model_type (HydraHeads: "hydra")
+    label = "Medusa"  # in messages
+
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
                  lm_head: str = "target") -> None:
         super().__init__()
@@ -83,6 +86,12 @@ class MedusaHeads(nn.Module):
                 h = h + F.silu(lin(h))
             out.append(h)
         return torch.stack(out)
+
+    def hidden_of(self, ids: torch.Tensor, features: torch.Tensor, embed: torch.Tensor | None) -> torch.Tensor:
+        """Training rows: ids [B, T], features [B, T, H] -> [K, B, T - 2, H], row j from f_j (the row whose
+        labels are x_{j+2}.. for heads 0..). Medusa's heads read only f; `ids` and the target's input
+        embedding table `embed` are for heads that read the path's tokens too (HydraHeads)."""
+        return self.hidden(features[:, :max(features.shape[1] - 2, 0)])
 
     def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """[..., H] -> [K, ..., V'] over the draft vocabulary (the full one unless reduced)."""

@@ -21,8 +21,8 @@ from specdec.heads.medusa import LM_HEADS, MedusaHeads
 
 CONFIG_KEYS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "lm_head")
 # specdec.kind: "medusa" (Medusa-1, for the target they were trained on) or "medusa-2" (trained jointly with
-# the backbone: for the new target named by specdec.lossless_relative_to / specdec.target)
-KINDS = ("medusa", "medusa-2")
+# the backbone: for the new target named by specdec.lossless_relative_to / specdec.target) or "hydra" (HydraHeads)
+KINDS = ("medusa", "medusa-2", "hydra")
 
 
 def save_medusa(heads: MedusaHeads, path: str | os.PathLike, extra: dict | None = None,
@@ -39,43 +39,46 @@ def save_medusa(heads: MedusaHeads, path: str | os.PathLike, extra: dict | None 
         t2d[d2t] = True
         sd["t2d"] = t2d
     meta = {**heads.meta, **(extra or {})}
-    cfg = {"architectures": ["MedusaHeads"], "model_type": "medusa", "hidden_size": heads.hidden_size,
+    cfg = {"architectures": [type(heads).__name__], "model_type": heads.model_type, "hidden_size": heads.hidden_size,
            "vocab_size": heads.vocab_size, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "lm_head": heads.lm_head_kind, "draft_vocab_size": heads.draft_vocab_size,
-           "specdec": meta | {"kind": meta["kind"] if meta.get("kind") in KINDS else "medusa"}}
+           "specdec": meta | {"kind": meta["kind"] if meta.get("kind") in KINDS else heads.model_type}}
     with atomic_dir(path) as tmp:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path, cls: type[MedusaHeads] = MedusaHeads) -> dict:
     f = path / "config.json"
+    what = cls.label
     if not f.is_file():
-        raise SpecdecError(f"no Medusa heads at {path}: config.json is missing")
+        raise SpecdecError(f"no {what} heads at {path}: config.json is missing")
     try:
         raw = json.loads(f.read_text())
     except ValueError as e:
-        raise SpecdecError(f"Medusa heads {path}: config.json is not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or raw.get("model_type") != "medusa":
-        raise SpecdecError(f"{path} does not hold Medusa heads (config.json model_type is "
-                           f"{raw.get('model_type') if isinstance(raw, dict) else None!r}, expected 'medusa')")
+        raise SpecdecError(f"{what} heads {path}: config.json is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("model_type") != cls.model_type:
+        raise SpecdecError(f"{path} does not hold {what} heads (config.json model_type is "
+                           f"{raw.get('model_type') if isinstance(raw, dict) else None!r}, expected "
+                           f"{cls.model_type!r})")
     for k in CONFIG_KEYS[:4]:
         v = raw.get(k)
         if type(v) is not int or v < 1:
-            raise SpecdecError(f"Medusa heads {path}: config.json {k} must be an integer >= 1, got {v!r}")
+            raise SpecdecError(f"{what} heads {path}: config.json {k} must be an integer >= 1, got {v!r}")
     if raw.get("lm_head") not in LM_HEADS:
-        raise SpecdecError(f"Medusa heads {path}: config.json lm_head must be one of {', '.join(LM_HEADS)}, "
+        raise SpecdecError(f"{what} heads {path}: config.json lm_head must be one of {', '.join(LM_HEADS)}, "
                            f"got {raw.get('lm_head')!r}")
     return raw
 
 
 def load_medusa(path: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
                 target_lm_head: torch.Tensor | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> MedusaHeads:
+                dtype: torch.dtype = torch.float32, cls: type[MedusaHeads] = MedusaHeads) -> MedusaHeads:
     """Load and check against the target (hidden size, vocabulary). Every failure is a SpecdecError.
-    Only our layout; medusa_formats.import_medusa also reads vLLM's and FasterDecoding's."""
+    Only our layout; medusa_formats.import_medusa also reads vLLM's and FasterDecoding's. `cls`: the
+    heads' class (HydraHeads for Hydra's, which share the layout)."""
     path = Path(path)
-    raw = read_config(path)
+    raw = read_config(path, cls)
     h, v, k_heads, n_layers = (raw[k] for k in CONFIG_KEYS[:4])
     check_target(path, h, v, hidden_size, vocab_size)
     sd = read_tensors(path)
@@ -84,7 +87,7 @@ def load_medusa(path: str | os.PathLike, hidden_size: int | None = None, vocab_s
         vd = sd["d2t"].numel()
         ids = sd["d2t"].long().reshape(-1) + torch.arange(vd)
     heads = build_heads(path, h, v, k_heads, n_layers, raw["lm_head"], {k: t for k, t in sd.items()
-                                                                         if k not in ("d2t", "t2d")}, ids)
+                                                                         if k not in ("d2t", "t2d")}, ids, cls)
     if raw["lm_head"] == "target" and target_lm_head is not None and tuple(target_lm_head.shape) != (v, h):
         raise SpecdecError(f"Medusa heads {path} share the target's LM head, which is {tuple(target_lm_head.shape)}, "
                            f"expected {(v, h)}")
@@ -97,10 +100,11 @@ def check_target(path: Path, h: int, v: int, hidden_size: int | None, vocab_size
 
 
 def build_heads(path: Path, h: int, v: int, k_heads: int, n_layers: int, lm_head: str,
-                state: dict[str, torch.Tensor], ids: torch.Tensor | None) -> MedusaHeads:
+                state: dict[str, torch.Tensor], ids: torch.Tensor | None,
+                cls: type[MedusaHeads] = MedusaHeads) -> MedusaHeads:
     """MedusaHeads from tensors in our names (blocks.*, lm_heads.* for lm_head "own") and the draft
     vocabulary `ids` (increasing target ids, None = all), checked: names, shapes, finite values."""
-    heads = MedusaHeads(h, v, k_heads, n_layers, lm_head)
+    heads = cls(h, v, k_heads, n_layers, lm_head)
     if ids is not None:
         vd = ids.numel()
         if vd == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or bool((ids[1:] <= ids[:-1]).any()):

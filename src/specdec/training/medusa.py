@@ -1,6 +1,7 @@
 """Train Medusa heads on datagen shards: `specdec train medusa` (Medusa-1: the target frozen, the heads
-read the stored features) and `specdec train medusa --joint` (Medusa-2, medusa_joint.py: the backbone is
-trained with the heads and saved as a new target).
+read the stored features), `specdec train medusa --joint` (Medusa-2, medusa_joint.py: the backbone is
+trained with the heads and saved as a new target) and `specdec train medusa --arch hydra` (Hydra's heads,
+heads/hydra.py: as Medusa-1, each head also reading the data's tokens along its path).
 
 The loss and the accuracies are medusa_objective.py's. Medusa-1: nothing but the heads has gradients; at
 the end, each head's top-i accuracy on held-in data goes into the heads' config.json (specdec.accuracies),
@@ -19,6 +20,7 @@ from typing import Literal
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.heads.hydra import HydraHeads
 from specdec.heads.medusa import LM_HEADS, MedusaHeads
 from specdec.heads.medusa_io import load_medusa, save_medusa
 from specdec.training.config import LoopConfig, knob, recipe
@@ -39,6 +41,11 @@ class MedusaTrainConfig(LoopConfig):
     lr: float = recipe(LoopConfig, "lr", default=1e-3, description="peak learning rate (AdamW; Medusa's)")
     warmup: int = recipe(LoopConfig, "warmup", default=20)
     clip: float = recipe(LoopConfig, "clip", default=1.0)
+    arch: Literal["medusa", "hydra"] = knob(
+        "medusa", "medusa: parallel heads on the last feature; hydra: Hydra's sequentially-dependent heads (each "
+        "also reads the embeddings of the tokens before it on its path; for the `hydra` method)", resume=True)
+    prefix_attention: bool = knob(False, "--arch hydra: Hydra++'s extra decoder layer over the context "
+                                  "(not implemented)", resume=True)
     num_heads: int = knob(4, "heads; head k predicts the token k + 2 positions ahead", ge=1, le=16, resume=True)
     num_layers: int = knob(1, "residual blocks per head", ge=1, resume=True)
     lm_head: Literal[LM_HEADS] = knob("target", "target (the target's, shared and frozen) or own (one per head, "
@@ -64,6 +71,10 @@ class MedusaTrainConfig(LoopConfig):
                                   "instead of recomputing them (faster, far more memory)")
 
     def check(self) -> None:
+        if self.prefix_attention:
+            raise SpecdecError("--prefix-attention (Hydra++'s prefix attention layer) is not implemented")
+        if self.arch == "hydra" and self.joint:
+            raise SpecdecError("--joint trains Medusa-2 heads with the backbone: it does not apply to --arch hydra")
         if self.full_finetune and not self.joint:
             raise SpecdecError("--full-finetune trains the backbone: it needs --joint")
         if self.lora_layers and self.full_finetune:
@@ -71,7 +82,11 @@ class MedusaTrainConfig(LoopConfig):
 
     @property
     def kind(self) -> str:
-        return "medusa-2" if self.joint else "medusa"
+        return "hydra" if self.arch == "hydra" else "medusa-2" if self.joint else "medusa"
+
+    @property
+    def heads_class(self) -> type[MedusaHeads]:
+        return HydraHeads if self.arch == "hydra" else MedusaHeads
 
     @property
     def weights(self) -> list[float]:
@@ -87,7 +102,7 @@ def finished_heads(cfg: MedusaTrainConfig) -> tuple[Path, int] | None:
 
 def warm_start(cfg: MedusaTrainConfig, hidden: int, vocab: int, lm_cpu: torch.Tensor) -> MedusaHeads:
     """The --init-from heads, checked against the run's flags (shape, LM head kind, draft vocabulary)."""
-    heads = load_medusa(cfg.init_from, hidden, vocab, target_lm_head=lm_cpu).train()
+    heads = load_medusa(cfg.init_from, hidden, vocab, target_lm_head=lm_cpu, cls=cfg.heads_class).train()
     have = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "lm_head": heads.lm_head_kind,
             "draft_vocab": 0 if heads.d2t is None else heads.draft_vocab_size}
     for k, v in have.items():
@@ -109,7 +124,7 @@ class MedusaTrainer(Trainer):
 
     def finished(self, path: Path, steps: int) -> dict:
         vocab, hidden = self.target_lm.shape
-        heads = load_medusa(path, hidden, vocab, target_lm_head=self.target_lm)
+        heads = load_medusa(path, hidden, vocab, target_lm_head=self.target_lm, cls=self.cfg.heads_class)
         return {"steps": steps, "total_steps": steps, "history": [], "heads": heads, "finished": True,
                 "seconds": 0.0, "data_tokens": heads.meta.get("training", {}).get("data_tokens", 0),
                 "accuracies": heads.meta.get("accuracies"), "drift": heads.meta.get("drift"),
@@ -120,7 +135,7 @@ class MedusaTrainer(Trainer):
         vocab, hidden = lm_cpu.shape
         if cfg.init_from:
             return warm_start(cfg, hidden, vocab, lm_cpu)
-        heads = MedusaHeads(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
+        heads = cfg.heads_class(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
         draft_ids = None
         if cfg.draft_vocab:
             eos = getattr(self.target.config, "eos_token_id", None)
@@ -136,7 +151,10 @@ class MedusaTrainer(Trainer):
 
     def objective(self, heads):
         self.lm_dev = self.target_lm.to(self.acc.device)
-        return MedusaObjective(heads, self.lm_dev, self.cfg.weights)
+        # Hydra's heads read the path's token embeddings (a frozen copy of the target's input table)
+        self.embed = (self.target.get_input_embeddings().weight.detach().float().to(self.acc.device)
+                      if self.cfg.arch == "hydra" else None)
+        return MedusaObjective(heads, self.lm_dev, self.cfg.weights, self.embed)
 
     def loss(self, step, mine, ids, feats, mask):
         counts = torch.stack([mask[:, k + 2:].sum() for k in range(self.cfg.num_heads)])
@@ -155,7 +173,8 @@ class MedusaTrainer(Trainer):
         cfg = self.cfg
         if step == self.total and self.acc.is_main_process:
             final.eval()
-            accs, rows = head_accuracies(final, self.data, held_in(len(self.data), cfg.seed), self.lm_dev)
+            accs, rows = head_accuracies(final, self.data, held_in(len(self.data), cfg.seed), self.lm_dev,
+                                         embed=self.embed)
             self.meta["training"]["seconds"] = round(self.earlier + seconds, 3)
             final.meta = self.meta | {"accuracies": accs, "accuracy_rows": rows}
             save_medusa(final, Path(cfg.out) / "heads")

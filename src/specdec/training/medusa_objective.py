@@ -3,7 +3,8 @@
 
 Head k (0-based) on row t reads the feature f_t and learns the target's own distribution for the token at
 offset k + 2: p = softmax(LM(f_{t+k+1})) over the draft vocabulary (self-distillation with soft labels,
-computed on the fly from the features with the target LM head, no gradient through p):
+computed on the fly from the features with the target LM head, no gradient through p; for Hydra heads,
+which also read the path's tokens, this is Hydra++'s teacher distillation, KL to the target up to a constant):
     loss = Σ_k λ_k · CE(p, p̂_k),  λ_k = decay^(k+1)  (Medusa's 0.8^k, k counted from 1),
 each head's CE averaged over the rows whose label x_{t+k+2} lies in the sequence and is an answer token.
 Medusa-1 feeds the stored features; Medusa-2 the features of the backbone being trained (gradients then
@@ -56,10 +57,12 @@ class MedusaObjective(nn.Module):
     parameters. `head` is the trained module (what a checkpoint holds). `target_lm` is a plain attribute
     (Medusa-2 sets it each step: the new target's LM head, with its gradient under a full fine-tune)."""
 
-    def __init__(self, heads: MedusaHeads, target_lm: torch.Tensor, weights: list[float]) -> None:
+    def __init__(self, heads: MedusaHeads, target_lm: torch.Tensor, weights: list[float],
+                 embed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.head = heads
         self.target_lm = target_lm  # frozen: a plain attribute, not a parameter or a buffer DDP would broadcast
+        self.embed = embed  # the target's input embeddings, for heads that read the path's tokens (Hydra)
         self.weights = weights
 
     def forward(self, ids, feats, mask, n_global: torch.Tensor):
@@ -75,7 +78,7 @@ class MedusaObjective(nn.Module):
         with torch.no_grad():
             p_t = torch.softmax(F.linear(feats[:, 1:t - 1][lab], lm_t), dim=-1)
             top_t = p_t.argmax(-1)
-        hid = heads.hidden(feats[:, :max(t - 2, 0)])
+        hid = heads.hidden_of(ids, feats, self.embed)
         loss, stats = 0.0, []
         for k in range(heads.num_heads):
             n = max(t - 2 - k, 0)  # rows t' whose label x_{t'+k+2} is inside the batch
@@ -109,19 +112,20 @@ def held_in(n: int, seed: int, size: int = HELD_IN) -> list[int]:
 
 @torch.no_grad()
 def head_accuracies(heads: MedusaHeads, data: ShardData, seqs: list[int], target_lm: torch.Tensor,
-                    ranks: int = RANKS, batch: int = 4) -> tuple[list[list[float]], list[int]]:
+                    ranks: int = RANKS, batch: int = 4, embed: torch.Tensor | None = None
+                    ) -> tuple[list[list[float]], list[int]]:
     """(acc [K][ranks], answer rows per head): acc[k][i] = the share of rows where head k's rank-i token
     is the argmax of the target's full-vocabulary distribution for the same position."""
     k_heads, dev = heads.num_heads, target_lm.device
     hits = torch.zeros(k_heads, ranks, dtype=torch.float64)
     rows = torch.zeros(k_heads, dtype=torch.float64)
     for a in range(0, len(seqs), batch):
-        _, feats, mask = (x.to(dev) for x in data.batch(seqs[a:a + batch]))
+        ids, feats, mask = (x.to(dev) for x in data.batch(seqs[a:a + batch]))
         t = feats.shape[1]
         if t < 3:
             continue
         top_t = F.linear(feats[:, 1:t - 1], target_lm).argmax(-1)  # [B, T-2]: x_{s+1} from f_s
-        hid = heads.hidden(feats[:, :t - 2])
+        hid = heads.hidden_of(ids, feats, embed)
         for k in range(min(k_heads, t - 2)):
             n = t - 2 - k
             logits = F.linear(hid[k][:, :n], lm_rows(heads, target_lm, k))

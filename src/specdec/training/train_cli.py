@@ -33,8 +33,8 @@ def add_parser(sub) -> None:
         p.set_defaults(func=cmd_train_eagle)
     p = one_line_errors(kinds.add_parser(
         "medusa", help="Medusa heads: K heads on the target's last feature; Medusa-1 (the target frozen), or "
-        "Medusa-2 with --joint (the backbone trained too, saved as a new target); resumes from --out if it "
-        "holds checkpoints"))
+        "Medusa-2 with --joint (the backbone trained too, saved as a new target), or Hydra's heads with --arch "
+        "hydra; resumes from --out if it holds checkpoints"))
     _add_config_flags(p, MedusaTrainConfig)
     p.set_defaults(func=cmd_train_medusa)
 
@@ -80,6 +80,7 @@ def cmd_train_medusa(args) -> int:
     cfg = config_of(args, MedusaTrainConfig)
     cfg.check()
     out, name = Path(cfg.out), "train medusa" + (" --joint" if cfg.joint else "")
+    name += " --arch hydra" if cfg.arch == "hydra" else ""
     target = f"; the new target is in {out / 'target'}" if cfg.joint else ""
     done = finished_heads(cfg)
     if done is not None:  # before the target loads: nothing else happens
