@@ -66,15 +66,16 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-class SerialEngine:
-    """Decodes one request at a time, in arrival order, on a worker thread; at most `max_queue` wait."""
+class _Worker:
+    """A bounded queue of jobs and the worker thread that takes them (the engines' common part)."""
 
-    def __init__(self, decoder: Decoder, max_queue: int = 64) -> None:
-        self.decoder = decoder
+    def _start(self, max_queue: int, name: str) -> None:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._running = 0
-        self._thread = threading.Thread(target=self._work, name="specdec-serve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+
+    def _work(self) -> None:
+        raise NotImplementedError
 
     def submit(self, job: Job) -> None:
         try:
@@ -85,15 +86,24 @@ class SerialEngine:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+class SerialEngine(_Worker):
+    """Decodes one request at a time, in arrival order, on a worker thread; at most `max_queue` wait."""
+
+    def __init__(self, decoder: Decoder, max_queue: int = 64) -> None:
+        self.decoder = decoder
+        self._running = 0
+        self._start(max_queue, "specdec-serve-engine")
+
     def running(self) -> int:
         return self._running
 
     def batch_size(self) -> int:
         return self._running
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -120,7 +130,7 @@ class SerialEngine:
             stream.close()  # releases the decoder for the next request
 
 
-class BatchEngine:
+class BatchEngine(_Worker):
     """Decodes up to `max_batch` requests together on a worker thread (batch.Batch): between steps,
     finished and cancelled requests leave and queued ones join, in arrival order; at most `max_queue`
     wait. Each request keeps its own sampling parameters, seed, stop strings and max tokens. Raises
@@ -129,30 +139,15 @@ class BatchEngine:
     def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64) -> None:
         self.decoder, self.max_batch = decoder, max_batch
         self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids)
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._live: dict[Sequence, tuple[Job, TextStream]] = {}
         self._size = 0
-        self._thread = threading.Thread(target=self._work, name="specdec-serve-batch", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
-
-    def waiting(self) -> int:
-        return self._queue.qsize()
+        self._start(max_queue, "specdec-serve-batch")
 
     def running(self) -> int:
         return len(self._live)
 
     def batch_size(self) -> int:
         return self._size
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
 
     def _work(self) -> None:
         closing = False
