@@ -15,14 +15,7 @@ import os
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.medusa import (
-    MedusaDrafter,
-    MedusaOptions,
-    best_size,
-    dense_choices,
-    measured_costs,
-    sparse_choices,
-)
+from specdec.drafters.medusa import MedusaDrafter, MedusaOptions, tree_choices
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.hydra import HydraHeads, HydraRunner
@@ -119,22 +112,7 @@ def build_hydra(target: Target, opts: HydraOptions) -> Drafter:
                            "`specdec train medusa --arch hydra`)")
     opts = opts.model_copy(update={"heads": str(heads_dir)})
     runner, meta = hydra_runner(target, opts.heads)
-    acc, k = meta.get("accuracies"), runner.num_heads
-    if opts.choices is not None:
-        choices = opts.choices
-    else:
-        if acc is not None and (len(acc) != k or not all(isinstance(r, list) and r for r in acc)):
-            raise SpecdecError(f"Hydra heads {opts.heads}: config.json specdec.accuracies must hold one list "
-                               f"per head ({k})")
-        dense = opts.tree == "dense" or not acc
-        size = opts.tree_size
-        if size is None:
-            if not acc:
-                size = min(opts.topk * 2, 8)
-            else:
-                costs = measured_costs(target.runner, runner, opts.heads, opts.recalibrate)
-                size = best_size(acc, costs["target_s"], costs["draft_s"], opts.topk if dense else 0)
-        choices = dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
+    choices = tree_choices(target, runner, meta, opts, "Hydra")
     typical = Typical(opts.epsilon, opts.delta) if opts.typical else None
     drafter = HydraDrafter(runner, choices, typical, opts.children or ("topk" if typical else "sample"))
     drafter.name = "hydra" + (":typical" if typical else "")

@@ -266,6 +266,26 @@ def medusa_runner(target: Target, heads_dir: str) -> tuple[MedusaRunner, dict]:
     return MedusaRunner(heads, lm if shared is None else shared, weights=weights), heads.meta
 
 
+def tree_choices(target: Target, runner, meta: dict, opts: MedusaOptions, what: str) -> list[list[int]]:
+    """The sparse tree from the heads' measured accuracies, sized by measured costs (or the options' own
+    choices; a small dense tree for heads without accuracies)."""
+    if opts.choices is not None:
+        return opts.choices
+    acc, k = meta.get("accuracies"), runner.num_heads
+    if acc is not None and (len(acc) != k or not all(isinstance(r, list) and r for r in acc)):
+        raise SpecdecError(f"{what} heads {opts.heads}: config.json specdec.accuracies must hold one list "
+                           f"per head ({k})")
+    dense = opts.tree == "dense" or not acc
+    size = opts.tree_size
+    if size is None:
+        if not acc:  # imported heads without measured accuracies: a small dense tree
+            size = min(opts.topk * 2, 8)
+        else:
+            costs = measured_costs(target.runner, runner, opts.heads, opts.recalibrate)
+            size = best_size(acc, costs["target_s"], costs["draft_s"], opts.topk if dense else 0)
+    return dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
+
+
 def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
     heads_dir = opts.heads or find_shipped_head(target.model, "medusa")
     if heads_dir is None:
@@ -273,23 +293,7 @@ def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
                            "`specdec train medusa`; heads ship for SmolLM2-135M-Instruct only)")
     opts = opts.model_copy(update={"heads": str(heads_dir)})
     runner, meta = medusa_runner(target, opts.heads)
-    acc = meta.get("accuracies")
-    k = runner.num_heads
-    if opts.choices is not None:
-        choices = opts.choices
-    else:
-        dense = opts.tree == "dense" or not acc
-        if acc is not None and (len(acc) != k or not all(isinstance(r, list) and r for r in acc)):
-            raise SpecdecError(f"Medusa heads {opts.heads}: config.json specdec.accuracies must hold one list "
-                               f"per head ({k})")
-        size = opts.tree_size
-        if size is None:
-            if not acc:  # imported heads without measured accuracies: a small dense tree
-                size = min(opts.topk * 2, 8)
-            else:
-                costs = measured_costs(target.runner, runner, opts.heads, opts.recalibrate)
-                size = best_size(acc, costs["target_s"], costs["draft_s"], opts.topk if dense else 0)
-        choices = dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
+    choices = tree_choices(target, runner, meta, opts, "Medusa")
     typical = Typical(opts.epsilon, opts.delta) if opts.typical else None
     drafter = MedusaDrafter(runner, choices, typical, opts.children or ("topk" if typical else "sample"))
     drafter.name = "medusa" + (":typical" if typical else "")
