@@ -195,12 +195,14 @@ def test_f32_needs_a_gguf_source(models, fake, monkeypatch):
     ("vanilla,llamacpp:foo=1", "method 'llamacpp:foo=1': unknown option 'foo' (valid: gguf)"),
     ("llamacpp-pld:num_pred_tokens=0", "num_pred_tokens must be an integer >= 1, got 0"),
     ("llamacpp:gguf=q8_0", "gguf must be f32, q4_1 or the path of an existing .gguf file, got 'q8_0'"),
-    ("llamacpp-server:spec=draft-eagle3", "spec must be one of none, ngram-simple"),
+    ("llamacpp-server:spec=draft-mtp", "spec must be one of none, ngram-simple"),
+    ("llamacpp-server:spec=draft-eagle3", "draft must be given with spec=draft-eagle3"),
     ("llamacpp-server:spec=draft-simple", "draft must be given with spec=draft-simple"),
     ("llamacpp-server:spec=draft-simple:draft=/no/such.gguf", "draft must be the path of an existing .gguf file"),
     ("llamacpp-server:spec=draft-simple:draft={q4}:draft_n_max=0", "draft_n_max must be an integer >= 1"),
-    ("llamacpp-server:spec=ngram-mod:draft={q4}", "draft is only used with spec=draft-simple, not spec=ngram-mod"),
-    ("llamacpp-server:draft_n_max=4", "draft_n_max is only used with spec=draft-simple, not spec=none"),
+    ("llamacpp-server:spec=ngram-mod:draft={q4}",
+     "draft is only used with spec=draft-simple, draft-eagle3, not spec=ngram-mod"),
+    ("llamacpp-server:draft_n_max=4", "draft_n_max is only used with spec=draft-simple, draft-eagle3, not spec=none"),
     ("llamacpp-pld:draft={q4}", "unknown option 'draft'"),
 ])
 def test_bad_options_are_refused_when_parsed(fake, methods, msg):

