@@ -67,7 +67,8 @@ def test_each_format_matches_its_dequantized_reference(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_row_is_bit_identical_to_that_row_alone(fmt):
-    """N = 1, 8, 64 rows, with bias and residual, and fused parts of other formats of the same family."""
+    """N = 1, 2, 3 (weights decoded in registers), 8, 11, 64 rows (decoded once per call), with bias and
+    residual, and fused parts of other formats of the same family."""
     other = {"Q4_0": "Q8_0", "Q4_1": "Q5_0", "Q5_0": "Q4_1", "Q5_1": "Q8_0", "Q8_0": "Q4_0",
              "Q4_K": "Q6_K", "Q5_K": "Q4_K", "Q6_K": "Q5_K"}[fmt]
     k = 512 if fmt in K_QUANTS else 352
@@ -76,7 +77,7 @@ def test_every_row_is_bit_identical_to_that_row_alone(fmt):
     lin = QuantWeight(parts, torch.randn(101, generator=g))
     x, res = torch.randn(64, k, generator=g), torch.randn(64, 101, generator=g)
     alone = torch.cat([lin(x[i:i + 1], res[i:i + 1]) for i in range(64)])
-    for n in (1, 8, 64):
+    for n in (1, 2, 3, 8, 11, 64):
         assert torch.equal(lin(x[:n], res[:n]), alone[:n]), n
     mixed = QuantWeight([qtensor("Q4_K", 16, 512)[0], qtensor("Q8_0", 16, 512)[0]], None)  # two kernel calls
     x = torch.randn(8, 512, generator=g)
@@ -192,3 +193,24 @@ def test_loading_maps_the_file_and_builds_no_float_copy(tmp_path):
     m = json.loads(out.stdout.strip().splitlines()[-1])
     grown = (m["peak_kb"] - m["base_kb"]) * 1024
     assert grown < 1.3 * size + 60e6, (grown, size)  # fp32 weights would be ~7 x size
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="compares the AVX-512 build")
+def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
+    """The kernel's AVX2 code (two accumulators, one block at a time) does per lane what its AVX-512 code
+    does (two blocks per vector): a model gives the same bits on either kind of machine."""
+    from torch.utils.cpp_extension import load
+
+    stream._ninja_on_path()
+    avx2 = load("specdec_stream_avx2_test", [str(f) for f in stream.SOURCES], extra_cflags=stream.FLAGS,
+                extra_ldflags=["-fopenmp"], build_directory=str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    for fmt in FORMATS:
+        k = 512 if fmt in K_QUANTS else 352
+        lin = QuantWeight([qtensor(fmt, 40, k)[0]], None)
+        ws, ts, _ = lin.groups[0]
+        for n in (1, 2, 3, 8, 11):
+            x = torch.randn(n, k, generator=g)
+            assert torch.equal(avx2.qlinear(x, ws, ts, None, None), stream.kernel().qlinear(x, ws, ts, None, None)), \
+                (fmt, n)

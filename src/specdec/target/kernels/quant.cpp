@@ -3,13 +3,15 @@
 //
 // Each activation row is quantized on its own to int8 (like llama.cpp's Q8_0 / Q8_K activations): blocks
 // of 32 with one fp32 scale for the 32-blocks, blocks of 256 with one scale and sums per 16 for K-quants.
-// A weight block's integer codes meet the row's int8 codes in integer dot products (vpmaddubsw/vpmaddwd),
-// which are exact whatever their order; per block, fp32 scales are then applied by FMA into eight fp32
-// lanes in block order, and the lanes are summed in one fixed order. So every output (n, o) is the same
-// sequence of operations whatever else shares the call: batch invariant by construction.
+// A weight block's integer codes meet the row's int8 codes in integer dot products (vpmaddubsw/vpmaddwd,
+// vpdpbusd), which are exact whatever their order; per block, fp32 scales are then applied by FMA into
+// fp32 lanes in block order, and the lanes are summed in one fixed order. So every output (n, o) is the
+// same sequence of operations whatever else shares the call: batch invariant by construction. The AVX2
+// and AVX-512 code do the same per lane: the same bits on either machine.
 //
-// Weight rows are decoded block by block into small L1 buffers (codes as bytes, integer sub-scales as
-// int16 vectors) once per output, then every activation row of the call reuses them.
+// Weight rows are decoded block by block into small L1 buffers (codes as bytes, scales as vectors) once
+// per output, then every activation row of the call reuses them; a call of at most three rows decodes
+// 32-blocks in registers instead (the same values, so the same bits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -52,7 +54,10 @@ inline float h2f(const uint8_t* p) {
 struct Acts {
   int64_t N = 0, K = 0;
   std::vector<int8_t> q;
-  std::vector<float> d32, s32, d256;
+  // 32-blocks, rows padded to a multiple of 8 blocks (zeros): d32x each block's scale eight times (one per
+  // integer lane of its dot product), s32 per block
+  int64_t nb32 = 0;  // Decoded::pad8(K / 32)
+  std::vector<float> d32x, s32, d256;
   std::vector<int16_t> bsum;
   bool has32 = false, has256 = false;
 };
@@ -190,37 +195,81 @@ inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> codes 0..15 (low nib
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
 }
 
-void decode_32(int t, const uint8_t* b, uint8_t* codes, float& D, float& Moff) {
+inline __m256i decode_32(int t, const uint8_t* b, float& D, float& Moff) {
   const float d = h2f(b);
   D = d;
-  __m256i c;
   uint32_t qh;
   switch (t) {
-    case Q8_0: c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); Moff = 0.f; break;
-    case Q4_0: c = nibbles(b + 2); Moff = -8.f * d; break;
-    case Q4_1: c = nibbles(b + 4); Moff = h2f(b + 2); break;
+    case Q8_0: Moff = 0.f; return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    case Q4_0: Moff = -8.f * d; return nibbles(b + 2);
+    case Q4_1: Moff = h2f(b + 2); return nibbles(b + 4);
     case Q5_0:
       std::memcpy(&qh, b + 2, 4);
-      c = _mm256_or_si256(nibbles(b + 6), fifth_bits(qh));
       Moff = -16.f * d;
-      break;
+      return _mm256_or_si256(nibbles(b + 6), fifth_bits(qh));
     default:  // Q5_1
       std::memcpy(&qh, b + 4, 4);
-      c = _mm256_or_si256(nibbles(b + 8), fifth_bits(qh));
       Moff = h2f(b + 2);
-      break;
+      return _mm256_or_si256(nibbles(b + 8), fifth_bits(qh));
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), c);
 }
 
-void decode_32(int t, const uint8_t* b, Block32& s) { decode_32(t, b, s.c, s.D, s.Moff); }
+void decode_32(int t, const uint8_t* b, Block32& s) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s.c), decode_32(t, b, s.D, s.Moff));
+}
 
-// A decoded row of 32-blocks, padded to a multiple of 8 blocks with zero codes and scales (they add +0).
-struct Row32 {
-  std::vector<uint8_t> c;
-  std::vector<float> D, Moff;
-  explicit Row32(int64_t nb) : c(pad8(nb) * 32, 0), D(pad8(nb), 0.f), Moff(pad8(nb), 0.f) {}
+// Where a tile of activation rows reads a weight row's 32-blocks from. Both give the same codes and
+// scales (zero past the row's nb blocks: they add +0), so the same bits: `Decoded`, a row decoded once
+// into an L1 buffer for the many tiles of a long call; `Direct`, decoded in registers for a call of one tile.
+struct Decoded {
+  std::vector<uint8_t> c;  // codes (Q8_0: signed)
+  std::vector<float> Dx, Moff;  // each block's scale eight times (a pair of blocks: one 16-lane load)
+  explicit Decoded(int64_t nb) : c(pad8(nb) * 32, 0), Dx(pad8(nb) * 8, 0.f), Moff(pad8(nb), 0.f) {}
   static int64_t pad8(int64_t nb) { return (nb + 7) / 8 * 8; }
+  void fill(int t, const uint8_t* row, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++) {
+      float d;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.data() + 32 * i),
+                          decode_32(t, row + i * block_bytes(t), d, Moff[i]));
+      _mm256_storeu_ps(Dx.data() + 8 * i, _mm256_set1_ps(d));
+    }
+  }
+#ifdef __AVX512BW__
+  __m512i pair(int64_t i, __m512& d) const {
+    d = _mm512_loadu_ps(Dx.data() + 8 * i);
+    return _mm512_loadu_si512(c.data() + 32 * i);
+  }
+#endif
+  __m256i block(int64_t i, __m256& d) const {
+    d = _mm256_loadu_ps(Dx.data() + 8 * i);
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.data() + 32 * i));
+  }
+  const float* moff(int64_t i0) const { return Moff.data() + i0; }
+};
+
+// One weight row of type T decoded in registers (one activation row: no buffer to write and read back).
+template <int T>
+struct Direct {
+  const uint8_t* row;
+  int64_t nb;
+  alignas(32) float mo[8] = {};  // the offsets of the current group of 8 blocks
+  __m256i block(int64_t i, __m256& d) {
+    float s = 0.f;
+    __m256i c = _mm256_setzero_si256();
+    mo[i % 8] = 0.f;
+    if (i < nb) c = decode_32(T, row + i * block_bytes(T), s, mo[i % 8]);
+    d = _mm256_set1_ps(s);
+    return c;
+  }
+#ifdef __AVX512BW__
+  __m512i pair(int64_t i, __m512& d) {
+    __m256 d0, d1;
+    const __m256i c0 = block(i, d0), c1 = block(i + 1, d1);
+    d = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+  }
+#endif
+  const float* moff(int64_t) const { return mo; }
 };
 
 // the eight lanes in one fixed order
@@ -315,72 +364,140 @@ void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int6
   }
 }
 
-// Eight blocks at a time: their integer sums gathered into one vector (exact), then one multiply of the
-// weight scales by the activation scales and one FMA per eight blocks, lanes summed in a fixed order.
-// Activation rows n0..n0+R-1 share each weight vector load; per row the steps are those of any other R.
-template <int R>
-void dot_32_rows(bool sgn, const Row32& buf, int64_t nb, int64_t K, const Acts& a, int64_t n0, float* y,
-                 int64_t ystride) {
-  const int64_t groups = Row32::pad8(nb) / 8;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xq[R];  // past a row's end: the next row's data or padding, times 0
-  __m256 acc[R], off[R];
+// Per block and activation row: the integer dot product in eight lanes (four codes each, exact), converted
+// to fp32 and multiplied by the block's weight scale times the row's, FMA into an accumulator that even
+// blocks and odd blocks each have their own of; per 8 blocks, the offsets (Moff times the row's scaled code
+// sums) by FMA into a third. At the end: the two accumulators added lane by lane, then each accumulator's
+// lanes summed in one fixed order. No horizontal step per block: the integer work sets the pace.
+// Activation rows n0..n0+R-1 share each weight vector load; per row the steps are those of any other R,
+// and the AVX-512 build (two blocks per vector: lanes 0-7 the even block) does per lane what AVX2 does.
+template <int R, class Src>
+void dot_32_rows(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n0, float* y, int64_t ystride) {
+  const int64_t nbp = a.nb32;
+  const int8_t* xq[R];  // past a row's end: the next row's codes or padding, times zero codes
+  const float* xd[R];
+  const float* xs[R];
+  __m256 off[R];
   for (int r = 0; r < R; r++) {
     xq[r] = a.q.data() + (n0 + r) * K;
-    acc[r] = off[r] = _mm256_setzero_ps();
+    xd[r] = a.d32x.data() + (n0 + r) * nbp * 8;
+    xs[r] = a.s32.data() + (n0 + r) * nbp;
+    off[r] = _mm256_setzero_ps();
   }
-  for (int64_t g = 0; g < groups; g++) {
-    __m256i v[R][8];
-    for (int j = 0; j < 8; j++) {
-      const int64_t i = 8 * g + j;
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf.c.data() + 32 * i));
-      const __m256i wa = sgn ? _mm256_sign_epi8(w, w) : w;  // signed codes: |w| * (x with w's sign)
+  const int64_t nb = K / 32;
+#ifdef __AVX512BW__
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nbp; i += 2) {
+    if (i < nb) {  // past the row: only the offsets' group is completed
+      __m512 dw;
+      const __m512i w = src.pair(i, dw);
+      // signed codes: |w| times x with w's sign (x = -x where w < 0; where w = 0 the product is 0 anyway)
+      const __m512i wa = sgn ? _mm512_abs_epi8(w) : w;
+      const __mmask64 neg = sgn ? _mm512_movepi8_mask(w) : 0;
+      for (int r = 0; r < R; r++) {
+        __m512i x = _mm512_loadu_si512(xq[r] + 32 * i);
+        if (sgn) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+#ifdef __AVX512VNNI__
+        const __m512i v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, x);
+#else
+        const __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(wa, x), _mm512_set1_epi16(1));
+#endif
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[r] + 8 * i)), acc[r]);
+      }
+    } else {
+      __m512 dw;
+      src.pair(i, dw);
+    }
+    if ((i + 2) % 8 == 0) {
+      const __m256 wm = _mm256_loadu_ps(src.moff(i - 6));
+      for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs[r] + i - 6), off[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    const __m256 both = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    y[(n0 + r) * ystride] = hsum(both) + hsum(off[r]);
+  }
+#else
+  __m256 acc[2][R];
+  for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nbp; i++) {
+    __m256 dw;
+    const __m256i w = src.block(i, dw);
+    if (i < nb) {
+      const __m256i wa = sgn ? _mm256_sign_epi8(w, w) : w;
       for (int r = 0; r < R; r++) {
         __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + 32 * i));
         if (sgn) x = _mm256_sign_epi8(x, w);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        v[r][j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, x);  // the same integers, fused
+        const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, x);
 #else
-        v[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), ones);
+        const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), _mm256_set1_epi16(1));
 #endif
+        acc[i & 1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_loadu_ps(xd[r] + 8 * i)),
+                                        acc[i & 1][r]);
       }
     }
-    const __m256 ws = _mm256_loadu_ps(buf.D.data() + 8 * g), wm = _mm256_loadu_ps(buf.Moff.data() + 8 * g);
-    for (int r = 0; r < R; r++) {
-      const __m256i* u = v[r];
-      const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
-      const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(u[4], u[5]), _mm256_hadd_epi32(u[6], u[7]));
-      const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
-                                            _mm256_permute2x128_si256(t0, t1, 0x31));  // lane j: block 8g + j
-      const float* xd = a.d32.data() + (n0 + r) * nb;
-      const float* xs = a.s32.data() + (n0 + r) * nb;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xd + 8 * g)), acc[r]);
-      off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + 8 * g), off[r]);
+    if ((i + 1) % 8 == 0) {
+      const __m256 wm = _mm256_loadu_ps(src.moff(i - 7));
+      for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs[r] + i - 7), off[r]);
     }
   }
-  (void)ones;
-  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum(acc[r]) + hsum(off[r]);
+  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(off[r]);
+#endif
 }
 
-void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int64_t N, Row32& buf, float* y,
-            int64_t ystride) {
-  const int64_t nb = K / 32;
-  for (int64_t i = 0; i < nb; i++) decode_32(t, row + i * block_bytes(t), buf.c.data() + 32 * i, buf.D[i], buf.Moff[i]);
-  const bool sgn = t == Q8_0;
-  y -= n0 * ystride;
-  N += n0;
-  int64_t n = n0;
-#ifdef __AVX512VL__
-  for (; n + 4 <= N; n += 4) dot_32_rows<4>(sgn, buf, nb, K, a, n, y, ystride);  // 32 vector registers
+#ifdef __AVX512BW__
+constexpr int TILE32 = 8;
 #else
-  for (; n + 2 <= N; n += 2) dot_32_rows<2>(sgn, buf, nb, K, a, n, y, ystride);
+constexpr int TILE32 = 4;
 #endif
+
+template <class Src>
+void dot_32_tiles(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n, int64_t N, float* y, int64_t ystride) {
+  for (; n + TILE32 <= N; n += TILE32) dot_32_rows<TILE32>(sgn, src, K, a, n, y, ystride);
   switch (N - n) {
-    case 3: dot_32_rows<3>(sgn, buf, nb, K, a, n, y, ystride); break;
-    case 2: dot_32_rows<2>(sgn, buf, nb, K, a, n, y, ystride); break;
-    case 1: dot_32_rows<1>(sgn, buf, nb, K, a, n, y, ystride); break;
+#ifdef __AVX512BW__
+    case 7: dot_32_rows<7>(sgn, src, K, a, n, y, ystride); break;
+    case 6: dot_32_rows<6>(sgn, src, K, a, n, y, ystride); break;
+    case 5: dot_32_rows<5>(sgn, src, K, a, n, y, ystride); break;
+    case 4: dot_32_rows<4>(sgn, src, K, a, n, y, ystride); break;
+#endif
+    case 3: dot_32_rows<3>(sgn, src, K, a, n, y, ystride); break;
+    case 2: dot_32_rows<2>(sgn, src, K, a, n, y, ystride); break;
+    case 1: dot_32_rows<1>(sgn, src, K, a, n, y, ystride); break;
     default: break;
   }
+}
+
+constexpr int DIRECT32 = 3;  // calls of at most this many rows decode weights in registers
+
+template <int T>
+void dot_32_direct(const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int64_t N, float* y, int64_t ystride) {
+  Direct<T> src{row, K / 32};
+  switch (N) {
+    case 3: return dot_32_rows<3>(T == Q8_0, src, K, a, n0, y, ystride);
+    case 2: return dot_32_rows<2>(T == Q8_0, src, K, a, n0, y, ystride);
+    default: return dot_32_rows<1>(T == Q8_0, src, K, a, n0, y, ystride);
+  }
+}
+
+// one output of one weight row over activation rows n0..n0+N-1 (y points at row n0's output)
+void dot_32(int t, const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int64_t N, Decoded& buf, float* y,
+            int64_t ystride) {
+  y -= n0 * ystride;
+  if (N <= DIRECT32) {
+    switch (t) {
+      case Q8_0: return dot_32_direct<Q8_0>(row, K, a, n0, N, y, ystride);
+      case Q4_0: return dot_32_direct<Q4_0>(row, K, a, n0, N, y, ystride);
+      case Q4_1: return dot_32_direct<Q4_1>(row, K, a, n0, N, y, ystride);
+      case Q5_0: return dot_32_direct<Q5_0>(row, K, a, n0, N, y, ystride);
+      default: return dot_32_direct<Q5_1>(row, K, a, n0, N, y, ystride);
+    }
+  }
+  buf.fill(t, row, K / 32);
+  dot_32_tiles(t == Q8_0, buf, K, a, n0, n0 + N, y, ystride);
 }
 
 // One activation row on Q4_K: the weights decoded in registers, no buffer. The same integer lanes and the
@@ -421,10 +538,11 @@ void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need2
   a.has32 = need32;
   a.has256 = need256;
   a.q.resize(N * K);  // one layout per call: qlinear refuses to mix block families
-  if (need32) {  // padded: dot_32 reads whole groups of 8 blocks (times zero past the row)
+  if (need32) {  // dot_32 reads whole groups of 8 blocks: codes past the last row, scales per row padded
     a.q.resize(N * K + 8 * 32, 0);
-    a.d32.resize(N * (K / 32) + 8, 0.f);
-    a.s32.resize(N * (K / 32) + 8, 0.f);
+    a.nb32 = Decoded::pad8(K / 32);
+    a.d32x.assign(N * a.nb32 * 8, 0.f);
+    a.s32.assign(N * a.nb32, 0.f);
   }
   if (need256) {
     a.d256.resize(N * (K / 256));
@@ -443,11 +561,13 @@ void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need2
         }
       }
       if (need32) {
-        quantize_row(xr, K, 32, q, a.d32.data() + n * (K / 32));
+        std::vector<float> d(K / 32);
+        quantize_row(xr, K, 32, q, d.data());
         for (int64_t b = 0; b < K / 32; b++) {
           int s = 0;
           for (int j = 0; j < 32; j++) s += q[b * 32 + j];
-          a.s32[n * (K / 32) + b] = a.d32[n * (K / 32) + b] * static_cast<float>(s);
+          a.s32[n * a.nb32 + b] = d[b] * static_cast<float>(s);
+          for (int j = 0; j < 8; j++) a.d32x[(n * a.nb32 + b) * 8 + j] = d[b];
         }
       }
     }
@@ -491,7 +611,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   const int64_t chunk = std::max<int64_t>(8, (128 << 10) / K / 8 * 8);
   at::parallel_for(0, O, grain, [&](int64_t lo, int64_t hi) {
     std::vector<SuperBlock> kb(k256 ? K / 256 : 0);
-    Row32 b32(k32 ? K / 32 : 0);
+    Decoded b32(k32 ? K / 32 : 0);
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
       const int64_t nn = std::min(chunk, N - n0);
       size_t seg = 0;
