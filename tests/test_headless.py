@@ -224,3 +224,51 @@ def test_auto_without_a_head_runs_the_headless_drafter(tmp_path, monkeypatch):
     with pytest.raises(SpecdecError, match="no head"):
         from_models(model, None, "auto", depth=3)
     assert registry.get("auto").takes_draft and not registry.get("auto").needs_draft
+
+
+def test_earlier_answers_supply_matches_the_request_lacks():
+    d = NgramDrafter(tree_size=4, topk=1)
+    first = [30, 31, 32, 33, 34, 35, 36]
+    d.begin(ctx_of([1, 2]))
+    d.end(first)
+    c = ctx_of([7, 8, 31, 32, 33])  # 31 32 33 never occurred in this request: only in the earlier answer
+    d.begin(c)
+    assert d.propose(c).tokens.tolist() == [34, 35, 36]  # the separator after an answer is never drafted
+    alone = NgramDrafter(tree_size=4, topk=1, history=0)
+    alone.end(first)
+    alone.begin(c)
+    assert len(alone.propose(c)) == 0
+    short = ctx_of([7, 8, 32, 33])  # a 2-gram of another answer guesses too little to draft
+    d.begin(short)
+    assert len(d.propose(short)) == 0
+    own = ctx_of([31, 32, 33, 50, 9, 31, 32, 33])  # the request's own text wins a match of the same length
+    d.begin(own)
+    assert d.propose(own).tokens.tolist()[0] == 50
+
+
+def test_the_history_keeps_the_newer_half_of_its_cap_from_an_answer_start():
+    from specdec.drafters.ngram import SEP, History
+
+    h = History(3, cap=20)
+    for a in range(5):
+        h.add([100 * a + i for i in range(6)])  # 7 tokens with the separator
+    # the 21st token: the newest 10 (304 305 SEP 400 ... 405 SEP) cut at the first separator
+    assert h.tokens == [400, 401, 402, 403, 404, 405, SEP]
+    assert h.following((400, 401, 402)) == ({403: 1}, 403) and h.following((300, 301, 302)) is None
+
+
+def test_a_decode_teaches_the_next_request_and_batch_forks_share_what_they_learn():
+    model = tiny_model("llama", seed=LOOPS)
+    target = LeanRunner(model, exact=True)
+    drafter = NgramDrafter(8, 1)
+    answer, _ = run(target, drafter, REPEATS, SamplingParams(), 24)
+    assert drafter.history.tokens[:len(answer)] == answer  # decode() ended the request with its answer
+    fork = drafter.fork()
+    assert fork.history is drafter.history
+    from specdec.batch import Batch
+
+    batch = Batch(target, drafter, set())
+    seq, _ = batch.join([9, 10, 11], SamplingParams(), 5)
+    while batch.active:
+        batch.step()
+    assert drafter.history.tokens[len(answer) + 1:-1] == seq.ctx.tokens[3:]  # a sequence that left taught it

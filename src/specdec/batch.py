@@ -59,6 +59,7 @@ class Batch:
         """The sequence stops (done, or its client left): its forks serve the next one to join."""
         if seq in self.active:
             self.active.remove(seq)
+            seq.finish()
             seq.stats.total_time = time.perf_counter() - self._start.pop(seq)
             self._free.append((seq.runner, seq.drafter))
 

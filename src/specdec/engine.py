@@ -148,6 +148,7 @@ class Sequence:
         self.ended = False  # out of context
         self.ctx: DecodeContext | None = None
         self._tree, self._t = DraftTree.empty(), 0.0
+        self._finished = False
 
     @property
     def done(self) -> bool:
@@ -167,6 +168,12 @@ class Sequence:
         self.n = stats.new_tokens = 1
         stats.finish_reason = "stop" if first in self.eos_ids else "length"
         return [first]
+
+    def finish(self) -> None:
+        """The sequence is over: its drafter sees the whole answer (once; nothing if never prefilled)."""
+        if self.ctx is not None and not self._finished:
+            self._finished = True
+            self.drafter.end(self.ctx.tokens[len(self.prompt_ids):])
 
     def resume(self) -> None:
         """Rebuild the target cache and drafter state after another request used them (engine._resume)."""
@@ -274,6 +281,7 @@ def decode(
             yield new  # outside the hold: a suspended request holds no step in progress
     finally:
         lease.release()
+        seq.finish()
         stats.total_time = _clock(dev) - t0
 
 

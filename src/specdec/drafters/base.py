@@ -101,6 +101,10 @@ class Drafter(ABC):
         """After verification: ctx.tokens already holds the new tokens, ctx.features the target
         features of the root and the accepted nodes."""
 
+    def end(self, answer: list[int]) -> None:
+        """The generation is over (done, stopped, or its client left); answer: every token it generated.
+        A drafter may learn from it for later requests (it and its forks)."""
+
 
 class TreeDrafter(Drafter):
     """A drafter whose tree a caller may size per call: adaptive `auto` picks a budget every step, cost

@@ -179,6 +179,10 @@ class HeadlessDrafter(FollowsTheMachine):
         self.rows, self.rows_ctx = 1 + min(len(tree), room), len(ctx.tokens)  # for the clock
         return tree
 
+    def end(self, answer: list[int]) -> None:
+        if self.ngram is not None:
+            self.ngram.end(answer)
+
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
             self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx), self.rows)

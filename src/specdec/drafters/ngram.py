@@ -13,6 +13,10 @@ of its path's product of confidences (EAGLE-2's value V), so its nodes come best
 of them is a tree: a caller verifies as many as pay (drafters/headless.py calibrates the confidences
 and prices each prefix).
 
+Like SuffixDecoding's global tree, earlier answers help too: each finished answer of the drafter and
+its forks goes into a shared History (bounded), which supplies the counts where the request's own text
+has no match as long (n >= HISTORY_MIN_N): a coding assistant's answers repeat each other's idioms.
+
 Drafts are point masses (no q): the verifier stays exact at any temperature, and they merge with
 other point-mass drafts (drafters/union.py).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import threading
 
 import torch
 
@@ -33,24 +38,73 @@ from specdec.tree import DraftTree
 
 KAPPA = 2.0  # pseudo-count of a continuation not seen yet, over the match length
 MAX_MATCH = 64  # longest match measured (beyond it a copy is as sure as it gets)
+HISTORY_TOKENS = 16384  # earlier answers' tokens kept (the n-gram index costs ~1 kB a token)
+HISTORY_MIN_N = 3  # shorter matches in other answers guess worse than the request's own text
+SEP = -1  # between answers: no context contains it, and it is never drafted
+
+
+class History:
+    """Earlier answers' tokens and their n-gram index, shared by a drafter and its forks (and their
+    threads: a lock, and counts handed out as copies). At most `cap` tokens: past that, the older half is
+    dropped."""
+
+    def __init__(self, max_ngram: int, cap: int = HISTORY_TOKENS) -> None:
+        self.max_ngram, self.cap = max_ngram, cap
+        self.tokens: list[int] = []
+        self.index = NgramIndex(max_ngram)
+        self.lock = threading.Lock()
+
+    def add(self, answer: list[int]) -> None:
+        if not answer:
+            return
+        with self.lock:
+            self.tokens.extend(answer[-self.cap:])
+            self.tokens.append(SEP)
+            if len(self.tokens) > self.cap:  # keep the newer half, from an answer's start
+                keep = self.tokens[-(self.cap // 2):]
+                cut = keep.index(SEP) + 1 if SEP in keep[:-1] else 0
+                self.tokens, self.index = keep[cut:], NgramIndex(self.max_ngram)
+            self.index.extend(self.tokens)
+
+    def following(self, gram: tuple) -> tuple[dict[int, int], int] | None:
+        """(how often each token followed gram in earlier answers, the latest occurrence's follower)."""
+        with self.lock:
+            counts = self.index.following(gram)
+            if counts is None:
+                return None
+            counts = {x: c for x, c in counts.items() if x != SEP}
+            latest = self.tokens[self.index.latest(gram)]
+        if not counts:
+            return None
+        return counts, latest if latest != SEP else max(counts, key=counts.get)
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, tree_size: int = 16, topk: int = 2, max_ngram: int = 6, min_value: float = 0.0) -> None:
+    def __init__(self, tree_size: int = 16, topk: int = 2, max_ngram: int = 6, min_value: float = 0.0,
+                 history: int | History = HISTORY_TOKENS) -> None:
+        """history: a History to share, or how many earlier answers' tokens to keep (0: none)."""
         if tree_size < 1 or topk < 1 or max_ngram < 1 or not 0.0 <= min_value < 1.0:
             raise SpecdecError(f"n-gram drafting needs tree_size, topk, max_ngram >= 1 and 0 <= min_value < 1, got "
                                f"tree_size={tree_size}, topk={topk}, max_ngram={max_ngram}, min_value={min_value}")
         self.tree_size, self.topk, self.max_ngram, self.min_value = tree_size, topk, max_ngram, min_value
         self.draft_depth = tree_size
         self.index: NgramIndex | None = None
+        if isinstance(history, History):
+            self.history: History | None = history
+        else:
+            self.history = History(max_ngram, history) if history > 0 else None
 
     def fork(self) -> NgramDrafter:
-        return NgramDrafter(self.tree_size, self.topk, self.max_ngram, self.min_value)
+        return NgramDrafter(self.tree_size, self.topk, self.max_ngram, self.min_value, self.history or 0)
 
     def begin(self, ctx: DecodeContext) -> None:
         self.index = None
+
+    def end(self, answer: list[int]) -> None:
+        if self.history is not None:
+            self.history.add(answer)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         k = min(self.tree_size, ctx.max_nodes)
@@ -92,12 +146,16 @@ class NgramDrafter(Drafter):
             gram = tuple(seq[-n:])
             counts = index.following(gram)
             if counts is not None:
+                end = index.latest(gram)
+                latest = toks[end]
+                length = self._match_length(toks, path, end, n) if n == self.max_ngram else n
+                break
+            earlier = self.history.following(gram) if self.history is not None and n >= HISTORY_MIN_N else None
+            if earlier is not None:
+                (counts, latest), length = earlier, n
                 break
         else:
             return [], 0
-        end = index.latest(gram)
-        latest = toks[end]
-        length = self._match_length(toks, path, end, n) if n == self.max_ngram else n
         total = sum(counts.values())
         floor = KAPPA / n
         c_latest = counts[latest] / (total + floor)
@@ -128,8 +186,10 @@ class NgramOptions(Options):
     max_ngram: int = option(6, "longest n-gram indexed (longer matches are followed along their latest occurrence)",
                             ge=1)
     min_value: float = option(0.1, "drop nodes whose path confidence is below this", ge=0.0, le=0.99)
+    history: int = option(HISTORY_TOKENS, "earlier answers' tokens kept for matches (0: this request's text only)",
+                          ge=0)
 
 
-register(Method("ngram", "n-gram lookup over the prompt and the answer so far (SuffixDecoding-style): the "
-                "continuations of the longest earlier match, best first", NgramOptions,
-                lambda t, o: NgramDrafter(o.tree_size, o.topk, o.max_ngram, o.min_value)))
+register(Method("ngram", "n-gram lookup over the prompt, the answer so far and earlier answers (SuffixDecoding-"
+                "style): the continuations of the longest earlier match, best first", NgramOptions,
+                lambda t, o: NgramDrafter(o.tree_size, o.topk, o.max_ngram, o.min_value, o.history)))

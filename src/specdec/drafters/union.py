@@ -49,6 +49,10 @@ class UnionDrafter(Drafter):
         for m in self.members:
             m.accept(ctx, verdict)
 
+    def end(self, answer: list[int]) -> None:
+        for m in self.members:
+            m.end(answer)
+
 
 class GreedyOnly(Drafter):
     """A member that drafts for greedy requests only. `auto` wraps its lookup chain in this: `specdec
@@ -74,6 +78,9 @@ class GreedyOnly(Drafter):
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         self.inner.accept(ctx, verdict)
+
+    def end(self, answer: list[int]) -> None:
+        self.inner.end(answer)
 
 
 def with_lookup(drafter: Drafter, lookup: int, greedy_only: bool = False) -> Drafter:
