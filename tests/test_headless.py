@@ -261,6 +261,11 @@ def test_a_decode_teaches_the_next_request_and_batch_forks_share_what_they_learn
     model = tiny_model("llama", seed=LOOPS)
     target = LeanRunner(model, exact=True)
     drafter = NgramDrafter(8, 1)
+    from specdec.engine import Stats, decode
+
+    stats = Stats()
+    untaught = [t for s in decode(target, drafter, REPEATS, SamplingParams(), 8, set(), stats, learn=False) for t in s]
+    assert len(untaught) == 8 and drafter.history.tokens == []  # the benchmark's warm-up teaches nothing
     answer, _ = run(target, drafter, REPEATS, SamplingParams(), 24)
     assert drafter.history.tokens[:len(answer)] == answer  # decode() ended the request with its answer
     fork = drafter.fork()

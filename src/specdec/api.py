@@ -74,12 +74,13 @@ class Decoder:
         return self.runner.weights
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stats: Stats,
-              on_verify: Callable | None = None, drafter: Drafter | None = None) -> Iterator[list[int]]:
+              on_verify: Callable | None = None, drafter: Drafter | None = None,
+              learn: bool = True) -> Iterator[list[int]]:
         """The new token ids of each decoding step, under this Decoder's turn-taking like every request
-        (the benchmark and `specdec tune` decode token ids through here). on_verify: engine.decode's.
+        (the benchmark and `specdec tune` decode token ids through here). on_verify, learn: engine.decode's.
         drafter: another drafter over the same target instead of this Decoder's (e.g. NoDrafter)."""
         return decode(self.runner, self.drafter if drafter is None else drafter, prompt_ids, params, max_new_tokens,
-                      self.eos_ids, stats, on_verify=on_verify, lease=self.slot.lease())
+                      self.eos_ids, stats, on_verify=on_verify, lease=self.slot.lease(), learn=learn)
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""

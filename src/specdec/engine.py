@@ -253,11 +253,14 @@ def decode(
     stats: Stats,
     on_verify: Callable[[DraftTree, Verdict], None] | None = None,
     lease: Lease | None = None,
+    learn: bool = True,
 ) -> Iterator[list[int]]:
     """Yields the new tokens of each step. Closing the generator early (a stop string) is fine.
 
     on_verify: Sequence's. lease: this request's claim on a runner and drafter that other requests share
-    (slot.py); without one, the caller promises that nothing else uses them until the generator is done."""
+    (slot.py); without one, the caller promises that nothing else uses them until the generator is done.
+    learn: the drafter may learn from the answer for later requests (Drafter.end); the benchmark's
+    warm-up and repeats of one prompt do not teach it."""
     seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, eos_ids, stats, on_verify)
     dev = runner.device
     lease = lease or Slot().lease()
@@ -281,7 +284,8 @@ def decode(
             yield new  # outside the hold: a suspended request holds no step in progress
     finally:
         lease.release()
-        seq.finish()
+        if learn:
+            seq.finish()
         stats.total_time = _clock(dev) - t0
 
 

@@ -63,7 +63,8 @@ class OurMethod:
         self.target = target  # its own target's dir (None: the run's model)
         self.gamma = dec.drafter.draft_depth  # draft steps per tree, for the Leviathan analysis
 
-    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
+    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True) -> dict:
+        """learn: the drafter may keep this answer for later prompts (engine.decode's)."""
         dec, stats, trace = self.dec, Stats(), []
 
         def on_verify(tree, verdict):  # references only: the arithmetic happens after the clock stops
@@ -72,7 +73,8 @@ class OurMethod:
 
         params = SamplingParams(temperature, seed=seed)
         t0 = time.perf_counter()
-        tokens = [t for step in dec.steps(prompt_ids, params, max_new, stats, on_verify=on_verify) for t in step]
+        tokens = [t for step in dec.steps(prompt_ids, params, max_new, stats, on_verify=on_verify, learn=learn)
+                  for t in step]
         wall = time.perf_counter() - t0
         s = stats.summary()
         rec_stats = {
@@ -182,7 +184,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     if len(warm) + cfg.warmup_tokens < max_len:
         for _ in range(cfg.warmup):
             for lab in labels:
-                methods[lab].run(warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens))
+                _run_one(methods[lab], warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens),
+                         learn=False)
 
     # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
     precisions = {lab: m.precision for lab, m in methods.items() if isinstance(m, OurMethod)}
@@ -223,7 +226,10 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                         for pos, lab in enumerate(labels[k:] + labels[:k]):
                             bar.set_postfix_str(f"q={q.question_id} turn={turn} {lab}", refresh=False)
                             one, t0 = ContentionMeter(helpers), time.perf_counter()
-                            r = _run_one(methods[lab], ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens)
+                            # only the last repeat teaches a drafter that learns across requests: every
+                            # repeat sees what the earlier prompts taught, none sees this prompt's answer
+                            r = _run_one(methods[lab], ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens,
+                                         learn=rep == cfg.repeats - 1)
                             _add_load(one.result(), time.perf_counter() - t0, lab, other_s, wall_s)
                             batch.append({"method": lab, "name": methods[lab].spec.name, "question_id": q.question_id,
                                           "category": q.category, "turn": turn, "repeat": rep, "order": pos,
@@ -318,9 +324,9 @@ def _add_load(c: dict, wall: float, lab: str, other_s: dict, wall_s: dict) -> No
         wall_s[lab] += wall
 
 
-def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
+def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True) -> dict:
     if isinstance(method, OurMethod):
-        return method.run(ids, temperature, seed, max_new)  # our bugs stop the run: they must be seen
+        return method.run(ids, temperature, seed, max_new, learn)  # our bugs stop the run: they must be seen
     try:
         return method.run(ids, temperature, seed, max_new)
     except Exception as e:  # noqa: BLE001 - any failure of another engine on one prompt
@@ -368,9 +374,11 @@ def answer_loglik(model, prompt_ids: list[int], answer: list[int], runner=None) 
 def _model_info(model, runner) -> dict:
     cfg = model.config
     p = next(model.parameters())
+    gguf = isinstance(model, GGUFModel)  # its parameters() are only the float tensors (norms)
     return {
         "name_or_path": getattr(cfg, "_name_or_path", "") or "", "model_type": cfg.model_type,
-        "parameters": sum(t.numel() for t in model.parameters()), "dtype": str(p.dtype).replace("torch.", ""),
+        "parameters": model.n_params if gguf else sum(t.numel() for t in model.parameters()),
+        "dtype": f"GGUF blocks ({model.block_types})" if gguf else str(p.dtype).replace("torch.", ""),
         "device": str(p.device), "runner": type(runner).__name__ if runner is not None else None,
         "vocab_size": getattr(cfg, "vocab_size", None),
     }

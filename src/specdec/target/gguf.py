@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import mmap
 import warnings
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -139,6 +140,9 @@ class GGUFModel:
         if arch not in ARCHS:
             raise SpecdecError(f"weights=gguf runs {', '.join(ARCHS)} models; {path} is {arch!r} (use weights=fp32)")
         tensors = {t.name: t for t in reader.tensors}
+        self.n_params = sum(int(t.n_elements) for t in reader.tensors)
+        kinds = Counter(t.tensor_type.name for t in reader.tensors if int(t.tensor_type) in QUANT_TYPES)
+        self.block_types = ", ".join(k for k, _ in kinds.most_common())  # e.g. "Q4_K, Q6_K" (most used first)
         arena = _Arena(path, [t for t in reader.tensors if int(t.tensor_type) in QUANT_TYPES])
         get = functools.partial(_tensor, tensors, path, arena)
         cfg = config
