@@ -13,12 +13,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from specdec.bench.runner import _model_info
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.target import stream
 from specdec.target.base import tree_mask
-from specdec.target.gguf import QuantTensor, QuantWeight
+from specdec.target.gguf import GGUFModel, QuantTensor, QuantWeight
 from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
@@ -214,3 +215,11 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
             x = torch.randn(n, k, generator=g)
             assert torch.equal(avx2.qlinear(x, ws, ts, None, None), stream.kernel().qlinear(x, ws, ts, None, None)), \
                 (fmt, n)
+
+
+def test_the_bench_reports_a_gguf_targets_parameters_and_block_types(tmp_path):
+    path, model = tiny_gguf(tmp_path / "t.gguf", "Q4_1", "llama")
+    info = _model_info(GGUFModel(path, model.config), None)
+    # every tensor of the file, not only the float ones (the norms) its parameters() yields
+    assert info["parameters"] >= sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    assert info["dtype"].startswith("GGUF blocks (Q4_1")

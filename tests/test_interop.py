@@ -19,7 +19,7 @@ from specdec.heads.runner import runner_for
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.tree import TreeBudget
-from tests.helpers import PROMPTS, make_head, make_head3, make_heads, run, tiny_model
+from tests.helpers import PROMPTS, make_head, make_head3, make_heads, run, tiny_gguf, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +193,17 @@ def test_unknown_format_is_one_line(tmp_path, capsys):
 
 
 # ---- export ----
+
+def test_a_gguf_target_supplies_its_lm_head_rows_to_an_export(tmp_path):
+    """--model a .gguf: the target keeps its blocks, and the export takes the LM head rows de-quantized."""
+    path, model = tiny_gguf(tmp_path / "t.gguf", "Q8_0", "llama")
+    head3 = make_head3(model, draft_vocab=list(range(40)))
+    save_head(head3, tmp_path / "h")
+    assert main(["export-head", str(tmp_path / "h"), "--to", "vllm", "--model", str(path),
+                 "--out", str(tmp_path / "v")]) == 0
+    sd = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert sd["lm_head.weight"].shape == (40, 256) and sd["d2t"].shape == (40,)
+
 
 def test_eagle1_for_vllm_drops_only_a_zero_bias(tiny, tmp_path):
     head = make_head(tiny, seed=1)  # no fc bias

@@ -10,6 +10,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.heads.interop import ENGINES, detect, export_head, import_head
 from specdec.options import one_line_errors
+from specdec.target.gguf import QuantTensor
 from specdec.target.loading import load_model, resolve
 
 _MODEL_HELP = ("the target (HF dir, .gguf or smollm2): every tensor is checked against it, and it supplies "
@@ -47,7 +48,8 @@ def _target(spec: str | None) -> tuple[torch.Tensor | None, int | None]:
     if spec is None:
         return None, None
     model, _, _ = load_model(spec, "cpu", torch.float32)
-    return model.get_output_embeddings().weight.detach(), model.config.num_hidden_layers
+    w = model.get_output_embeddings().weight  # a .gguf target keeps its blocks: the rows a head takes, in fp32
+    return (w.dequantize() if isinstance(w, QuantTensor) else w.detach()), model.config.num_hidden_layers
 
 
 def cmd_import(args) -> int:
