@@ -194,9 +194,13 @@ def test_unknown_format_is_one_line(tmp_path, capsys):
 
 # ---- export ----
 
-def test_a_gguf_target_supplies_its_lm_head_rows_to_an_export(tmp_path):
+def test_a_gguf_target_supplies_its_lm_head_rows_to_an_export(tmp_path, monkeypatch):
     """--model a .gguf: the target keeps its blocks, and the export takes the LM head rows de-quantized."""
-    path, model = tiny_gguf(tmp_path / "t.gguf", "Q8_0", "llama")
+    from specdec.cli import interop as cli_interop
+    from specdec.target.gguf import GGUFModel
+
+    path, model = tiny_gguf(tmp_path / "t.gguf", "Q8_0", "llama", num_hidden_layers=8)  # no tokenizer: load stood in
+    monkeypatch.setattr(cli_interop, "load_model", lambda spec, *a: (GGUFModel(spec, model.config), None, None))
     head3 = make_head3(model, draft_vocab=list(range(40)))
     save_head(head3, tmp_path / "h")
     assert main(["export-head", str(tmp_path / "h"), "--to", "vllm", "--model", str(path),
