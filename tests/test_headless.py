@@ -244,6 +244,8 @@ def test_earlier_answers_supply_matches_the_request_lacks():
     own = ctx_of([31, 32, 33, 50, 9, 31, 32, 33])  # the request's own text wins a match of the same length
     d.begin(own)
     assert d.propose(own).tokens.tolist()[0] == 50
+    with pytest.raises(SpecdecError, match="history >= 0, got .*history=-1"):
+        NgramDrafter(history=-1)
 
 
 def test_the_history_keeps_the_newer_half_of_its_cap_from_an_answer_start():

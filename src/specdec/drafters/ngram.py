@@ -85,9 +85,11 @@ class NgramDrafter(Drafter):
     def __init__(self, tree_size: int = 16, topk: int = 2, max_ngram: int = 6, min_value: float = 0.0,
                  history: int | History = HISTORY_TOKENS) -> None:
         """history: a History to share, or how many earlier answers' tokens to keep (0: none)."""
-        if tree_size < 1 or topk < 1 or max_ngram < 1 or not 0.0 <= min_value < 1.0:
-            raise SpecdecError(f"n-gram drafting needs tree_size, topk, max_ngram >= 1 and 0 <= min_value < 1, got "
-                               f"tree_size={tree_size}, topk={topk}, max_ngram={max_ngram}, min_value={min_value}")
+        bad_history = not isinstance(history, History) and history < 0
+        if tree_size < 1 or topk < 1 or max_ngram < 1 or not 0.0 <= min_value < 1.0 or bad_history:
+            raise SpecdecError(f"n-gram drafting needs tree_size, topk, max_ngram >= 1, 0 <= min_value < 1 and "
+                               f"history >= 0, got tree_size={tree_size}, topk={topk}, max_ngram={max_ngram}, "
+                               f"min_value={min_value}, history={history}")
         self.tree_size, self.topk, self.max_ngram, self.min_value = tree_size, topk, max_ngram, min_value
         self.draft_depth = tree_size
         self.index: NgramIndex | None = None
