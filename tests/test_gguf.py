@@ -53,14 +53,19 @@ def act_quantized(x: np.ndarray, block: int) -> np.ndarray:
     return (np.rint(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
 
 
+@pytest.mark.parametrize("rows", [40, 48])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_each_format_matches_its_dequantized_reference(fmt):
+def test_each_format_matches_its_dequantized_reference(fmt, rows):
+    """40 rows: the file's layout; 48: Q4_0, Q4_1 and Q8_0 re-laid for the x16 kernel, every value kept."""
     k = 512 if fmt in K_QUANTS else 352  # 11 blocks of 32: not a whole group of 8
-    w, ref_w = qtensor(fmt, 40, k)
+    w, ref_w = qtensor(fmt, rows, k)
     assert np.array_equal(w.dequantize().numpy(), ref_w.astype(np.float32))  # the gguf package's own decoding
     x = np.random.default_rng(1).standard_normal((9, k)).astype(np.float32)
     x[4] *= 1000  # an outlier row must not coarsen the other rows' quantization
-    y = QuantWeight([w], None)(torch.from_numpy(x)).numpy()
+    lin = QuantWeight([w], None)
+    assert w.x16 == (rows == 48 and fmt in ("Q4_0", "Q4_1", "Q8_0"))
+    assert np.array_equal(w.dequantize().numpy(), ref_w.astype(np.float32))  # re-laid: the same values
+    y = lin(torch.from_numpy(x)).numpy()
     ref = act_quantized(x, w.family).astype(np.float64) @ ref_w.T
     assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
     assert np.abs(y - x @ ref_w.T).max() / np.abs(ref).max() < 0.05  # and close to the float product
@@ -199,8 +204,9 @@ def test_loading_maps_the_file_and_builds_no_float_copy(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="compares the AVX-512 build")
 def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
-    """The kernel's AVX2 code (two accumulators, one block at a time) does per lane what its AVX-512 code
-    does (two blocks per vector): a model gives the same bits on either kind of machine."""
+    """The kernel's AVX2 code (two accumulators, one block at a time; x16: 8 outputs a vector) does per lane
+    what its AVX-512 code does (two blocks per vector; x16: 16 outputs): a model gives the same bits on
+    either kind of machine."""
     from torch.utils.cpp_extension import load
 
     stream._ninja_on_path()
@@ -209,12 +215,13 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
     g = torch.Generator().manual_seed(0)
     for fmt in FORMATS:
         k = 512 if fmt in K_QUANTS else 352
-        lin = QuantWeight([qtensor(fmt, 40, k)[0]], None)
-        ws, ts, _ = lin.groups[0]
-        for n in (1, 2, 3, 8, 11):
-            x = torch.randn(n, k, generator=g)
-            assert torch.equal(avx2.qlinear(x, ws, ts, None, None), stream.kernel().qlinear(x, ws, ts, None, None)), \
-                (fmt, n)
+        for rows in (40, 48):  # 48: the x16 kernel where the format has it
+            lin = QuantWeight([qtensor(fmt, rows, k)[0]], None)
+            ws, ts, key = lin.groups[0]
+            for n in (1, 2, 3, 8, 11):
+                x = torch.randn(n, k, generator=g)
+                assert torch.equal(getattr(avx2, lin.parts[0].op)(x, ws, ts, None, None),
+                                   lin.call(key)(x, ws, ts, None, None)), (fmt, rows, n)
 
 
 def test_the_bench_reports_a_gguf_targets_parameters_and_block_types(tmp_path):

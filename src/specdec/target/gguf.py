@@ -31,11 +31,23 @@ FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 ARCHS = ("llama", "qwen2", "mistral")
 
 
+X16_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: re-laid 16 rows at a time for the kernel (kernels/interleaved.cpp)
+
+
 class QuantTensor:
-    """A quantized matrix [O, K]: `data` uint8 [O, K / block * bytes], rows in GGUF's block layout."""
+    """A quantized matrix [O, K]: `data` uint8 [O, K / block * bytes], rows in GGUF's block layout, or after
+    interleave() (x16) in records of 16 rows per block, the same bytes re-ordered."""
 
     def __init__(self, data: torch.Tensor, qtype: int, k: int) -> None:
         self.data, self.qtype, self.shape = data, qtype, (data.shape[0], k)
+        self.x16 = False
+
+    def interleave(self) -> QuantTensor:
+        """Re-lay the rows in place for the x16 kernel where the format and row count allow (idempotent)."""
+        if not self.x16 and self.qtype in X16_TYPES and self.shape[0] % 16 == 0:
+            self.data.copy_(stream.kernel().repack16(self.data, self.qtype))
+            self.x16 = True
+        return self
 
     @property
     def type_name(self) -> str:
@@ -46,12 +58,18 @@ class QuantTensor:
         return QUANT_TYPES[self.qtype][1]
 
     @property
+    def op(self) -> str:
+        """The kernel op that reads it."""
+        return "qlinear16" if self.x16 else "qlinear"
+
+    @property
     def nbytes(self) -> int:
         return self.data.numel()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """These rows de-quantized to fp32 [len(ids), K] (an embedding lookup)."""
-        return stream.kernel().qdequant(self.data, self.qtype, self.shape[1], ids.reshape(-1).cpu())
+        k = stream.kernel()
+        return (k.qdequant16 if self.x16 else k.qdequant)(self.data, self.qtype, self.shape[1], ids.reshape(-1).cpu())
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix in fp32 (heads that need the float embedding; tests)."""
@@ -59,37 +77,44 @@ class QuantTensor:
 
     def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
         """The rows in this order, in place (the bytes stay where the loader put them)."""
+        if self.x16:
+            raise SpecdecError("an interleaved tensor's rows cannot be permuted: permute before the kernel sees it")
         self.data.copy_(self.data[perm])
         return self
 
 
 class QuantWeight:
     """y = x W^T + b over one or more QuantTensors side by side (fused q/k/v may mix formats); every
-    call quantizes x once per activation block size. Same call shape as stream.StreamWeight."""
+    call quantizes x once per activation block size. Same call shape as stream.StreamWeight. The parts the
+    x16 kernel reads are re-laid for it here (QuantTensor.interleave)."""
 
     def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None) -> None:
-        self.parts = parts
+        self.parts = [p.interleave() for p in parts]
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.groups: list[tuple[list[torch.Tensor], list[int], int]] = []  # (weights, types, family)
-        for p in parts:  # consecutive parts of one block family share a kernel call
-            if self.groups and self.groups[-1][2] == p.family:
+        self.groups: list[tuple[list[torch.Tensor], list[int], str]] = []  # (weights, types, kernel op)
+        for p in self.parts:  # consecutive parts one op reads with one activation block size share a call
+            key = f"{p.op}/{p.family}"
+            if self.groups and self.groups[-1][2] == key:
                 self.groups[-1][0].append(p.data)
                 self.groups[-1][1].append(p.qtype)
             else:
-                self.groups.append(([p.data], [p.qtype], p.family))
+                self.groups.append(([p.data], [p.qtype], key))
         self._kernel = stream.kernel()
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    def call(self, key: str):
+        """The kernel op of a group."""
+        return getattr(self._kernel, key.split("/")[0])
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        k = self._kernel
         if len(self.groups) == 1:
-            ws, ts, _ = self.groups[0]
-            return k.qlinear(x, ws, ts, self.bias, residual)
-        y = torch.cat([k.qlinear(x, ws, ts) for ws, ts, _ in self.groups], dim=-1)
+            ws, ts, key = self.groups[0]
+            return self.call(key)(x, ws, ts, self.bias, residual)
+        y = torch.cat([self.call(key)(x, ws, ts) for ws, ts, key in self.groups], dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else residual + y

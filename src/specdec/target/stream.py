@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 
-SOURCES = [Path(__file__).with_name("kernels") / f for f in ("stream.cpp", "fused.cpp", "quant.cpp")]
+SOURCES = [Path(__file__).with_name("kernels") / f for f in ("stream.cpp", "fused.cpp", "quant.cpp",
+                                                                "interleaved.cpp")]
 HEADER = Path(__file__).with_name("kernels") / "ops.h"  # part of the build's key, not compiled on its own
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # no contraction: sums in source order
 # the same per-lane operations in 16-lane vectors: the same bits, fewer instructions (torch's AVX512 level
@@ -139,6 +140,24 @@ def _self_check(mod) -> None:
     gu = torch.randn(5, 48, generator=g) * 4
     _agree("silu_mul", mod.silu_mul(gu), F.silu(gu[:, :24]) * gu[:, 24:], [mod.silu_mul(gu[i:i + 1]) for i in range(5)])
     _check_rope_attend(mod, g)
+    _check_x16(mod, g)
+
+
+def _check_x16(mod, g: torch.Generator) -> None:
+    """qlinear16 on 16 Q8_0 rows re-laid by repack16: the values kept, the product as the float one's
+    (up to the activations' int8 rounding), rows independent."""
+    blocks = torch.randint(-127, 128, (16, 2, 34), generator=g, dtype=torch.int8).view(torch.uint8)
+    blocks[:, :, :2] = torch.tensor([0x1F, 0x20], dtype=torch.uint8)  # fp16 scale ~0.008
+    w = blocks.reshape(16, 68).contiguous()
+    w16, x = mod.repack16(w, 8), torch.randn(5, 64, generator=g)
+    dense = mod.qdequant(w, 8, 64, torch.arange(16))
+    if not torch.equal(mod.qdequant16(w16, 8, 64, torch.arange(16)), dense):
+        raise RuntimeError("self-check failed: repack16 changed the weights' values")
+    y = mod.qlinear16(x, [w16], [8])
+    if (y - F.linear(x, dense)).abs().max() > 0.02 * F.linear(x, dense).abs().max():
+        raise RuntimeError("self-check failed: qlinear16 differs from torch's")
+    if not torch.equal(torch.cat([mod.qlinear16(x[i:i + 1], [w16], [8]) for i in range(5)]), y):
+        raise RuntimeError("self-check failed: qlinear16's rows depend on each other")
 
 
 def _check_rope_attend(mod, g: torch.Generator) -> None:

@@ -17,3 +17,11 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                       const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
 torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
+void quantize_row32(const float* x, int64_t K, int8_t* q, float* d);  // int8 codes per 32, scale max|x| / 127
+
+// interleaved.cpp
+bool x16_type(int64_t t);
+torch::Tensor repack16(const torch::Tensor& w, int64_t type);
+torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
+torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                        const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);

@@ -1,0 +1,332 @@
+// Linears on 32-block weights (Q4_0, Q4_1, Q8_0) re-laid 16 output rows at a time ("x16").
+//
+// Why: a one-row forward spends its time on each block's float steps, not on bytes. In the file's layout
+// a 32-block of one output is a dot product of its own: eight integer lanes of four codes, then
+// convert, scale and accumulate, ~12 instructions for 32 multiply-adds, so a SmolLM2 Q4_1 forward at one
+// row streamed its weights at a third of the memory's speed. Re-laid, one 64-byte vector holds four codes
+// of each of 16 outputs, an activation dword is broadcast to all of them, and eight integer steps give all
+// 16 outputs their whole block sum: the float steps are then paid once per block for 16 outputs.
+//
+// Layout: per group of 16 rows and block b, one record of 16x the block's bytes (the tensor keeps its size):
+//   Q4_0 [d fp16 x16][codes 256 B]  Q4_1 [d fp16 x16][m fp16 x16][codes 256 B]  Q8_0 [d fp16 x16][codes 512 B]
+// Q4 codes: byte 64h + 4o + i is the file's qs byte 4h + i of output o, so its low nibble is element 4h + i
+// and its high nibble element 16 + 4h + i: vector h, masked, is step h; shifted, step h + 4. Q8_0 codes:
+// byte 64j + 4o + i is element 4j + i of output o (step j).
+//
+// Numerics (every build, every N): per activation row n, output o and block b, the integer S = sum of the
+// 32 code products (exact, in any order); then acc_o = fma(float(S), d_o,b * x_n,b, acc_o) and, for the
+// offset formats, off_o = fma(m_o,b, s_n,b, off_o), in block order; y = acc_o + off_o. Each output is its
+// own lane: the AVX2 code (8 lanes) and the AVX-512 code (16) do the same per output, so the same bits,
+// and no row's result depends on another row's (batch invariant).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "ops.h"
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+constexpr int G = 16;  // outputs per group
+
+int64_t block_bytes16(int t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : 0; }
+int64_t codes_at(int t) { return t == Q4_1 ? 64 : 32; }  // the codes follow the fp16 scales (and offsets)
+
+struct Acts16 {
+  std::vector<int8_t> q;  // [N][K]
+  std::vector<float> d, s;  // [N][K / 32]: the block's scale, scale * sum of its codes
+};
+
+void quantize16(const float* x, int64_t N, int64_t K, Acts16& a) {
+  const int64_t nb = K / 32;
+  a.q.resize(N * K);
+  a.d.resize(N * nb);
+  a.s.resize(N * nb);
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; n++) {
+      int8_t* q = a.q.data() + n * K;
+      quantize_row32(x + n * K, K, q, a.d.data() + n * nb);
+      for (int64_t b = 0; b < nb; b++) {
+        int s = 0;
+        for (int j = 0; j < 32; j++) s += q[b * 32 + j];
+        a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
+      }
+    }
+  });
+}
+
+inline int32_t dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_UNSIGNED_X  // vpdpbusd never saturates: x + 128 (unsigned) may meet signed codes
+#endif
+
+#ifdef __AVX512BW__
+using VI = __m512i;
+using VF = __m512;
+constexpr int L = 16;  // lanes: outputs per vector
+inline VI v_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI v_bcast(int32_t v) { return _mm512_set1_epi32(v); }
+inline VI v_mask4(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline VI v_high4(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline VI v_abs8(VI v) { return _mm512_abs_epi8(v); }
+inline VI v_sign8(VI x, VI w) {  // x where w > 0, -x where w < 0, 0 where w = 0 (AVX-512 has no psignb)
+  const __mmask64 neg = _mm512_movepi8_mask(w), zero = _mm512_testn_epi8_mask(w, w);
+  return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+inline VI v_dot(VI acc, VI u, VI s) {  // acc + per lane the four products u8 x s8 (exact)
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+inline VI v_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VF v_scales(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF f_zero() { return _mm512_setzero_ps(); }
+inline VF f_set(float v) { return _mm512_set1_ps(v); }
+inline VF f_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF f_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF f_add(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF f_cvt(VI v) { return _mm512_cvtepi32_ps(v); }
+inline void f_store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+#else
+using VI = __m256i;
+using VF = __m256;
+constexpr int L = 8;
+inline VI v_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VI v_bcast(int32_t v) { return _mm256_set1_epi32(v); }
+inline VI v_mask4(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline VI v_high4(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline VI v_abs8(VI v) { return _mm256_abs_epi8(v); }
+inline VI v_sign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
+inline VI v_dot(VI acc, VI u, VI s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline VI v_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VF v_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF f_zero() { return _mm256_setzero_ps(); }
+inline VF f_set(float v) { return _mm256_set1_ps(v); }
+inline VF f_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF f_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF f_add(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF f_cvt(VI v) { return _mm256_cvtepi32_ps(v); }
+inline void f_store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// Outputs [o0, o0 + L) of one group (lanes `half` * L onwards of its 16) for activation rows n0..n0+R-1.
+template <int T, int R>
+void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
+                int64_t ystride) {
+  constexpr int64_t RB = (T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34) * G;
+  constexpr int64_t C = T == Q4_1 ? 64 : 32;
+  VF acc[R], off[R];
+  for (int r = 0; r < R; r++) acc[r] = off[r] = f_zero();
+  const int64_t lane = half * L;  // first output of this vector within the group
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec = recs + b * RB;
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB + 64 * (RB / 128)), _MM_HINT_T0);
+    VI u[8], w[8];  // per step: the unsigned operand (codes, or |w|); Q8_0: the signed codes
+    VI wsum128 = v_bcast(0);  // Q8_0 with VNNI: 128 * each output's code sum (see below)
+    if (T == Q8_0) {
+      for (int j = 0; j < 8; j++) {
+        w[j] = v_load(rec + C + 64 * j + 4 * lane);
+#ifdef Q8_UNSIGNED_X
+        wsum128 = v_dot(wsum128, v_bcast(0x01010101), w[j]);
+#else
+        u[j] = v_abs8(w[j]);
+#endif
+      }
+#ifdef Q8_UNSIGNED_X
+      wsum128 = _mm512_slli_epi32(wsum128, 7);
+#endif
+    } else {
+      for (int h = 0; h < 4; h++) {
+        const VI p = v_load(rec + C + 64 * h + 4 * lane);
+        u[h] = v_mask4(p);
+        u[h + 4] = v_high4(p);
+      }
+    }
+    const VF dw = v_scales(rec + 2 * lane);
+    const VF mo = T == Q4_1 ? v_scales(rec + 32 + 2 * lane) : T == Q4_0 ? f_mul(dw, f_set(-8.f)) : f_zero();
+    for (int r = 0; r < R; r++) {
+      const int8_t* xq = a.q.data() + (n0 + r) * K + 32 * b;
+      VI s0 = v_bcast(0), s1 = v_bcast(0);
+      for (int j = 0; j < 8; j += 2) {
+        if (T != Q8_0) {
+          s0 = v_dot(s0, u[j], v_bcast(dword(xq + 4 * j)));
+          s1 = v_dot(s1, u[j + 1], v_bcast(dword(xq + 4 * j + 4)));
+        } else {
+#ifdef Q8_UNSIGNED_X  // sum (x + 128) w - 128 sum w: one instruction a step, no sign fix-up per row
+          s0 = v_dot(s0, v_bcast(static_cast<int32_t>(dword(xq + 4 * j) ^ 0x80808080)), w[j]);
+          s1 = v_dot(s1, v_bcast(static_cast<int32_t>(dword(xq + 4 * j + 4) ^ 0x80808080)), w[j + 1]);
+#else  // |w| times x with w's sign (|products| fit the 16-bit pair sums of vpmaddubsw)
+          s0 = v_dot(s0, u[j], v_sign8(v_bcast(dword(xq + 4 * j)), w[j]));
+          s1 = v_dot(s1, u[j + 1], v_sign8(v_bcast(dword(xq + 4 * j + 4)), w[j + 1]));
+#endif
+        }
+      }
+      VI sum = v_add(s0, s1);
+#ifdef Q8_UNSIGNED_X
+      if (T == Q8_0) sum = _mm512_sub_epi32(sum, wsum128);
+#endif
+      const int64_t i = (n0 + r) * nb + b;
+      acc[r] = f_fma(f_cvt(sum), f_mul(dw, f_set(a.d[i])), acc[r]);
+      if (T != Q8_0) off[r] = f_fma(mo, f_set(a.s[i]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) f_store(y + (n0 + r) * ystride + lane, f_add(acc[r], off[r]));
+}
+
+#ifdef __AVX512BW__
+constexpr int RT = 8;  // activation rows per pass over a group's records
+#else
+constexpr int RT = 4;
+#endif
+
+template <int T>
+void group(const uint8_t* recs, int64_t nb, const Acts16& a, int64_t K, int64_t N, float* y, int64_t ystride) {
+  for (int half = 0; half < G / L; half++) {
+    int64_t n = 0;
+    for (; n + RT <= N; n += RT) group_rows<T, RT>(recs, nb, half, a, K, n, y, ystride);
+    switch (N - n) {
+#ifdef __AVX512BW__
+      case 7: group_rows<T, 7>(recs, nb, half, a, K, n, y, ystride); break;
+      case 6: group_rows<T, 6>(recs, nb, half, a, K, n, y, ystride); break;
+      case 5: group_rows<T, 5>(recs, nb, half, a, K, n, y, ystride); break;
+      case 4: group_rows<T, 4>(recs, nb, half, a, K, n, y, ystride); break;
+#endif
+      case 3: group_rows<T, 3>(recs, nb, half, a, K, n, y, ystride); break;
+      case 2: group_rows<T, 2>(recs, nb, half, a, K, n, y, ystride); break;
+      case 1: group_rows<T, 1>(recs, nb, half, a, K, n, y, ystride); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }
+
+torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
+  const int t = static_cast<int>(type);
+  TORCH_CHECK(x16_type(t), "x16 re-layout reads Q4_0, Q4_1 and Q8_0, not type ", t);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) % G == 0,
+              "x16 re-layout needs uint8 rows, a multiple of 16 of them");
+  const int64_t bb = block_bytes16(t), nb = w.size(1) / bb, O = w.size(0);
+  TORCH_CHECK(w.size(1) == nb * bb, "rows are not whole blocks");
+  auto out = torch::empty_like(w);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t C = codes_at(t);
+  at::parallel_for(0, O / G, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; g++)
+      for (int64_t b = 0; b < nb; b++) {
+        uint8_t* rec = dst + (g * nb + b) * G * bb;
+        for (int o = 0; o < G; o++) {
+          const uint8_t* blk = src + (g * G + o) * w.size(1) + b * bb;
+          std::memcpy(rec + 2 * o, blk, 2);  // d
+          if (t == Q4_1) std::memcpy(rec + 32 + 2 * o, blk + 2, 2);  // m
+          const uint8_t* qs = blk + (t == Q4_1 ? 4 : 2);
+          const int steps = t == Q8_0 ? 8 : 4;
+          for (int j = 0; j < steps; j++) std::memcpy(rec + C + 64 * j + 4 * o, qs + 4 * j, 4);
+        }
+      }
+  });
+  return out;
+}
+
+torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {
+  const int t = static_cast<int>(type);
+  TORCH_CHECK(x16_type(t) && K % 32 == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+              w.size(1) == K / 32 * block_bytes16(t) && w.size(0) % G == 0, "not an x16 tensor of this type");
+  const auto idx = ids.to(torch::kLong).contiguous();
+  const int64_t n = idx.numel(), nb = K / 32, bb = block_bytes16(t), C = codes_at(t);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; r++) TORCH_CHECK(ip[r] >= 0 && ip[r] < w.size(0), "row index out of range");
+  auto out = torch::empty({n, K}, torch::kFloat);
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
+      const int64_t g = ip[r] / G, o = ip[r] % G;
+      float* y = out.data_ptr<float>() + r * K;
+      for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* rec = w.data_ptr<uint8_t>() + (g * nb + b) * G * bb;
+        uint16_t h;
+        std::memcpy(&h, rec + 2 * o, 2);
+        const float d = _cvtsh_ss(h);
+        float moff = t == Q4_0 ? -8.f * d : 0.f;
+        if (t == Q4_1) {
+          std::memcpy(&h, rec + 32 + 2 * o, 2);
+          moff = _cvtsh_ss(h);
+        }
+        for (int k = 0; k < 32; k++) {
+          float c;
+          if (t == Q8_0) {
+            c = static_cast<float>(static_cast<int8_t>(rec[C + 64 * (k / 4) + 4 * o + k % 4]));
+          } else {
+            const int j = k % 16;
+            const uint8_t byte = rec[C + 64 * (j / 4) + 4 * o + j % 4];
+            c = static_cast<float>(k < 16 ? byte & 0x0F : byte >> 4);
+          }
+          y[b * 32 + k] = d * c + moff;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x [..., K] fp32; ws: x16 tensors [O_i, K / 32 * bytes] (O_i a multiple of 16), types their GGML ids ->
+// [..., sum O_i] (+ bias, then + residual).
+torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                        const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be fp32 on the CPU");
+  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one type per weight");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  std::vector<int64_t> gstart(ws.size() + 1, 0);  // first group of each segment
+  for (size_t i = 0; i < ws.size(); i++) {
+    const int t = static_cast<int>(types[i]);
+    TORCH_CHECK(x16_type(t), "x16 weights are Q4_0, Q4_1 or Q8_0, not type ", t);
+    TORCH_CHECK(ws[i].scalar_type() == torch::kUInt8 && ws[i].is_contiguous() && ws[i].dim() == 2 &&
+                    ws[i].size(0) % G == 0 && ws[i].size(1) == K / 32 * block_bytes16(t),
+                "weights do not match x");
+    gstart[i + 1] = gstart[i] + ws[i].size(0) / G;
+  }
+  const auto xs = x.reshape({-1, K}).contiguous();
+  const int64_t N = xs.size(0), nb = K / 32, O = gstart.back() * G;
+  Acts16 acts;
+  quantize16(xs.data_ptr<float>(), N, K, acts);
+  auto y = torch::empty({N, O}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, gstart.back(), 1, [&](int64_t lo, int64_t hi) {
+    size_t seg = 0;
+    for (int64_t g = lo; g < hi; g++) {
+      while (g >= gstart[seg + 1]) seg++;
+      const int64_t bb = block_bytes16(static_cast<int>(types[seg]));
+      const uint8_t* recs = ws[seg].data_ptr<uint8_t>() + (g - gstart[seg]) * nb * G * bb;
+      float* yo = yp + g * G;
+      switch (static_cast<int>(types[seg])) {
+        case Q4_0: group<Q4_0>(recs, nb, acts, K, N, yo, O); break;
+        case Q4_1: group<Q4_1>(recs, nb, acts, K, N, yo, O); break;
+        default: group<Q8_0>(recs, nb, acts, K, N, yo, O); break;
+      }
+    }
+  });
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == O, "bias must be fp32 [O]");
+    y.add_(*bias);
+  }
+  if (residual.has_value()) y = residual->reshape({-1, O}) + y;
+  auto shape = x.sizes().vec();
+  shape.back() = O;
+  return y.view(shape);
+}
