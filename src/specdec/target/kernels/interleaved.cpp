@@ -29,33 +29,46 @@
 
 namespace {
 
-enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
 constexpr int G = 16;  // outputs per group
 
-int64_t block_bytes16(int t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : 0; }
+int64_t block_bytes16(int t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : t == Q4_K ? 144 : 0; }
+int64_t block_elems16(int t) { return t == Q4_K ? 256 : 32; }
 int64_t codes_at(int t) { return t == Q4_1 ? 64 : 32; }  // the codes follow the fp16 scales (and offsets)
 
 struct Acts16 {
   std::vector<int8_t> q;  // [N][K]
-  std::vector<float> d, s;  // [N][K / 32]: the block's scale, scale * sum of its codes
+  std::vector<float> d;  // [N][K / B]: the scale of each block of B (32, or 256 for K-quants)
+  std::vector<float> s;  // B = 32: [N][K / 32] the block's scale * the sum of its codes
+  std::vector<int32_t> bs;  // B = 256: [N][K / 32] the sum of each 32 codes
 };
 
-void quantize16(const float* x, int64_t N, int64_t K, Acts16& a) {
-  const int64_t nb = K / 32;
+void quantize16(const float* x, int64_t N, int64_t K, int B, Acts16& a) {
+  const int64_t nb = K / B, n32 = K / 32;
   a.q.resize(N * K);
   a.d.resize(N * nb);
-  a.s.resize(N * nb);
+  if (B == 32) a.s.resize(N * nb);
+  else a.bs.resize(N * n32);
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
       int8_t* q = a.q.data() + n * K;
-      quantize_row32(x + n * K, K, q, a.d.data() + n * nb);
-      for (int64_t b = 0; b < nb; b++) {
+      quantize_blocks(x + n * K, K, B, q, a.d.data() + n * nb);
+      for (int64_t b = 0; b < n32; b++) {
         int s = 0;
         for (int j = 0; j < 32; j++) s += q[b * 32 + j];
-        a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
+        if (B == 32) a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
+        else a.bs[n * n32 + b] = s;
       }
     }
   });
+}
+
+// Q4_K's twelve bytes of 6-bit scales and mins -> sc[8], m[8] (llama.cpp's k_quants layout)
+void scales_mins_k4_(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  for (int j = 0; j < 8; j++) {
+    sc[j] = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m[j] = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
 }
 
 inline int32_t dword(const int8_t* p) {
@@ -89,6 +102,11 @@ inline VI v_dot(VI acc, VI u, VI s) {  // acc + per lane the four products u8 x 
 #endif
 }
 inline VI v_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI v_mul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+inline VI v_and(VI a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+inline VI v_or(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI v_shr(VI a, int n) { return _mm512_srli_epi32(a, n); }
+inline VI v_shl(VI a, int n) { return _mm512_slli_epi32(a, n); }
 inline VF v_scales(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VF f_zero() { return _mm512_setzero_ps(); }
 inline VF f_set(float v) { return _mm512_set1_ps(v); }
@@ -111,6 +129,11 @@ inline VI v_dot(VI acc, VI u, VI s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 inline VI v_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI v_mul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+inline VI v_and(VI a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+inline VI v_or(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI v_shr(VI a, int n) { return _mm256_srli_epi32(a, n); }
+inline VI v_shl(VI a, int n) { return _mm256_slli_epi32(a, n); }
 inline VF v_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VF f_zero() { return _mm256_setzero_ps(); }
 inline VF f_set(float v) { return _mm256_set1_ps(v); }
@@ -186,11 +209,80 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
   for (int r = 0; r < R; r++) f_store(y + (n0 + r) * ystride + lane, f_add(acc[r], off[r]));
 }
 
+// Q4_K, per group of 16 rows and super-block, one record of 16 x 144 bytes:
+//   [d fp16 x16][dmin fp16 x16][the 12 scale bytes as three dwords u0, u1, u2: each x16][codes 2048 B]
+// codes: byte 64 (8c + s) + 4o + i is the file's qs byte 32c + 4s + i of output o: low nibble sub-block 2c,
+// high nibble sub-block 2c + 1, step s of each. Per row, output and super-block: the integers
+// isum = sum_j sc_j S_j and msum = sum_j m_j (sum of sub-block j's activation codes), exact; then
+// acc = fma(float(isum), d x_d, acc) and off = fma(float(msum), dmin (-x_d), off); y = acc + off.
+template <int R>
+void group_rows_q4k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
+                    int64_t ystride) {
+  constexpr int64_t RB = 144 * G;
+  const int64_t lane = half * L;
+  VF acc[R], off[R];
+  for (int r = 0; r < R; r++) acc[r] = off[r] = f_zero();
+  for (int64_t i = 0; i < nsb; i++) {
+    const uint8_t* rec = recs + i * RB;
+    const VI u0 = v_load(rec + 64 + 4 * lane), u1 = v_load(rec + 128 + 4 * lane), u2 = v_load(rec + 192 + 4 * lane);
+    // llama.cpp's 6-bit unpacking, one output per lane: four scales (or mins) as the four bytes of a lane
+    const VI sc[2] = {v_and(u0, 0x3f3f3f3f), v_or(v_and(u2, 0x0f0f0f0f), v_shl(v_and(v_shr(u0, 6), 0x03030303), 4))};
+    const VI mn[2] = {v_and(u1, 0x3f3f3f3f),
+                      v_or(v_and(v_shr(u2, 4), 0x0f0f0f0f), v_shl(v_and(v_shr(u1, 6), 0x03030303), 4))};
+    VI isum[R], msum[R];
+    for (int r = 0; r < R; r++) isum[r] = msum[r] = v_bcast(0);
+    for (int c = 0; c < 4; c++) {
+      VI lo[R], hi[R];
+      for (int r = 0; r < R; r++) lo[r] = hi[r] = v_bcast(0);
+      for (int s = 0; s < 8; s++) {
+        const int64_t at = 256 + 64 * (8 * c + s);
+        _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * RB + at), _MM_HINT_T0);
+        const VI p = v_load(rec + at + 4 * lane), cl = v_mask4(p), ch = v_high4(p);
+        for (int r = 0; r < R; r++) {
+          const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 64 * c + 4 * s;
+          lo[r] = v_dot(lo[r], cl, v_bcast(dword(xq)));
+          hi[r] = v_dot(hi[r], ch, v_bcast(dword(xq + 32)));
+        }
+      }
+      const VI s0 = v_and(v_shr(sc[c / 2], 16 * (c % 2)), 0xFF), s1 = v_and(v_shr(sc[c / 2], 16 * (c % 2) + 8), 0xFF);
+      for (int r = 0; r < R; r++) isum[r] = v_add(isum[r], v_add(v_mul(lo[r], s0), v_mul(hi[r], s1)));
+    }
+    for (int j = 0; j < 8; j++) {
+      const VI m = v_and(v_shr(mn[j / 4], 8 * (j % 4)), 0xFF);
+      for (int r = 0; r < R; r++) msum[r] = v_add(msum[r], v_mul(m, v_bcast(a.bs[(n0 + r) * (K / 32) + 8 * i + j])));
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * RB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * RB + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * RB + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * RB + 192), _MM_HINT_T0);
+    const VF d = v_scales(rec + 2 * lane), dmin = v_scales(rec + 32 + 2 * lane);
+    for (int r = 0; r < R; r++) {
+      const float xd = a.d[(n0 + r) * nsb + i];
+      acc[r] = f_fma(f_cvt(isum[r]), f_mul(d, f_set(xd)), acc[r]);
+      off[r] = f_fma(f_cvt(msum[r]), f_mul(dmin, f_set(-xd)), off[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) f_store(y + (n0 + r) * ystride + lane, f_add(acc[r], off[r]));
+}
+
 #ifdef __AVX512BW__
 constexpr int RT = 8;  // activation rows per pass over a group's records
 #else
 constexpr int RT = 4;
 #endif
+
+void group_q4k(const uint8_t* recs, int64_t nsb, const Acts16& a, int64_t K, int64_t N, float* y, int64_t ystride) {
+  for (int half = 0; half < G / L; half++) {
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4) group_rows_q4k<4>(recs, nsb, half, a, K, n, y, ystride);
+    switch (N - n) {
+      case 3: group_rows_q4k<3>(recs, nsb, half, a, K, n, y, ystride); break;
+      case 2: group_rows_q4k<2>(recs, nsb, half, a, K, n, y, ystride); break;
+      case 1: group_rows_q4k<1>(recs, nsb, half, a, K, n, y, ystride); break;
+      default: break;
+    }
+  }
+}
 
 template <int T>
 void group(const uint8_t* recs, int64_t nb, const Acts16& a, int64_t K, int64_t N, float* y, int64_t ystride) {
@@ -214,7 +306,7 @@ void group(const uint8_t* recs, int64_t nb, const Acts16& a, int64_t K, int64_t 
 
 }  // namespace
 
-bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0; }
+bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q4_K; }
 
 torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
   const int t = static_cast<int>(type);
@@ -233,6 +325,13 @@ torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
         uint8_t* rec = dst + (g * nb + b) * G * bb;
         for (int o = 0; o < G; o++) {
           const uint8_t* blk = src + (g * G + o) * w.size(1) + b * bb;
+          if (t == Q4_K) {  // d, dmin, the scales' three dwords, then the codes (see group_rows_q4k)
+            std::memcpy(rec + 2 * o, blk, 2);
+            std::memcpy(rec + 32 + 2 * o, blk + 2, 2);
+            for (int u = 0; u < 3; u++) std::memcpy(rec + 64 * (u + 1) + 4 * o, blk + 4 + 4 * u, 4);
+            for (int q = 0; q < 32; q++) std::memcpy(rec + 256 + 64 * q + 4 * o, blk + 16 + 4 * q, 4);
+            continue;
+          }
           std::memcpy(rec + 2 * o, blk, 2);  // d
           if (t == Q4_1) std::memcpy(rec + 32 + 2 * o, blk + 2, 2);  // m
           const uint8_t* qs = blk + (t == Q4_1 ? 4 : 2);
@@ -246,10 +345,11 @@ torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
 
 torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {
   const int t = static_cast<int>(type);
-  TORCH_CHECK(x16_type(t) && K % 32 == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
-              w.size(1) == K / 32 * block_bytes16(t) && w.size(0) % G == 0, "not an x16 tensor of this type");
+  const int64_t E = block_elems16(t);
+  TORCH_CHECK(x16_type(t) && K % E == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+              w.size(1) == K / E * block_bytes16(t) && w.size(0) % G == 0, "not an x16 tensor of this type");
   const auto idx = ids.to(torch::kLong).contiguous();
-  const int64_t n = idx.numel(), nb = K / 32, bb = block_bytes16(t), C = codes_at(t);
+  const int64_t n = idx.numel(), nb = K / E, bb = block_bytes16(t), C = codes_at(t);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; r++) TORCH_CHECK(ip[r] >= 0 && ip[r] < w.size(0), "row index out of range");
   auto out = torch::empty({n, K}, torch::kFloat);
@@ -262,6 +362,20 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
         uint16_t h;
         std::memcpy(&h, rec + 2 * o, 2);
         const float d = _cvtsh_ss(h);
+        if (t == Q4_K) {
+          std::memcpy(&h, rec + 32 + 2 * o, 2);
+          const float dmin = _cvtsh_ss(h);
+          uint8_t packed[12], sc[8], m[8];
+          for (int u = 0; u < 3; u++) std::memcpy(packed + 4 * u, rec + 64 * (u + 1) + 4 * o, 4);
+          scales_mins_k4_(packed, sc, m);
+          for (int e = 0; e < 256; e++) {
+            const int j = e / 32, k = e % 32;
+            const uint8_t byte = rec[256 + 64 * (8 * (j / 2) + k / 4) + 4 * o + k % 4];
+            const float c = static_cast<float>(j % 2 ? byte >> 4 : byte & 0x0F);
+            y[b * 256 + e] = d * static_cast<float>(sc[j]) * c - dmin * static_cast<float>(m[j]);
+          }
+          continue;
+        }
         float moff = t == Q4_0 ? -8.f * d : 0.f;
         if (t == Q4_1) {
           std::memcpy(&h, rec + 32 + 2 * o, 2);
@@ -290,21 +404,21 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be fp32 on the CPU");
   TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one type per weight");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  const int64_t K = x.size(-1), E = block_elems16(static_cast<int>(types.at(0)));
+  TORCH_CHECK(K % E == 0, "K must be a multiple of the block size");
   std::vector<int64_t> gstart(ws.size() + 1, 0);  // first group of each segment
   for (size_t i = 0; i < ws.size(); i++) {
     const int t = static_cast<int>(types[i]);
-    TORCH_CHECK(x16_type(t), "x16 weights are Q4_0, Q4_1 or Q8_0, not type ", t);
+    TORCH_CHECK(x16_type(t) && block_elems16(t) == E, "x16 weights of one call are Q4_0, Q4_1, Q8_0, or Q4_K");
     TORCH_CHECK(ws[i].scalar_type() == torch::kUInt8 && ws[i].is_contiguous() && ws[i].dim() == 2 &&
-                    ws[i].size(0) % G == 0 && ws[i].size(1) == K / 32 * block_bytes16(t),
+                    ws[i].size(0) % G == 0 && ws[i].size(1) == K / E * block_bytes16(t),
                 "weights do not match x");
     gstart[i + 1] = gstart[i] + ws[i].size(0) / G;
   }
   const auto xs = x.reshape({-1, K}).contiguous();
-  const int64_t N = xs.size(0), nb = K / 32, O = gstart.back() * G;
+  const int64_t N = xs.size(0), nb = K / E, O = gstart.back() * G;
   Acts16 acts;
-  quantize16(xs.data_ptr<float>(), N, K, acts);
+  quantize16(xs.data_ptr<float>(), N, K, static_cast<int>(E), acts);
   auto y = torch::empty({N, O}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, gstart.back(), 1, [&](int64_t lo, int64_t hi) {
@@ -317,6 +431,7 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
       switch (static_cast<int>(types[seg])) {
         case Q4_0: group<Q4_0>(recs, nb, acts, K, N, yo, O); break;
         case Q4_1: group<Q4_1>(recs, nb, acts, K, N, yo, O); break;
+        case Q4_K: group_q4k(recs, nb, acts, K, N, yo, O); break;
         default: group<Q8_0>(recs, nb, acts, K, N, yo, O); break;
       }
     }

@@ -17,7 +17,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torc
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                       const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
 torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
-void quantize_row32(const float* x, int64_t K, int8_t* q, float* d);  // int8 codes per 32, scale max|x| / 127
+// int8 codes per block of B, scale max|x| / 127 (the activations of every quantized linear)
+void quantize_blocks(const float* x, int64_t K, int B, int8_t* q, float* d);
 
 // interleaved.cpp
 bool x16_type(int64_t t);

@@ -664,7 +664,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return y.view(shape);
 }
 
-void quantize_row32(const float* x, int64_t K, int8_t* q, float* d) { quantize_row(x, K, 32, q, d); }
+void quantize_blocks(const float* x, int64_t K, int B, int8_t* q, float* d) { quantize_row(x, K, B, q, d); }
 
 // rows of a GGUF-quantized matrix [R, bytes] as fp32 [len(ids), K] (embedding lookups, tests)
 torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {
