@@ -29,11 +29,13 @@
 
 namespace {
 
-enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
+enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 constexpr int G = 16;  // outputs per group
 
-int64_t block_bytes16(int t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : t == Q4_K ? 144 : 0; }
-int64_t block_elems16(int t) { return t == Q4_K ? 256 : 32; }
+int64_t block_bytes16(int t) {
+  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : t == Q4_K ? 144 : t == Q6_K ? 210 : 0;
+}
+int64_t block_elems16(int t) { return t >= Q4_K ? 256 : 32; }
 int64_t codes_at(int t) { return t == Q4_1 ? 64 : 32; }  // the codes follow the fp16 scales (and offsets)
 
 struct Acts16 {
@@ -41,6 +43,7 @@ struct Acts16 {
   std::vector<float> d;  // [N][K / B]: the scale of each block of B (32, or 256 for K-quants)
   std::vector<float> s;  // B = 32: [N][K / 32] the block's scale * the sum of its codes
   std::vector<int32_t> bs;  // B = 256: [N][K / 32] the sum of each 32 codes
+  std::vector<int32_t> b16;  // B = 256: [N][K / 16] 32 times the sum of each 16 codes (Q6_K's offset)
 };
 
 void quantize16(const float* x, int64_t N, int64_t K, int B, Acts16& a) {
@@ -48,7 +51,7 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, Acts16& a) {
   a.q.resize(N * K);
   a.d.resize(N * nb);
   if (B == 32) a.s.resize(N * nb);
-  else a.bs.resize(N * n32);
+  else a.bs.resize(N * n32), a.b16.resize(N * n32 * 2);
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
       int8_t* q = a.q.data() + n * K;
@@ -56,8 +59,15 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, Acts16& a) {
       for (int64_t b = 0; b < n32; b++) {
         int s = 0;
         for (int j = 0; j < 32; j++) s += q[b * 32 + j];
-        if (B == 32) a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
-        else a.bs[n * n32 + b] = s;
+        if (B == 32) {
+          a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
+          continue;
+        }
+        a.bs[n * n32 + b] = s;
+        int lo = 0;
+        for (int j = 0; j < 16; j++) lo += q[b * 32 + j];
+        a.b16[n * n32 * 2 + 2 * b] = 32 * lo;
+        a.b16[n * n32 * 2 + 2 * b + 1] = 32 * (s - lo);
       }
     }
   });
@@ -107,6 +117,11 @@ inline VI v_and(VI a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(
 inline VI v_or(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI v_shr(VI a, int n) { return _mm512_srli_epi32(a, n); }
 inline VI v_shl(VI a, int n) { return _mm512_slli_epi32(a, n); }
+inline VI v_sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+inline VI v_bytes_i32(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI v_and8(VI a, int8_t m) { return _mm512_and_si512(a, _mm512_set1_epi8(m)); }
+inline VI v_shr16(VI a, int n) { return _mm512_srli_epi16(a, n); }
+inline VI v_shl16(VI a, int n) { return _mm512_slli_epi16(a, n); }
 inline VF v_scales(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VF f_zero() { return _mm512_setzero_ps(); }
 inline VF f_set(float v) { return _mm512_set1_ps(v); }
@@ -134,6 +149,11 @@ inline VI v_and(VI a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(
 inline VI v_or(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI v_shr(VI a, int n) { return _mm256_srli_epi32(a, n); }
 inline VI v_shl(VI a, int n) { return _mm256_slli_epi32(a, n); }
+inline VI v_sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VI v_bytes_i32(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI v_and8(VI a, int8_t m) { return _mm256_and_si256(a, _mm256_set1_epi8(m)); }
+inline VI v_shr16(VI a, int n) { return _mm256_srli_epi16(a, n); }
+inline VI v_shl16(VI a, int n) { return _mm256_slli_epi16(a, n); }
 inline VF v_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VF f_zero() { return _mm256_setzero_ps(); }
 inline VF f_set(float v) { return _mm256_set1_ps(v); }
@@ -271,14 +291,70 @@ constexpr int RT = 8;  // activation rows per pass over a group's records
 constexpr int RT = 4;
 #endif
 
-void group_q4k(const uint8_t* recs, int64_t nsb, const Acts16& a, int64_t K, int64_t N, float* y, int64_t ystride) {
+// Q6_K, per group of 16 rows and super-block, one record of 16 x 210 bytes:
+//   [d fp16 x16][scales int8: byte 16g + o is output o's scale of elements 16g..16g+15][codes 3072 B]
+// codes, per half h (elements 128h..128h+127) 1536 B: three runs of eight 64-byte vectors, t = 0..7, byte
+// 4o + i of each: the file's ql byte 64h + 4t + i (low nibble: element 128h + 4t + i, high: +64), ql byte
+// 64h + 32 + 4t + i (+32, +96), qh byte 32h + 4t + i (bits 2a..2a+1: the top bits of quarter a's element).
+// Per row, output and super-block the integer isum = sum_g sc_g (S_g - 32 sum of group g's activation
+// codes), exact; acc = fma(float(isum), d x_d, acc); y = acc.
+template <int R>
+void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
+                    int64_t ystride) {
+  constexpr int64_t RB = 210 * G;
+  const int64_t lane = half * L;
+  VF acc[R];
+  for (int r = 0; r < R; r++) acc[r] = f_zero();
+  for (int64_t i = 0; i < nsb; i++) {
+    const uint8_t* rec = recs + i * RB;
+    VI isum[R];
+    for (int r = 0; r < R; r++) isum[r] = v_bcast(0);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* cs = rec + 288 + 1536 * h;
+      for (int q = 0; q < 4; q++) {  // quarter q of the half: 32 elements, scale groups 8h + 2q and + 1
+        VI sg[2][R];
+        for (int r = 0; r < R; r++) sg[0][r] = sg[1][r] = v_bcast(0);
+        for (int t = 0; t < 8; t++) {
+          const int64_t at = 64 * t + 4 * lane;
+          _mm_prefetch(reinterpret_cast<const char*>(cs + 2 * RB + 64 * t + 512 * (q % 3)), _MM_HINT_T0);
+          const VI nib = v_load(cs + at + 512 * (q % 2)), hb = v_load(cs + 1024 + at);
+          const VI lo4 = q < 2 ? v_and8(nib, 0x0F) : v_and8(v_shr16(nib, 4), 0x0F);
+          const VI code = v_or(lo4, v_shl16(v_and8(v_shr16(hb, 2 * q), 0x03), 4));
+          for (int r = 0; r < R; r++) {
+            const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 128 * h + 32 * q + 4 * t;
+            sg[t / 4][r] = v_dot(sg[t / 4][r], code, v_bcast(dword(xq)));
+          }
+        }
+        for (int u = 0; u < 2; u++) {
+          const int g = 8 * h + 2 * q + u;
+          const VI sc = v_bytes_i32(rec + 32 + 16 * g + lane);
+          for (int r = 0; r < R; r++) {
+            const VI off = v_bcast(a.b16[(n0 + r) * (K / 16) + 16 * i + g]);
+            isum[r] = v_add(isum[r], v_mul(v_sub(sg[u][r], off), sc));
+          }
+        }
+      }
+    }
+    const VF d = v_scales(rec + 2 * lane);
+    for (int r = 0; r < R; r++) acc[r] = f_fma(f_cvt(isum[r]), f_mul(d, f_set(a.d[(n0 + r) * nsb + i])), acc[r]);
+  }
+  for (int r = 0; r < R; r++) f_store(y + (n0 + r) * ystride + lane, acc[r]);
+}
+
+template <int T>
+void group_k(const uint8_t* recs, int64_t nsb, const Acts16& a, int64_t K, int64_t N, float* y, int64_t ystride) {
+  const auto rows = [&](auto tile, int half, int64_t n) {
+    constexpr int R = decltype(tile)::value;
+    if (T == Q4_K) group_rows_q4k<R>(recs, nsb, half, a, K, n, y, ystride);
+    else group_rows_q6k<R>(recs, nsb, half, a, K, n, y, ystride);
+  };
   for (int half = 0; half < G / L; half++) {
     int64_t n = 0;
-    for (; n + 4 <= N; n += 4) group_rows_q4k<4>(recs, nsb, half, a, K, n, y, ystride);
+    for (; n + 4 <= N; n += 4) rows(std::integral_constant<int, 4>{}, half, n);
     switch (N - n) {
-      case 3: group_rows_q4k<3>(recs, nsb, half, a, K, n, y, ystride); break;
-      case 2: group_rows_q4k<2>(recs, nsb, half, a, K, n, y, ystride); break;
-      case 1: group_rows_q4k<1>(recs, nsb, half, a, K, n, y, ystride); break;
+      case 3: rows(std::integral_constant<int, 3>{}, half, n); break;
+      case 2: rows(std::integral_constant<int, 2>{}, half, n); break;
+      case 1: rows(std::integral_constant<int, 1>{}, half, n); break;
       default: break;
     }
   }
@@ -306,7 +382,7 @@ void group(const uint8_t* recs, int64_t nb, const Acts16& a, int64_t K, int64_t 
 
 }  // namespace
 
-bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q4_K; }
+bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q4_K || t == Q6_K; }
 
 torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
   const int t = static_cast<int>(type);
@@ -330,6 +406,18 @@ torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
             std::memcpy(rec + 32 + 2 * o, blk + 2, 2);
             for (int u = 0; u < 3; u++) std::memcpy(rec + 64 * (u + 1) + 4 * o, blk + 4 + 4 * u, 4);
             for (int q = 0; q < 32; q++) std::memcpy(rec + 256 + 64 * q + 4 * o, blk + 16 + 4 * q, 4);
+            continue;
+          }
+          if (t == Q6_K) {  // d, the scales, then per half ql's two runs and qh's (see group_rows_q6k)
+            std::memcpy(rec + 2 * o, blk + 208, 2);
+            for (int g = 0; g < 16; g++) rec[32 + 16 * g + o] = blk[192 + g];
+            for (int h = 0; h < 2; h++)
+              for (int q = 0; q < 8; q++) {
+                uint8_t* cs = rec + 288 + 1536 * h + 64 * q + 4 * o;
+                std::memcpy(cs, blk + 64 * h + 4 * q, 4);
+                std::memcpy(cs + 512, blk + 64 * h + 32 + 4 * q, 4);
+                std::memcpy(cs + 1024, blk + 128 + 32 * h + 4 * q, 4);
+              }
             continue;
           }
           std::memcpy(rec + 2 * o, blk, 2);  // d
@@ -362,6 +450,17 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
         uint16_t h;
         std::memcpy(&h, rec + 2 * o, 2);
         const float d = _cvtsh_ss(h);
+        if (t == Q6_K) {
+          for (int e = 0; e < 256; e++) {
+            const int hf = e / 128, q = (e % 128) / 32, l = e % 32;
+            const uint8_t* cs = rec + 288 + 1536 * hf + 64 * (l / 4) + 4 * o + l % 4;
+            const int nib = q < 2 ? cs[512 * (q % 2)] & 0x0F : cs[512 * (q % 2)] >> 4;
+            const int code = nib | (((cs[1024] >> (2 * q)) & 3) << 4);
+            const int sc = static_cast<int8_t>(rec[32 + 16 * (e / 16) + o]);
+            y[b * 256 + e] = d * static_cast<float>(sc) * static_cast<float>(code) - d * static_cast<float>(32 * sc);
+          }
+          continue;
+        }
         if (t == Q4_K) {
           std::memcpy(&h, rec + 32 + 2 * o, 2);
           const float dmin = _cvtsh_ss(h);
@@ -431,7 +530,8 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
       switch (static_cast<int>(types[seg])) {
         case Q4_0: group<Q4_0>(recs, nb, acts, K, N, yo, O); break;
         case Q4_1: group<Q4_1>(recs, nb, acts, K, N, yo, O); break;
-        case Q4_K: group_q4k(recs, nb, acts, K, N, yo, O); break;
+        case Q4_K: group_k<Q4_K>(recs, nb, acts, K, N, yo, O); break;
+        case Q6_K: group_k<Q6_K>(recs, nb, acts, K, N, yo, O); break;
         default: group<Q8_0>(recs, nb, acts, K, N, yo, O); break;
       }
     }
