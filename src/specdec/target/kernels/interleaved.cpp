@@ -91,78 +91,59 @@ inline int32_t dword(const int8_t* p) {
 #define Q8_UNSIGNED_X  // vpdpbusd never saturates: x + 128 (unsigned) may meet signed codes
 #endif
 
+// One set of wrappers for both vector widths: MM names an intrinsic of this width, SI its whole-register form.
 #ifdef __AVX512BW__
 using VI = __m512i;
 using VF = __m512;
 constexpr int L = 16;  // lanes: outputs per vector
+#define MM(op) _mm512_##op
+#define SI(op) _mm512_##op##_si512
 inline VI v_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline VI v_bcast(int32_t v) { return _mm512_set1_epi32(v); }
-inline VI v_mask4(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-inline VI v_high4(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
-inline VI v_abs8(VI v) { return _mm512_abs_epi8(v); }
 inline VI v_sign8(VI x, VI w) {  // x where w > 0, -x where w < 0, 0 where w = 0 (AVX-512 has no psignb)
   const __mmask64 neg = _mm512_movepi8_mask(w), zero = _mm512_testn_epi8_mask(w, w);
   return _mm512_maskz_mov_epi8(~zero, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
 }
-inline VI v_dot(VI acc, VI u, VI s) {  // acc + per lane the four products u8 x s8 (exact)
-#ifdef __AVX512VNNI__
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
-}
-inline VI v_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
-inline VI v_mul(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
-inline VI v_and(VI a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
-inline VI v_or(VI a, VI b) { return _mm512_or_si512(a, b); }
-inline VI v_shr(VI a, int n) { return _mm512_srli_epi32(a, n); }
-inline VI v_shl(VI a, int n) { return _mm512_slli_epi32(a, n); }
-inline VI v_sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
 inline VI v_bytes_i32(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline VI v_and8(VI a, int8_t m) { return _mm512_and_si512(a, _mm512_set1_epi8(m)); }
-inline VI v_shr16(VI a, int n) { return _mm512_srli_epi16(a, n); }
-inline VI v_shl16(VI a, int n) { return _mm512_slli_epi16(a, n); }
 inline VF v_scales(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline VF f_zero() { return _mm512_setzero_ps(); }
-inline VF f_set(float v) { return _mm512_set1_ps(v); }
-inline VF f_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF f_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF f_add(VF a, VF b) { return _mm512_add_ps(a, b); }
-inline VF f_cvt(VI v) { return _mm512_cvtepi32_ps(v); }
-inline void f_store(float* p, VF v) { _mm512_storeu_ps(p, v); }
 #else
 using VI = __m256i;
 using VF = __m256;
 constexpr int L = 8;
+#define MM(op) _mm256_##op
+#define SI(op) _mm256_##op##_si256
 inline VI v_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VI v_bcast(int32_t v) { return _mm256_set1_epi32(v); }
-inline VI v_mask4(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-inline VI v_high4(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-inline VI v_abs8(VI v) { return _mm256_abs_epi8(v); }
 inline VI v_sign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
-inline VI v_dot(VI acc, VI u, VI s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-inline VI v_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
-inline VI v_mul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
-inline VI v_and(VI a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
-inline VI v_or(VI a, VI b) { return _mm256_or_si256(a, b); }
-inline VI v_shr(VI a, int n) { return _mm256_srli_epi32(a, n); }
-inline VI v_shl(VI a, int n) { return _mm256_slli_epi32(a, n); }
-inline VI v_sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
 inline VI v_bytes_i32(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline VI v_and8(VI a, int8_t m) { return _mm256_and_si256(a, _mm256_set1_epi8(m)); }
-inline VI v_shr16(VI a, int n) { return _mm256_srli_epi16(a, n); }
-inline VI v_shl16(VI a, int n) { return _mm256_slli_epi16(a, n); }
 inline VF v_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline VF f_zero() { return _mm256_setzero_ps(); }
-inline VF f_set(float v) { return _mm256_set1_ps(v); }
-inline VF f_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF f_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF f_add(VF a, VF b) { return _mm256_add_ps(a, b); }
-inline VF f_cvt(VI v) { return _mm256_cvtepi32_ps(v); }
-inline void f_store(float* p, VF v) { _mm256_storeu_ps(p, v); }
 #endif
+inline VI v_bcast(int32_t v) { return MM(set1_epi32)(v); }
+inline VI v_mask4(VI v) { return SI(and)(v, MM(set1_epi8)(0x0F)); }
+inline VI v_high4(VI v) { return SI(and)(MM(srli_epi16)(v, 4), MM(set1_epi8)(0x0F)); }
+inline VI v_abs8(VI v) { return MM(abs_epi8)(v); }
+inline VI v_dot(VI acc, VI u, VI s) {  // acc + per lane the four products u8 x s8 (exact)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return MM(add_epi32)(acc, MM(madd_epi16)(MM(maddubs_epi16)(u, s), MM(set1_epi16)(1)));
+#endif
+}
+inline VI v_add(VI a, VI b) { return MM(add_epi32)(a, b); }
+inline VI v_sub(VI a, VI b) { return MM(sub_epi32)(a, b); }
+inline VI v_mul(VI a, VI b) { return MM(mullo_epi32)(a, b); }
+inline VI v_and(VI a, int32_t m) { return SI(and)(a, MM(set1_epi32)(m)); }
+inline VI v_and8(VI a, int8_t m) { return SI(and)(a, MM(set1_epi8)(m)); }
+inline VI v_or(VI a, VI b) { return SI(or)(a, b); }
+inline VI v_shr(VI a, int n) { return MM(srli_epi32)(a, n); }
+inline VI v_shl(VI a, int n) { return MM(slli_epi32)(a, n); }
+inline VI v_shr16(VI a, int n) { return MM(srli_epi16)(a, n); }
+inline VI v_shl16(VI a, int n) { return MM(slli_epi16)(a, n); }
+inline VF f_zero() { return MM(setzero_ps)(); }
+inline VF f_set(float v) { return MM(set1_ps)(v); }
+inline VF f_mul(VF a, VF b) { return MM(mul_ps)(a, b); }
+inline VF f_fma(VF a, VF b, VF c) { return MM(fmadd_ps)(a, b, c); }
+inline VF f_add(VF a, VF b) { return MM(add_ps)(a, b); }
+inline VF f_cvt(VI v) { return MM(cvtepi32_ps)(v); }
+inline void f_store(float* p, VF v) { MM(storeu_ps)(p, v); }
 
 // Outputs [o0, o0 + L) of one group (lanes `half` * L onwards of its 16) for activation rows n0..n0+R-1.
 template <int T, int R>
@@ -189,7 +170,7 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
 #endif
       }
 #ifdef Q8_UNSIGNED_X
-      wsum128 = _mm512_slli_epi32(wsum128, 7);
+      wsum128 = v_shl(wsum128, 7);
 #endif
     } else {
       for (int h = 0; h < 4; h++) {
@@ -219,7 +200,7 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
       }
       VI sum = v_add(s0, s1);
 #ifdef Q8_UNSIGNED_X
-      if (T == Q8_0) sum = _mm512_sub_epi32(sum, wsum128);
+      if (T == Q8_0) sum = v_sub(sum, wsum128);
 #endif
       const int64_t i = (n0 + r) * nb + b;
       acc[r] = f_fma(f_cvt(sum), f_mul(dw, f_set(a.d[i])), acc[r]);
