@@ -1,14 +1,16 @@
 """Adaptive speculation (`auto`): the controller's choices, the cost cache, and losslessness with the
 draft size changing from step to step (greedy equality, chi-square at T > 0 with top-k / top-p)."""
 
+import itertools
 import json
 
 import pytest
 import torch
 
-from specdec.drafters.adaptive import AdaptiveDrafter, Choice, Controller, matched, menu_from_tuning
+from specdec.drafters.adaptive import AdaptiveDrafter, matched
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.clock import StepClock
+from specdec.drafters.controller import Choice, Controller, geometric_tail, menu_from_tuning, prefixes
 from specdec.drafters.costs import Costs, load_costs, size_class
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
@@ -29,6 +31,13 @@ from tests.helpers import (
 B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
 MENU = [(B4, 0.9), (B8, 1.3)]
 PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}  # a lookup chain's matched tokens by the n-gram it matched
+
+
+def pick(ctrl: Controller, chain_len: int, room: int = 100, ngram: int = 0, **kw) -> Choice:
+    """The controller's choice for a lookup chain of chain_len tokens after an n-gram match, priced by
+    what it learnt of such chains (AdaptiveDrafter.propose's call)."""
+    return ctrl.choose(chain_len, room, gains=ctrl.chain_gains(ngram, chain_len) if chain_len else None,
+                       beyond=ctrl.chain_beyond(ngram) if chain_len else None, **kw)
 
 
 def costs(slope: float, draft: float = 0.05) -> Costs:
@@ -53,18 +62,23 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
     assert c.target(13) == pytest.approx(6.0)  # along the last segment
 
 
-def reference_choice(ctrl: Controller, chain_len: int, room: int, ngram: int, ctx, gains, catch_up=0.0) -> Choice:
+def reference_choice(ctrl: Controller, chain_len: int, room: int, ctx, gains, catch_up=0.0, beyond=None) -> Choice:
     """The choice spelled out: every option priced by `expected`, the best rate (vanilla's raised by the
-    hurdle), ties within 0.5% to the earliest option."""
+    hurdle), ties within 0.5% to the earliest option. A tree + chain is an option where the chain adds
+    expected tokens beyond the tree's."""
     options = [Choice(None, 0)]
     if room > 0:
         options += [Choice(b, 0) for b, _ in ctrl.menu]
-        lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
-        for m in lengths:
-            options += [Choice(None, m)] + [Choice(b, m) for b, _ in ctrl.menu if ctrl.union]
+        for m in prefixes(chain_len, room):
+            options.append(Choice(None, m))
+            for b, g in ctrl.menu if ctrl.union else []:
+                n = min(m, room - min(b.tree_size, room))
+                tree = ctrl.scale * g * min(b.tree_size, room) / b.tree_size
+                if n > 0 and ctrl.added(gains[n - 1], tree, beyond) > 0:
+                    options.append(Choice(b, m))
     rates = []
     for o in options:
-        tokens, secs = ctrl.expected(o, chain_len, room, ngram, ctx, gains, catch_up)
+        tokens, secs = ctrl.expected(o, chain_len, room, ctx, gains, catch_up, beyond)
         rates.append(tokens / secs * (1 + ctrl.hurdle if o.vanilla and not o.chain else 1))
     best = max(rates)
     return next(o for o, r in zip(options, rates) if r >= best * 0.995)
@@ -73,23 +87,26 @@ def reference_choice(ctrl: Controller, chain_len: int, room: int, ngram: int, ct
 def test_the_step_choice_is_the_best_priced_option_over_random_states():
     g = torch.Generator().manual_seed(0)
     menu = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
-    differ = 0
+    differ = unions = 0
     for i in range(400):
         u = torch.rand(12, generator=g).tolist()
         c = Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
                   {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in menu}, 0.05 * u[2], 0.01 * u[3],
                   attend_s=1e-4 * u[4], ctx=300)
         ctrl = Controller(menu, c, 0.3 + 1.5 * u[5], PRIOR, union=u[6] < 0.7)
-        ctrl.observe_chain(2, 4 * u[7], 2 * u[8])
-        chain_len = int(u[9] * 10)
+        ctrl.observe_chain(2, int(12 * u[7]), 12, int(3 * u[8]))
+        chain_len = int(u[9] * 14)
         room = [0, 3, 7, 100][i % 4]
-        gains = None if i % 3 else [sum(0.9 ** j * u[10] for j in range(1, m + 1)) for m in range(1, chain_len + 1)]
+        gains = ctrl.chain_gains(2, chain_len) if i % 3 else \
+            [sum(0.9 ** j * 3 * u[10] for j in range(1, m + 1)) for m in range(1, chain_len + 1)]
         ctx = [None, 50, 2000][i % 3]
         catch_up = [0.0, 0.1 * u[11]][i % 2]
-        got = ctrl.choose(chain_len, room, 2, ctx, gains, catch_up)
-        assert got == reference_choice(ctrl, chain_len, room, 2, ctx, gains, catch_up), (i, u)
+        beyond = ctrl.chain_beyond(2) if i % 5 else None
+        got = ctrl.choose(chain_len, room, ctx, gains, catch_up, beyond)
+        assert got == reference_choice(ctrl, chain_len, room, ctx, gains, catch_up, beyond), (i, u)
         differ += got != Choice(None, 0)
-    assert differ > 100  # the states cover drafting choices, not only plain steps
+        unions += got.budget is not None and got.chain > 0
+    assert differ > 100 and unions >= 3  # the states cover drafting choices, unions among them
 
 
 def test_choice_follows_the_cost_of_a_wider_forward():
@@ -119,7 +136,8 @@ def test_a_head_tree_after_plain_steps_is_priced_with_its_catch_up():
     ctrl = Controller(MENU, c, 1.0, PRIOR)
     assert ctrl.choose(0, 100) == Choice(B4, False)
     assert ctrl.choose(0, 100, catch_up=0.5).vanilla
-    assert ctrl.choose(4, 100, 3, catch_up=0.5) == ctrl.choose(4, 100, 3) == Choice(None, 4)
+    chain = pick(ctrl, 4, ngram=3)
+    assert chain.budget is None and chain.chain and pick(ctrl, 4, ngram=3, catch_up=0.5) == chain
 
 
 def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
@@ -256,17 +274,35 @@ def test_high_acceptance_grows_the_tree_and_a_good_chain_is_used():
         c.step(tree_observed=True)
         c.observe_tree(3, 1.3)
     assert c.choose(0, 100) == Choice(B8, False)
-    assert not c.choose(8, 100, ngram=1).chain  # a 1-gram match is a poor bet a priori
+    assert pick(c, 8, ngram=1).chain <= 2  # a 1-gram match is a poor bet a priori: a token or two at most
     for _ in range(6):  # the answer repeats itself: chains of 8 from 3-gram matches match 7 tokens
         c.step()
-        c.observe_chain(3, 7.0, 4.0)
-    assert c.choose(8, 100, ngram=3).chain  # (alone here: 7 tokens for t(9) beat the tree + chain)
-    assert not c.choose(8, 100, ngram=1).chain  # evidence about 3-gram matches says nothing of 1-gram ones
+        c.observe_chain(3, 7, 8, 3)
+    assert pick(c, 8, ngram=3).chain >= 6  # (alone here: 7 tokens for t(9) beat the tree + chain)
+    assert pick(c, 8, ngram=1).chain <= 2  # evidence about 3-gram matches says nothing of 1-gram ones
     assert c.choose(0, 100).chain == 0  # no chain this step: nothing to add
     for _ in range(40):  # the repeats end: chains stop matching
         c.step()
-        c.observe_chain(3, 0.0, 0.0)
-    assert not c.choose(8, 100, ngram=3).chain
+        c.observe_chain(3, 0, 8)
+    assert not pick(c, 8, ngram=3).chain
+
+
+def test_a_chain_prefix_is_priced_by_how_far_chains_matched():
+    """Chains that match their first two tokens and then stop: the controller verifies a short prefix,
+    not the whole chain (a failed 12-token chain costs t(13)); the same evidence decays toward the prior
+    over plain steps without being touched on each of them."""
+    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    for _ in range(10):
+        c.step()
+        c.observe_chain(3, 2, 12)
+    gains = c.chain_gains(3, 12)
+    assert gains[1] > 1.6 and gains[-1] - gains[1] < 0.5
+    assert 2 <= pick(c, 12, ngram=3).chain <= 3
+    est = c.chain[3]
+    for _ in range(200):
+        c.step()
+    assert est.at < c.now  # nothing touched it over the plain steps
+    assert c.chain_gains(3, 12) == pytest.approx(list(itertools.accumulate(geometric_tail(1.5))), abs=1e-3)
 
 
 def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
@@ -288,15 +324,15 @@ def test_an_unverified_chain_is_followed_until_it_stops_matching(tiny, trained):
     from specdec.verify import Verdict
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
-    d = AdaptiveDrafter(drafter_for(tiny, head, True), MENU, costs(0.3), lookup=6)
+    d = AdaptiveDrafter(drafter_for(tiny, head, True), MENU, costs(0.7), lookup=6)
     d.eagle.begin = d.eagle.accept = lambda *a: None  # the head plays no part here
     ctx = DecodeContext([40, 41], SamplingParams(), None, 1)
     d.begin(ctx)
-    assert not d.ctrl.choose(6, 100, ngram=3).chain  # t(7) = 2.8 t(1): the 3-gram prior (1.5 tokens) does not pay
-    chain = DraftTree(torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([-1, 0, 1, 2, 3, 4]))
+    assert not pick(d.ctrl, 6, ngram=3).chain  # t(2) = 1.7 t(1): the 3-gram prior (1.5 tokens of 12) does not pay
+    chain = [1, 2, 3, 4, 5, 6]
 
     def vanilla_step(tok, with_chain):
-        d.last = (Choice(None, False), None, 0.0, chain if with_chain else None, 3)
+        d.last = (Choice(None, 0), None, 0.0, chain if with_chain else None, 3)
         ctx.tokens.append(tok)
         d.accept(ctx, Verdict([], [tok], tok))
 
@@ -304,15 +340,15 @@ def test_an_unverified_chain_is_followed_until_it_stops_matching(tiny, trained):
         for i, tok in enumerate([1, 2, 3, 4, 5, 6]):
             vanilla_step(tok, i == 0)
             assert len(d.pending) == (i < 5)  # followed until it matched whole
-    assert d.ctrl.chain_mean(3)[0] > 3 and d.ctrl.choose(6, 100, ngram=3).chain
+    assert d.ctrl.chain_gains(3, 6)[-1] > 3 and pick(d.ctrl, 6, ngram=3).chain
     vanilla_step(1, True)
     vanilla_step(9, False)  # stops matching after one token: scored 1
     assert not d.pending
-    before = d.ctrl.chain_mean(3)[0]
+    before = d.ctrl.chain_gains(3, 6)[-1]
     for _ in range(30):
         vanilla_step(1, True)
         vanilla_step(9, False)
-    assert d.ctrl.chain_mean(3)[0] < min(before, 1.5)
+    assert d.ctrl.chain_gains(3, 6)[-1] < min(before, 1.5)
 
 
 def test_matched_follows_emitted_tokens_through_the_tree():
@@ -372,7 +408,7 @@ def test_adaptive_sampled_children_match_the_target_distribution(params, coupled
     """Sampled requests draft children drawn from the head (sized from the sampled menu), a chain alone
     or nothing, chosen step by step: the first three tokens still follow the target's exact joint."""
     model = flat_tiny()
-    drafter = adaptive_for(model, make_head(model, seed=3), 0.15, lookup=3, sampled=SAMPLED_MENU)
+    drafter = adaptive_for(model, make_head(model, seed=3), 0.1, lookup=3, sampled=SAMPLED_MENU)
     seen = []
     orig = drafter.eagle.propose
     drafter.eagle.propose = lambda ctx, b=None: seen.append(t := orig(ctx, b)) or t
@@ -389,9 +425,11 @@ def test_a_sampled_request_never_merges_a_sampled_tree_with_the_chain():
     c = costs(0.01)
     c.sampled_s = {b: 0.01 for b, _ in SAMPLED_MENU}
     ctrl = Controller(SAMPLED_MENU, c, 1.0, {3: 50.0}, draft_s=c.sampled_s, union=False)
-    assert ctrl.choose(6, 100, ngram=3) == Choice(None, 6)  # a sure chain: alone, never joined
-    both = Controller(MENU, c, 1.0, {3: 50.0})
-    assert both.choose(6, 100, ngram=3).chain and both.choose(6, 100, ngram=3).budget is not None
+    assert pick(ctrl, 6, ngram=3) == Choice(None, 6)  # a sure chain: alone, never joined
+    both = Controller(MENU, c, 1.0, {3: 3.0})
+    for _ in range(5):  # chains that match 4 tokens where the head's trees matched none
+        both.observe_chain(3, 4, 6, tree=0)
+    assert pick(both, 6, ngram=3).chain and pick(both, 6, ngram=3).budget is not None  # greedy: the union
     cheap = Controller(SAMPLED_MENU, c, 2.0, {}, draft_s=c.sampled_s, union=False)
     assert cheap.choose(0, 100) == Choice(TreeBudget(2, 3, 6), False)  # priced by the sampled table and costs
     model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
@@ -511,17 +549,21 @@ def test_step_clock_flags_forwards_far_from_their_price_and_learns_per_size_clas
         c.observe(seen, 1.0)
     assert not near.drifted and slow.drifted and fast.drifted
     clock = StepClock(min_steps=10)  # one-row forwards 3x their price, 8-row ones as priced
-    for _ in range(40):
+    for _ in range(400):
         clock.observe(3.0, 1.0, rows=1)
         clock.observe(2.0, 2.0, rows=8)
     f = clock.factors()
-    assert f[size_class(1)] == pytest.approx(3.0) and f[size_class(8)] == pytest.approx(1.0)
-    assert f[size_class(20)] == pytest.approx(1.0)  # never seen: the nearest class seen
-    assert f[size_class(3)] == pytest.approx(3.0)  # between two: the smaller
+    overall = clock.seen / clock.priced
+    assert f[size_class(1)] > 2.5 and f[size_class(8)] < 1.2  # mostly each class's own ratio (3 and 1)
+    assert f[size_class(20)] == f[size_class(3)] == pytest.approx(overall)  # never seen: the overall ratio
     c = costs(0.1).rescaled(f)
-    assert c.target(5) == pytest.approx(1.4) and c.target(17) == pytest.approx(2.6)
-    assert c.target(1) == pytest.approx(1.4)  # 3.0, floored: one row never costs more than five
-    assert c.draft_s[B4] == pytest.approx(0.15)  # drafting runs on the same loaded machine
+    assert c.target(5) == pytest.approx(1.4 * f[size_class(8)]) and c.target(17) == pytest.approx(2.6 * overall)
+    assert c.target(1) == min(c.target_s.values()) < 3.0  # 3x, floored: one row never costs more than a wider forward
+    assert c.draft_s[B4] == pytest.approx(0.05 * f[0])  # drafting runs on the same loaded machine
+    hiccup = StepClock(min_steps=10)  # three 5-row forwards during a hiccup among plain steps as priced
+    for i in range(100):
+        hiccup.observe(1.45 if i % 30 == 0 else 1.0, 1.0, rows=5 if i % 30 == 0 else 1)
+    assert hiccup.factors()[size_class(5)] < 1.15  # mostly the overall ratio: too few to price 5-row forwards by
     assert not clock.restarted().drifted and clock.restarted().steps == 0
 
 
@@ -618,7 +660,7 @@ def test_a_head_catching_up_after_plain_steps_does_not_teach_the_drafting_price(
         orig = d.eagle.propose
 
         def spy(ctx, budget=None, orig=orig, d=d, backlogs=backlogs):
-            backlogs.append(len(d.eagle.pending))
+            backlogs.append(d.eagle.unread_steps)
             return orig(ctx, budget)
 
         d.eagle.propose = spy

@@ -286,6 +286,8 @@ def test_pad_drafting_continues_with_f_and_scores_with_f_tilde(tiny):
     prompt = [5, 17, 33, 2, 9]  # + the root token 7; the prompt's target features: any will do here
     ctx = DecodeContext(prompt + [7], SamplingParams(), None, len(prompt), torch.randn(len(prompt), 64))
     drafter.begin(ctx)
+    assert not calls  # the prompt's rows are queued
+    drafter.sync(ctx)  # and read as propose() first would
     ((_, f0, g0),) = calls
     assert not torch.allclose(f0, g0)
     torch.testing.assert_close(drafter.last_hidden, f0[-1])

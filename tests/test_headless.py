@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.drafters.adaptive import Controller
 from specdec.drafters.base import DecodeContext, NoDrafter
+from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.headless import Calibration, HeadlessDrafter, draft_menu, tried
@@ -106,12 +106,12 @@ def test_the_verified_prefix_is_priced_by_the_target_cost_of_its_rows():
     """Calibrated acceptance of each node + t(N): a flat t(N) verifies the whole sure draft, a steep one
     (an int8 target's t(8) ~ 2.4 t(1)) only its likely head, and a draft worth nothing is not verified."""
     gains = [0.9, 1.7, 2.3, 2.7, 2.9, 3.0, 3.05, 3.08]  # expected accepted tokens of the first m nodes
-    flat = Controller([], costs(0.0), 1.0, {}).choose(8, 100, 0, None, gains)
-    steep = Controller([], costs(0.2), 1.0, {}).choose(8, 100, 0, None, gains)
+    flat = Controller([], costs(0.0), 1.0, {}).choose(8, 100, None, gains)
+    steep = Controller([], costs(0.2), 1.0, {}).choose(8, 100, None, gains)
     assert flat.budget is None and flat.chain == 8
     assert 2 <= steep.chain <= 4
-    assert Controller([], costs(0.2), 1.0, {}).choose(8, 100, 0, None, [0.05 * i for i in range(1, 9)]).vanilla
-    assert Controller([], costs(0.0), 1.0, {}).choose(8, 3, 0, None, gains).chain == 3  # no more room
+    assert Controller([], costs(0.2), 1.0, {}).choose(8, 100, None, [0.05 * i for i in range(1, 9)]).vanilla
+    assert Controller([], costs(0.0), 1.0, {}).choose(8, 3, None, gains).chain == 3  # no more room
 
 
 def test_calibration_follows_what_the_emitted_tokens_showed():

@@ -8,9 +8,10 @@ Two models, kept apart because only one of them travels:
 - costs (machine-dependent, drafters/costs.py): t(N) of the target, each budget's draft time, the
   head's catch-up after a step, the prompt lookup.
 
-Online, per request, a decaying ratio of observed to expected accepted tokens scales the table (text
-gets easier or harder within an answer: lists, repeats, code), and a decaying mean of the lookup
-chain's matched length prices the chain. Without observations both drift back to their priors, so a
+Online, per request (drafters/controller.py), a decaying ratio of observed to expected accepted tokens
+scales the table (text gets easier or harder within an answer: lists, repeats, code), and the decaying
+share of lookup chains that matched at least i tokens prices each prefix of the chain. Without
+observations both drift back to their priors, so a
 stretch of vanilla steps ends with a try. Both read only verdicts of earlier steps, and the costs are
 fixed within a request: a step's draft never depends on that step's verdict (lossless, greedy and
 sampled). Between requests the costs are rescaled to the observed forwards if they drifted from them
@@ -30,6 +31,7 @@ import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.clock import CatchUp, StepClock
+from specdec.drafters.controller import LOOKUP_PRIOR, Controller
 from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -37,189 +39,8 @@ from specdec.machine import ContentionMeter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
-DECAY = 0.85  # per step: an observation's weight halves in ~4 steps
-PRIOR_WEIGHT = 2.0  # the prior counts as this many expected accepted tokens
 SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, alpha_1 0.35 at T=1 vs 0.64 greedy
-# prior matched tokens of a lookup chain by the n-gram length it matched (greedy; sampled: half)
-LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
 MAX_PENDING = 8  # unverified chains followed at once (each ends within its length)
-# a draft must promise this much more than a plain step. Why: near break-even the estimates' errors and
-# the retries after plain steps cost more than drafting gains; measured on SmolLM2 (the README demo
-# prompt drafted 2-node trees that accepted 0.33 tokens against a break-even of 0.35: 0.94x vanilla)
-HURDLE = 0.05
-
-
-def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
-    """(budget, greedy expected accepted tokens = tau - 1) per tree size, from tune's acceptance table
-    (tuning.load_acceptance): for each size the best tau at depth <= 4 and the best at depth 2 (cheaper
-    to draft), never below a smaller size's best."""
-    best: dict[tuple[int, bool], tuple[float, TreeBudget]] = {}
-    for r in rows:
-        b = TreeBudget(r["depth"], r["topk"], r["tree_size"])
-        if b.depth > 4 or b.topk > 4:
-            continue
-        for shallow in {False, b.depth == 2}:
-            key = (b.tree_size, shallow)
-            if key not in best or r["tau"] > best[key][0]:
-                best[key] = (r["tau"], b)
-    if not best:
-        return [(TreeBudget(2, 3, 4), 0.9), (TreeBudget(3, 4, 8), 1.1)]
-    # a larger tree accepts at least what the best smaller one does: a sampled table's lower estimate is noise
-    menu = {b: max([tau - 1] + [t - 1 for t, s in best.values() if s.tree_size < b.tree_size])
-            for tau, b in best.values()}
-    menu = list(menu.items())  # a budget both the best and the best shallow one of its size is listed once
-    return sorted(menu, key=lambda x: (x[0].tree_size, x[0].depth))
-
-
-@dataclass(frozen=True)
-class Choice:
-    budget: TreeBudget | None  # None: no model tree
-    chain: int  # nodes of the lookup draft joined to the verify (0: none)
-
-    @property
-    def vanilla(self) -> bool:
-        return self.budget is None and not self.chain
-
-
-VANILLA = Choice(None, 0)
-
-
-class Controller:
-    """The per-request estimates and the per-step choice (pure arithmetic: unit-tested on its own).
-
-    Tree: a decaying ratio of observed to expected accepted tokens scales the table's gains. Chain, per
-    n-gram length it matched (a 3-gram match predicts far better than a 1-gram one): the decaying mean
-    of its matched tokens (`alone`), and of what it adds beyond the head's tree (`extra` =
-    max(0, chain matched - tree matched)), which prices the tree + chain union (offered only if `union`).
-    Or, where the caller passes `gains` (gains[m - 1]: expected accepted tokens of the lookup draft's
-    first m nodes, from its own calibrated confidences), every prefix of the draft is priced by them,
-    and a union by the larger of its parts. `draft_s`: what each menu budget's propose() costs (default:
-    the top-k trees' costs)."""
-
-    def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, scale: float,
-                 lookup_prior: dict[int, float] | None = None, decay: float = DECAY,
-                 prior_weight: float = PRIOR_WEIGHT, draft_s: dict[TreeBudget, float] | None = None,
-                 union: bool = True, hurdle: float = HURDLE) -> None:
-        self.menu, self.costs, self.decay, self.union, self.hurdle = menu, costs, decay, union, hurdle
-        self.draft_s = costs.draft_s if draft_s is None else draft_s
-        self.gain = dict(menu)
-        self.scale_prior, self.weight = scale, prior_weight
-        self.num, self.den = prior_weight * scale, prior_weight  # tree: decayed observed / expected tokens
-        self.misses = 0  # head trees in a row that had nothing accepted
-        self.chain_prior = dict(lookup_prior or {})
-        # n-gram -> [alone sum, extra sum, observations], decayed; the prior counts as one observation
-        self.chain = {n: [p, p / 2, 1.0] for n, p in self.chain_prior.items()}
-
-    @property
-    def scale(self) -> float:
-        return self.num / self.den
-
-    def chain_mean(self, ngram: int) -> tuple[float, float]:
-        """(matched tokens of the chain alone, tokens it adds to a tree) expected for this n-gram."""
-        a, e, n = self.chain.get(ngram, (0.0, 0.0, 1.0))
-        return a / n, e / n
-
-    def expected(self, choice: Choice, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None,
-                 gains: list[float] | None = None, catch_up: float = 0.0) -> tuple[float, float]:
-        """(expected tokens, expected seconds) of one step with this choice, after ctx cached tokens;
-        catch_up: the seconds a head tree pays first to read the rows of steps it skipped."""
-        c = self.costs
-        tree = 0.0
-        nodes = 0
-        secs = c.lookup_s if chain_len else 0.0
-        if choice.budget is not None:
-            b = choice.budget
-            nodes = min(b.tree_size, room)
-            tree = self.scale * self.gain[b] * nodes / b.tree_size
-            secs += self.draft_s[b] + c.follow_s + catch_up
-        extra = 0.0
-        if choice.chain:
-            n = min(choice.chain, room - nodes)
-            if gains is None:
-                alone, added = self.chain_mean(ngram)
-            else:  # a union is worth at least its better part (a lower bound: no learnt overlap here)
-                alone = gains[n - 1] if n > 0 else 0.0
-                added = max(0.0, alone - tree)
-            extra = min(float(n), added if choice.budget is not None else alone)
-            nodes += n
-        return 1.0 + tree + extra, secs + c.target(1 + nodes, ctx)
-
-    def choose(self, chain_len: int, room: int, ngram: int = 0, ctx: int | None = None,
-               gains: list[float] | None = None, catch_up: float = 0.0) -> Choice:
-        """chain_len: nodes of this step's lookup draft (0: none); with `gains`, each of its prefixes is
-        an option, else the whole draft. The options are vanilla, each menu tree, and per chain length the
-        chain alone and each tree + chain, priced as `expected` prices them (the same arithmetic, inlined:
-        this runs every step, and on text that drafts nothing it is most of what `auto` adds to a step)."""
-        if room <= 0:
-            return VANILLA
-        c, scale = self.costs, self.scale
-        look = c.lookup_s if chain_len else 0.0
-        t_rows: dict[int, float] = {}
-
-        def target(rows: int) -> float:
-            t = t_rows.get(rows)
-            if t is None:
-                t = t_rows[rows] = c.target(rows, ctx)
-            return t
-
-        # per menu tree: (budget, nodes, expected tree tokens, seconds before the forward)
-        trees = []
-        for b, g in self.menu:
-            nodes = min(b.tree_size, room)
-            trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s + catch_up)))
-        rates: list[tuple[float, TreeBudget | None, int]] = [(1.0 / (look + target(1)) * (1 + self.hurdle), None, 0)]
-        rates += [((1.0 + tree) / (secs + target(1 + nodes)), b, 0) for b, nodes, tree, secs in trees]
-        lengths = range(1, min(chain_len, room) + 1) if gains is not None else [chain_len] if chain_len else []
-        alone, added = self.chain_mean(ngram) if gains is None else (0.0, 0.0)
-        for m in lengths:
-            n = min(m, room)
-            if gains is not None:
-                alone = gains[n - 1] if n > 0 else 0.0
-            rates.append(((1.0 + 0.0 + min(float(n), alone)) / (look + target(1 + n)), None, m))
-            if not self.union:
-                continue
-            for b, nodes, tree, secs in trees:
-                n = min(m, room - nodes)
-                if gains is not None:
-                    alone = gains[n - 1] if n > 0 else 0.0
-                    added = max(0.0, alone - tree)
-                rates.append(((1.0 + tree + min(float(n), added)) / (secs + target(1 + nodes + n)), b, m))
-        best = max(r for r, _, _ in rates)
-        # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
-        r, b, m = next(x for x in rates if x[0] >= best * 0.995)
-        return VANILLA if b is None and not m else Choice(b, m)
-
-    def step(self, tree_observed: bool = False) -> None:
-        """Every step decays the evidence. A step that verified no head tree also pulls the tree estimate
-        toward its prior (so a stretch of plain steps ends with a try); one that did adds its observation
-        instead. Why not both: a pull on every step weighs the prior like ~30% of the evidence, so a
-        stretch of text accepting half the table's tokens read as 0.66 of it and kept drafting at a loss.
-        Each try in a row that had nothing accepted halves the pull (down to an eighth): on text the head
-        cannot follow the tries were pure loss (Spec-Bench QA at T = 1: 4-7 tries in 81 steps, none
-        accepted, 0.95x vanilla)."""
-        d, w = self.decay, self.weight * 0.5 ** min(self.misses, 3)
-        self.num, self.den = d * self.num, d * self.den
-        if not tree_observed:
-            self.num += (1 - d) * w * self.scale_prior
-            self.den += (1 - d) * w
-        for n, s in self.chain.items():
-            p = self.chain_prior[n]
-            s[0], s[1], s[2] = d * s[0] + (1 - d) * p, d * s[1] + (1 - d) * p / 2, d * s[2] + (1 - d)
-
-    def observe_tree(self, accepted: int, expected: float) -> None:
-        self.num += accepted
-        self.den += expected
-        self.misses = 0 if accepted else self.misses + 1
-
-    def observe_chain(self, ngram: int, alone: float, extra: float | None) -> None:
-        """alone: what the chain matched; extra: beyond the tree's accepted tokens (None: no tree drafted)."""
-        s = self.chain.setdefault(ngram, [0.0, 0.0, 0.0])
-        self.chain_prior.setdefault(ngram, 0.0)
-        if extra is None:  # no tree this step: a tree's typical accepted tokens stand in
-            extra = max(0.0, alone - self.scale * self.gain[self.menu[0][0]])
-        s[0] += alone
-        s[1] += extra
-        s[2] += 1.0
 
 
 def matched(tree: DraftTree, tokens: list[int]) -> int:
@@ -312,15 +133,18 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.choices = Counter()
         self.last = None
         self.rows = 0
-        self.pending: list[tuple] = []  # unverified chains still matching: (tokens, n-gram, start, tree matched)
+        # chains still matching past the tokens seen: (tokens, n-gram, start, what the step's tree matched)
+        self.pending: list[tuple] = []
         self.eagle.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
-        chain = self.pld.propose(ctx) if self.pld is not None and ctx.max_nodes > 0 else DraftTree.empty()
-        ngram = self.pld.last_ngram if len(chain) else 0
-        backlog = len(self.eagle.pending)  # steps whose rows the head has not read yet
+        chain = self.pld.lookup(ctx) if self.pld is not None and ctx.max_nodes > 0 else []
+        ngram = self.pld.last_ngram if chain else 0
+        gains = self.ctrl.chain_gains(ngram, len(chain)) if chain else None
+        beyond = self.ctrl.chain_beyond(ngram) if chain else None
+        backlog = self.eagle.unread_steps
         extra = self.catch.extra_rows(self.eagle.pending)
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes, ngram, len(ctx.tokens), catch_up=self.catch.price(extra))
+        choice = self.ctrl.choose(len(chain), ctx.max_nodes, len(ctx.tokens), gains, self.catch.price(extra), beyond)
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
@@ -330,8 +154,9 @@ class AdaptiveDrafter(FollowsTheMachine):
             expected = self.ctrl.gain[b] * min(len(tree), b.tree_size) / b.tree_size
         eagle_tree = tree if choice.budget is not None else None
         if choice.chain and ctx.max_nodes > len(tree):
-            tree = tree.union(chain.select(torch.arange(min(len(chain), ctx.max_nodes - len(tree)))))
-        self.last = (choice, eagle_tree, expected, chain if len(chain) else None, ngram)
+            part = DraftTree.chain(torch.tensor(chain[:min(choice.chain, ctx.max_nodes - len(tree))], dtype=torch.long))
+            tree = tree.union(part) if len(tree) else part
+        self.last = (choice, eagle_tree, expected, chain or None, ngram)
         self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows and context, for the clock
         self.rows_ctx = len(ctx.tokens)
         # what this step's drafting was priced at (None: no head tree, only a lookup at most; or a head that
@@ -362,13 +187,13 @@ class AdaptiveDrafter(FollowsTheMachine):
             t = matched(eagle_tree, new)
             ctrl.observe_tree(t, expected)
         if chain is not None:
-            m = matched(chain, new)
-            if not choice.chain and m == len(new) < len(chain):
-                # unverified and still matching: follow it over the next steps' tokens (what it would have
-                # matched, learnt for free: a chain the controller never verifies is still priced right)
-                self.pending.append((chain.tokens.tolist(), ngram, len(ctx.tokens) - len(new), t))
+            m = next((i for i, (a, b) in enumerate(zip(chain, new)) if a != b), min(len(chain), len(new)))
+            if m == len(new) < len(chain):
+                # still matching past what this step emitted (unverified, or verified in part): follow it over
+                # the next steps' tokens, so a chain is priced by what it would have matched
+                self.pending.append((chain, ngram, len(ctx.tokens) - len(new), t))
             else:
-                ctrl.observe_chain(ngram, float(m), None if t is None else max(0.0, m - t))
+                ctrl.observe_chain(ngram, m, len(chain), t)
         self._follow_pending(ctx)
         self.last = None
 
@@ -377,9 +202,10 @@ class AdaptiveDrafter(FollowsTheMachine):
         for i, (toks, ngram, start, t) in enumerate(self.pending):
             seq = ctx.tokens[start:start + len(toks)]
             m = next((j for j, (a, b) in enumerate(zip(toks, seq)) if a != b), len(seq))
-            # settled: it stopped matching, matched whole, or is among the oldest past MAX_PENDING (m so far)
-            if m < len(seq) or m == len(toks) or len(self.pending) - i > MAX_PENDING:
-                self.ctrl.observe_chain(ngram, float(m), None if t is None else max(0.0, m - t))
+            if m < len(seq) or m == len(toks):  # settled: it stopped matching, or matched whole
+                self.ctrl.observe_chain(ngram, m, len(toks), t)
+            elif len(self.pending) - i > MAX_PENDING:  # among the oldest past the cap: what it showed so far
+                self.ctrl.observe_chain(ngram, m, m, t)
             else:
                 keep.append((toks, ngram, start, t))
         self.pending = keep

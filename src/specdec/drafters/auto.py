@@ -21,9 +21,10 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from specdec.drafters.adaptive import AdaptiveDrafter, menu_from_tuning
+from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.clock import StepClock
+from specdec.drafters.controller import menu_from_tuning
 from specdec.drafters.costs import load_costs
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
 from specdec.drafters.headless import build_headless

@@ -24,8 +24,9 @@ class StepClock:
     machine (t(1) 15 ms) for good; and a forward timed by a probe (the least disturbed of a few) sits
     below a typical step under load. `factors` turns what was seen into new prices (Costs.rescaled)."""
 
-    MIN_SEEN = 3.0  # decayed steps of a size class before its own ratio is trusted
-    CLASS_SEEN = 8.0  # ... before its own ratio alone can say the prices drifted
+    MIN_SEEN = 3.0  # decayed drafted steps before the drafting ratio is trusted
+    PRIOR_STEPS = 16.0  # a size class's ratio counts the overall ratio as this many of its steps
+    CLASS_SEEN = 8.0  # decayed steps of a size class before its own ratio alone can say the prices drifted
 
     def __init__(self, drift: float = 1.1, min_steps: int = 64, decay: float = 0.99) -> None:
         self.drift, self.min_steps, self.decay = drift, min_steps, decay
@@ -38,11 +39,12 @@ class StepClock:
         d = self.decay
         self.seen = d * self.seen + seconds
         self.priced = d * self.priced + priced
+        hit = size_class(rows)
         for i, c in enumerate(self.by_class):
-            hit = i == size_class(rows)
-            c[0] = d * c[0] + (seconds if hit else 0.0)
-            c[1] = d * c[1] + (priced if hit else 0.0)
-            c[2] = d * c[2] + hit
+            if i == hit:
+                c[0], c[1], c[2] = d * c[0] + seconds, d * c[1] + priced, d * c[2] + 1.0
+            else:
+                c[0], c[1], c[2] = d * c[0], d * c[1], d * c[2]
         self.steps += 1
 
     def observe_draft(self, seconds: float, priced: float) -> None:
@@ -71,13 +73,16 @@ class StepClock:
         return c[0] / c[1] if c[2] >= self.MIN_SEEN and c[1] > 0 else None
 
     def factors(self) -> list[float]:
-        """Observed / priced per size class; a class seen fewer than MIN_SEEN times takes the nearest
-        class's that was (the smaller on a tie), or the overall ratio."""
-        seen = [i for i, c in enumerate(self.by_class) if c[2] >= self.MIN_SEEN and c[1] > 0]
-        if not seen:
-            return [self.seen / self.priced if self.priced > 0 else 1.0] * len(SIZE_CLASSES)
-        own = {i: self.by_class[i][0] / self.by_class[i][1] for i in seen}
-        return [own[min(seen, key=lambda j: (abs(j - i), j))] for i in range(len(SIZE_CLASSES))]
+        """Observed / priced per size class, each class's own ratio shrunk toward the overall one by
+        PRIOR_STEPS steps at it: a class seen a few times takes mostly the overall ratio. Why: three wide
+        forwards during a hiccup read as 1.45x their price (t(5) 18.8 ms where decoding ran them in 12.5),
+        and every later process drafted less."""
+        overall = self.seen / self.priced if self.priced > 0 else 1.0
+        out = []
+        for seen, priced, steps in self.by_class:
+            w = self.PRIOR_STEPS * priced / steps if steps > 0 else 0.0  # PRIOR_STEPS of this class's typical price
+            out.append((seen + w * overall) / (priced + w) if priced > 0 else overall)
+        return out
 
     def restarted(self) -> StepClock:
         """A clock for the prices just learned from this one."""

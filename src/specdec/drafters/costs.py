@@ -65,7 +65,8 @@ class Costs:
     def target(self, n: int, ctx: int | None = None) -> float:
         """t(n) after `ctx` cached tokens (None: at the measured context): linear between the measured
         sizes (beyond the last, along the last segment), plus n rows' attention over the extra tokens."""
-        t = self._rows(n)
+        dense = self.dense
+        t = dense[n] if n < len(dense) else self._rows(n)
         if ctx is None or not self.attend_s:
             return t
         return max(t + n * self.attend_s * (ctx - self.ctx), 0.25 * t)  # the floor: a noisy slope, tiny ctx
@@ -91,8 +92,15 @@ class Costs:
                      self.catch_row_s * f1)
 
     @functools.cached_property
-    def sizes(self) -> list[int]:  # sorted once: target() runs for every option of every step
+    def sizes(self) -> list[int]:
         return sorted(self.target_s)
+
+    @functools.cached_property
+    def dense(self) -> list[float]:
+        """t(n) at the measured context for every n up to the widest measured size, interpolated once:
+        target() runs for every option of every step (~30 a step; interpolating each was most of the
+        ~60 us a plain step of `auto` spent choosing)."""
+        return [0.0] + [self._rows(n) for n in range(1, self.sizes[-1] + 1)]
 
     def to_json(self) -> dict:
         return {"target_ms": {str(n): round(t * 1e3, 4) for n, t in self.target_s.items()},
@@ -269,7 +277,7 @@ def load_costs(runner, drafter: EagleDrafter, head_dir: str | None, menu: list[t
                sampled: list[tuple[TreeBudget, float]] = ()) -> tuple[Costs, Path, str]:
     """(costs, cache file, origin): this machine's cached measurement for exactly this key ("cached"), else
     a new one (written atomically; origin "measured at load in 3.1 s")."""
-    key = cost_key(runner, head_dir, menu, lookup, sampled)
+    key = {**cost_key(runner, head_dir, menu, lookup, sampled), "head_weights": drafter.runner.weights}
     return cached_costs(key, lambda: measure_costs(runner, drafter, menu, lookup, sampled=sampled), recalibrate)
 
 

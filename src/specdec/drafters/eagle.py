@@ -149,12 +149,18 @@ class EagleDrafter(TreeDrafter):
         return len(ctx.tokens) + rows <= self.runner.max_length
 
     def begin(self, ctx: DecodeContext) -> None:
+        """The prompt's rows are queued like a step's: the head reads them at the first propose(). Why: a
+        request `auto` never drafts for (most sampled ones on a small target) skips the head's prefill,
+        ~10% of a short request's prefill."""
         self.runner.reset()
-        self.pending = []  # target features of emitted rows the head has not read yet (accept -> sync)
-        p = ctx.prompt_len
-        self._check_rows(ctx, p, "the whole prompt")
-        if self._fits(ctx):
-            self._extend(ctx.tokens[1:p + 1], self.runner.target_input(ctx.features, ctx.aux_features))
+        self._check_rows(ctx, ctx.prompt_len, "the whole prompt")
+        # target features of emitted rows the head has not read yet (begin, accept -> sync)
+        self.pending = [(ctx.features, ctx.aux_features)]
+
+    @property
+    def unread_steps(self) -> int:
+        """Steps whose rows the head has not read yet, the prompt counted as one more (it is no step's)."""
+        return len(self.pending) + (self.runner.length == 0)
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         """Queue the new rows; the head reads them at the next propose(). Why lazy: a caller that skips

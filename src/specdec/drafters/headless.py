@@ -1,7 +1,7 @@
 """`auto` without a head: every step, the n-gram draft prefix (drafters/ngram.py), the draft-model chain
 (when `draft=` gives one) or their union that maximises expected tokens per second, or no draft at all.
 
-The choice is the head case's (adaptive.Controller over costs.Costs measured on this machine), with
+The choice is the head case's (controller.Controller over costs.Costs measured on this machine), with
 the n-gram draft priced prefix by prefix: the chance that each node is accepted is its own confidence
 (ngram.py), calibrated online, so the draft's length follows what the target's t(N) makes worth
 verifying (an int8 target's t(8) may be 2-3 t(1)). Calibration: per bucket of raw confidence, a
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, Controller, FollowsTheMachine, matched
+from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, FollowsTheMachine, matched
 from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
+from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs, load_plain_costs
 from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
@@ -163,7 +164,7 @@ class HeadlessDrafter(FollowsTheMachine):
         ng = self.ngram.propose(ctx) if self.ngram is not None and room > 0 else DraftTree.empty()
         confs, parents = confidences(ng), ng.parents.tolist()
         gains = list(itertools.accumulate(self.cal.values(confs, parents)))
-        choice = self.ctrl.choose(len(ng), room, 0, len(ctx.tokens), gains)
+        choice = self.ctrl.choose(len(ng), room, len(ctx.tokens), gains)
         if len(ng):  # scored on what follows, whatever is verified now
             self.pending.append(_Pending(ng.tokens.tolist(), ng.children(), confs, len(ctx.tokens)))
         tree, drafted, expected = DraftTree.empty(), None, 0.0

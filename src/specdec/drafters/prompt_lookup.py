@@ -30,18 +30,24 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         # a deterministic chain: q is a point mass, so the verifier stays exact at any temperature
+        toks = self.lookup(ctx)
+        return DraftTree.chain(torch.tensor(toks, dtype=torch.long)) if toks else DraftTree.empty()
+
+    def lookup(self, ctx: DecodeContext) -> list[int]:
+        """The chain's tokens ([]: no match), and last_ngram set. Why apart from propose: a caller that
+        verifies the chain only when it pays (`auto`) needs its length, and a tree only then."""
         self.last_ngram = 0
         k = min(self.chain_len, ctx.max_nodes)
         toks = ctx.tokens
         if k < 1:
-            return DraftTree.empty()
+            return []
         index = self.index = NgramIndex.over(self.index, toks, self.max_ngram)
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             end = index.latest(toks[-n:])
             if end is not None:
                 self.last_ngram = n
-                return DraftTree.chain(torch.tensor(toks[end:end + k], dtype=torch.long))
-        return DraftTree.empty()
+                return toks[end:end + k]
+        return []
 
 
 class NgramIndex:

@@ -54,6 +54,7 @@ class HeadRunner(Cached):
             raise SpecdecError(f"target embeddings are {tuple(embed.shape)}, the EAGLE head expects "
                                f"{(cfg.vocab_size, cfg.hidden_size)}")
         # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
+        self.weights = weights
         self._build(head, pack, weights)
         self.embed = embed.detach()
         if head.lm_head is not None:

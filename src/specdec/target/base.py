@@ -12,6 +12,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.target import stream
 from specdec.target.kv import Rows
+from specdec.target.packed import Q8
 
 
 @dataclass
@@ -91,15 +92,14 @@ class Runner(Cached, ABC):
         return None
 
     def head_weights(self, head: torch.nn.Module) -> str:
-        """The precision a draft head over this target runs at: the target's, except fp16 in place of fp32
-        (or a GGUF file's blocks) on the streaming kernel. Why: heads ship in fp16, so their own weights lose
-        nothing, and a draft step reads half the bytes (0.82 -> 0.48 ms per step for SmolLM2's head,
-        docs/benchmarks.md); only the target's LM head rows are rounded, which moves draft scores, never
-        what is accepted."""
+        """The precision a draft head over this target runs at: the target's, except Q8_0 blocks in place
+        of fp32 (or a GGUF file's blocks) on the streaming kernel. Why: the rounding moves draft scores,
+        never what is accepted, and after a target forward has evicted the head from the caches a draft
+        step reads half the bytes of fp16 on a kernel that reads 16 outputs at a time (SmolLM2's head:
+        its 8k-row LM head 0.69 -> 0.31 ms, docs/benchmarks.md)."""
         if self.weights not in ("fp32", "gguf") or stream.kernel() is None:
             return self.weights
-        top = max(float(p.detach().abs().max()) for p in head.parameters())
-        return "fp16" if top < 6e4 else self.weights  # fp16 overflows past 65504
+        return Q8
 
     def fork(self) -> Runner | None:
         """A runner over the same weights with an empty cache of its own: one sequence of a batch

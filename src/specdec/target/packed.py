@@ -41,22 +41,28 @@ def precision_name(dtype: torch.dtype) -> str:
 
 
 INT4 = "int4"  # Q4_1 blocks of 32 (4-bit codes, fp16 scale and minimum) quantized at load: kernels/quant.cpp
+# Q8_0 blocks of 32 (8-bit codes, fp16 scale) quantized at load: draft heads only (Runner.head_weights), where
+# the rounding moves draft scores, never what is accepted; a linear whose input size is not a multiple of
+# 32 stays fp16
+Q8 = "q8_0"
 
 
 def weight_bytes(precision: str) -> float:
     """Bytes per stored weight at that precision (int8's per-row scales aside)."""
-    return {"int8": 1, INT4: 20 / 32}.get(precision) or FLOAT[precision].itemsize
+    return {"int8": 1, INT4: 20 / 32, Q8: 34 / 32}.get(precision) or FLOAT[precision].itemsize
 
 
-def quantize_int4(w: torch.Tensor) -> QuantTensor:
-    """w [O, K] as Q4_1 blocks (the gguf package's quantizer), for the quantized kernel."""
+def quantize_blocks(w: torch.Tensor, precision: str) -> QuantTensor:
+    """w [O, K] as Q4_1 (INT4) or Q8_0 (Q8) blocks (the gguf package's quantizer), for the quantized kernel."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     if w.shape[1] % 32:
-        raise SpecdecError(f"weights=int4 needs every linear's input size to be a multiple of 32, got {w.shape[1]}")
-    blocks = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q4_1)
-    return QuantTensor(torch.from_numpy(blocks), int(GGMLQuantizationType.Q4_1), w.shape[1])
+        raise SpecdecError(f"weights={precision} needs every linear's input size to be a multiple of 32, "
+                           f"got {w.shape[1]}")
+    kind = GGMLQuantizationType.Q4_1 if precision == INT4 else GGMLQuantizationType.Q8_0
+    blocks = quantize(w.detach().float().cpu().numpy(), kind)
+    return QuantTensor(torch.from_numpy(blocks), int(kind), w.shape[1])
 
 
 def round_weight(w: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,9 +120,12 @@ class Linear:
             self.out_features, self.precision, self.invariant = self.stream.out_features, GGUF, True
             self.bias, self.scale, self.gemv, self.parts, self.slices = self.stream.bias, None, None, [], []
             return
-        if precision == INT4 and weight.device.type == "cpu" and stream.kernel() is not None:
-            self.__init__(quantize_int4(weight), bias)
-            self.precision = INT4
+        kernel = weight.device.type == "cpu" and stream.kernel() is not None
+        if precision == Q8 and not (kernel and weight.shape[1] % 32 == 0):
+            precision = "fp16"
+        if precision in (INT4, Q8) and kernel:
+            self.__init__(quantize_blocks(weight, precision), bias)
+            self.precision = precision
             return
         weight = weight.detach()
         precision = None if precision == GGUF else precision  # a float matrix in a GGUF file: as stored

@@ -1,0 +1,306 @@
+"""The per-step choice of adaptive speculation (`auto`): which draft to verify, or none, for the most
+expected tokens per second under measured costs. Pure arithmetic over estimates that read only verdicts
+of earlier steps, so a step's draft never depends on its own verdict (lossless); unit-tested on its own."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from specdec.drafters.costs import Costs
+from specdec.tree import TreeBudget
+
+DECAY = 0.85  # per step: an observation's weight halves in ~4 steps
+# per step, for what lookup chains matched: their weight halves in ~14 steps. Why slower: a chain is
+# followed for free when not verified, so evidence keeps coming on text that repeats; on text that does
+# not, a few misses must hold for a while (the README demo prompt: 14 short chains in 73 steps, 3 tokens
+# accepted, 0.95x vanilla at DECAY)
+CHAIN_DECAY = 0.95
+PRIOR_WEIGHT = 2.0  # the prior counts as this many expected accepted tokens
+# prior matched tokens of a whole lookup chain by the n-gram length it matched (greedy; sampled: half)
+LOOKUP_PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}
+PRIOR_LENGTH = 12  # the chain length those priors describe (tune's choice for the shipped head)
+# a draft must promise this much more than a plain step. Why: near break-even the estimates' errors and
+# the retries after plain steps cost more than drafting gains; measured on SmolLM2 (the README demo
+# prompt drafted 2-node trees that accepted 0.33 tokens against a break-even of 0.35: 0.94x vanilla)
+HURDLE = 0.05
+# chain prefixes offered (and the whole chain): finer steps add options to price every step, not speed
+PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def prefixes(chain_len: int, room: int) -> list[int]:
+    """The chain lengths a step may verify."""
+    top = min(chain_len, room)
+    return [m for m in PREFIXES if m < top] + [top] if top > 0 else []
+
+
+def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
+    """(budget, greedy expected accepted tokens = tau - 1) per tree size, from tune's acceptance table
+    (tuning.load_acceptance): for each size the best tau at depth <= 4 and the best at depth 2 (cheaper
+    to draft), never below a smaller size's best."""
+    best: dict[tuple[int, bool], tuple[float, TreeBudget]] = {}
+    for r in rows:
+        b = TreeBudget(r["depth"], r["topk"], r["tree_size"])
+        if b.depth > 4 or b.topk > 4:
+            continue
+        for shallow in {False, b.depth == 2}:
+            key = (b.tree_size, shallow)
+            if key not in best or r["tau"] > best[key][0]:
+                best[key] = (r["tau"], b)
+    if not best:
+        return [(TreeBudget(2, 3, 4), 0.9), (TreeBudget(3, 4, 8), 1.1)]
+    # a larger tree accepts at least what the best smaller one does: a sampled table's lower estimate is noise
+    menu = {b: max([tau - 1] + [t - 1 for t, s in best.values() if s.tree_size < b.tree_size])
+            for tau, b in best.values()}
+    menu = list(menu.items())  # a budget both the best and the best shallow one of its size is listed once
+    return sorted(menu, key=lambda x: (x[0].tree_size, x[0].depth))
+
+
+@dataclass(frozen=True)
+class Choice:
+    budget: TreeBudget | None  # None: no model tree
+    chain: int  # nodes of the lookup draft joined to the verify (0: none)
+
+    @property
+    def vanilla(self) -> bool:
+        return self.budget is None and not self.chain
+
+
+VANILLA = Choice(None, 0)
+
+
+@functools.cache
+def geometric_tail(mean: float, length: int = PRIOR_LENGTH) -> tuple[float, ...]:
+    """P(a chain matches at least i tokens), i = 1..length, for matches that continue with a fixed chance
+    a, a + a^2 + ... + a^length = mean: a chain's prior, from its expected matched tokens."""
+    mean = min(max(mean, 0.0), length * 0.99)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** i for i in range(1, length + 1)) < mean else (lo, a)
+    return tuple(lo ** i for i in range(1, length + 1))
+
+
+class ChainEstimate:
+    """What lookup chains matched after one n-gram length: per position i, the decayed share of chains
+    whose first i tokens all matched (among those that reached i); and of the tokens they matched on
+    steps that verified a head tree too, the share beyond the tree's (what a tree + chain gains over
+    the tree). The prior counts as one chain (half its tokens beyond a tree). The steps' decay toward the
+    prior is applied when the estimate is next read or updated (its closed form): a plain step pays
+    nothing for it."""
+
+    def __init__(self, prior: tuple[float, ...], now: int) -> None:
+        self.prior = prior
+        self.hits = list(prior)
+        self.seen = [1.0] * len(prior)
+        self.mean = sum(prior)
+        self.both = [0.5 * self.mean, self.mean]  # (tokens beyond the tree's, tokens matched), decayed
+        self.at = now
+
+    def _catch_up(self, now: int, decay: float) -> None:
+        if now != self.at:
+            d = decay ** (now - self.at)
+            p = 1.0 - d
+            self.hits = [d * h + p * q for h, q in zip(self.hits, self.prior)]
+            self.seen = [d * s + p for s in self.seen]
+            self.both = [d * self.both[0] + p * 0.5 * self.mean, d * self.both[1] + p * self.mean]
+            self.at = now
+
+    def beyond(self, now: int, decay: float) -> float:
+        """The share of a chain's matched tokens that a head tree verified beside it did not match."""
+        self._catch_up(now, decay)
+        b, m = self.both
+        return b / m if m > 0 else 0.5
+
+    def gains(self, length: int, now: int, decay: float) -> list[float]:
+        """Expected matched tokens of the chain's first m tokens, m = 1..length."""
+        self._catch_up(now, decay)
+        out, total = [], 0.0
+        last = self.hits[-1] / self.seen[-1] if self.hits else 0.0
+        for i in range(length):
+            # past the longest chain seen or priced: the last position's rate, decaying further
+            total += self.hits[i] / self.seen[i] if i < len(self.hits) else last * 0.5 ** (i - len(self.hits) + 1)
+            out.append(total)
+        return out
+
+    def observe(self, matched: int, length: int, now: int, decay: float, tree: int | None = None) -> None:
+        """A chain of `length` tokens whose first `matched` tokens matched (it says nothing past its length);
+        tree: what a head tree verified on the step it was drafted matched (None: no tree)."""
+        self._catch_up(now, decay)
+        if tree is not None:
+            self.both[0] += max(0, matched - tree)
+            self.both[1] += matched
+        if length > len(self.hits):
+            self.prior = self.prior + (0.0,) * (length - len(self.prior))
+            self.hits += [0.0] * (length - len(self.hits))
+            self.seen += [0.0] * (length - len(self.seen))
+        for i in range(length):
+            self.hits[i] += i < matched
+            self.seen[i] += 1.0
+
+
+class Controller:
+    """The per-request estimates and the per-step choice.
+
+    Tree: a decaying ratio of observed to expected accepted tokens scales the table's gains. Chain: the
+    caller passes `gains` (gains[m - 1]: expected accepted tokens of the chain's first m nodes), so every
+    prefix is an option, and `beyond`, the share of them a tree verified beside the chain would not
+    have matched (None: the larger of the two parts, a lower bound). For a lookup chain, `chain_gains`
+    and `chain_beyond` give them per n-gram length it matched (a 3-gram match predicts far better than a
+    1-gram one). `draft_s`: what each menu budget's propose() costs (default: the top-k trees' costs)."""
+
+    def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, scale: float,
+                 lookup_prior: dict[int, float] | None = None, decay: float = DECAY,
+                 prior_weight: float = PRIOR_WEIGHT, draft_s: dict[TreeBudget, float] | None = None,
+                 union: bool = True, hurdle: float = HURDLE) -> None:
+        self.menu, self.costs, self.decay, self.union, self.hurdle = menu, costs, decay, union, hurdle
+        self.draft_s = costs.draft_s if draft_s is None else draft_s
+        self.gain = dict(menu)
+        self.scale_prior, self.weight = scale, prior_weight
+        self.num, self.den = prior_weight * scale, prior_weight  # tree: decayed observed / expected tokens
+        self.misses = 0  # head trees in a row that had nothing accepted
+        self.now = 0  # steps taken
+        self.chain = {n: ChainEstimate(geometric_tail(p), 0) for n, p in (lookup_prior or {}).items()}
+        # this text's chains: decayed matched / expected tokens over all n-gram lengths, updated when read
+        self.text = [PRIOR_WEIGHT, PRIOR_WEIGHT, 0]
+
+    @property
+    def scale(self) -> float:
+        return self.num / self.den
+
+    def chain_gains(self, ngram: int, length: int) -> list[float]:
+        """Expected matched tokens of a lookup chain's first m tokens (m = 1..length) after this n-gram:
+        its estimate times how this text's chains fared against theirs (one n-gram's misses warn of another's:
+        the README demo prompt's answer repeats no phrase, and its 1-, 2- and 3-gram chains failed alike)."""
+        est = self.chain.get(ngram)
+        if est is None:
+            return [0.0] * length
+        r, out, last, total = self.text_ratio(), [], 0.0, 0.0
+        for g in est.gains(length, self.now, CHAIN_DECAY):  # each position's chance, scaled, at most 1
+            total += min(1.0, (g - last) * r)
+            last = g
+            out.append(total)
+        return out
+
+    def text_ratio(self) -> float:
+        num, den, at = self.text
+        if at != self.now:
+            d = CHAIN_DECAY ** (self.now - at)
+            num, den = d * num + (1 - d) * PRIOR_WEIGHT, d * den + (1 - d) * PRIOR_WEIGHT
+            self.text = [num, den, self.now]
+        return num / den
+
+    def chain_beyond(self, ngram: int) -> float:
+        est = self.chain.get(ngram)
+        return est.beyond(self.now, CHAIN_DECAY) if est is not None else 0.5
+
+    def added(self, alone: float, tree: float, beyond: float | None) -> float:
+        """Expected tokens a chain part matching `alone` adds to a tree's `tree`: at least what makes the
+        union worth its better part."""
+        return max(0.0, alone - tree, 0.0 if beyond is None else beyond * alone)
+
+    def expected(self, choice: Choice, chain_len: int, room: int, ctx: int | None = None,
+                 gains: list[float] | None = None, catch_up: float = 0.0,
+                 beyond: float | None = None) -> tuple[float, float]:
+        """(expected tokens, expected seconds) of one step with this choice, after ctx cached tokens;
+        catch_up: the seconds a head tree pays first to read the rows of steps it skipped."""
+        c = self.costs
+        tree = 0.0
+        nodes = 0
+        secs = c.lookup_s if chain_len else 0.0
+        if choice.budget is not None:
+            b = choice.budget
+            nodes = min(b.tree_size, room)
+            tree = self.scale * self.gain[b] * nodes / b.tree_size
+            secs += self.draft_s[b] + c.follow_s + catch_up
+        extra = 0.0
+        if choice.chain:
+            n = min(choice.chain, room - nodes)
+            alone = gains[n - 1] if n > 0 else 0.0
+            extra = min(float(n), self.added(alone, tree, beyond) if choice.budget is not None else alone)
+            nodes += n
+        return 1.0 + tree + extra, secs + c.target(1 + nodes, ctx)
+
+    def choose(self, chain_len: int, room: int, ctx: int | None = None, gains: list[float] | None = None,
+               catch_up: float = 0.0, beyond: float | None = None) -> Choice:
+        """chain_len: nodes of this step's chain draft (0: none), its `prefixes` options priced by `gains`.
+        The options are vanilla, each menu tree, and per prefix the chain alone and each tree + chain whose
+        chain adds something (`added`), priced as `expected` prices them (the same
+        arithmetic, inlined: this runs every step, and on text that drafts nothing it is most of what
+        `auto` adds to a step)."""
+        if room <= 0:
+            return VANILLA
+        c, scale = self.costs, self.scale
+        look = c.lookup_s if chain_len else 0.0
+        t_rows: dict[int, float] = {}
+
+        def target(rows: int) -> float:
+            t = t_rows.get(rows)
+            if t is None:
+                t = t_rows[rows] = c.target(rows, ctx)
+            return t
+
+        # per menu tree: (budget, nodes, expected tree tokens, seconds before the forward)
+        trees = []
+        for b, g in self.menu:
+            nodes = min(b.tree_size, room)
+            trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s + catch_up)))
+        # (rate, rank, budget, chain): rank orders the options as listed above, ties going to the earliest
+        k = len(trees) + 1
+        rates = [(1.0 / (look + target(1)) * (1 + self.hurdle), 0, None, 0)]
+        rates += [((1.0 + tree) / (secs + target(1 + nodes)), i + 1, b, 0)
+                  for i, (b, nodes, tree, secs) in enumerate(trees)]
+        lengths = prefixes(chain_len, room)
+        rates += [((1.0 + min(float(m), gains[m - 1])) / (look + target(1 + m)), k * (j + 1), None, m)
+                  for j, m in enumerate(lengths)]
+        best = max(r[0] for r in rates)
+        for i, (b, nodes, tree, secs) in enumerate(trees if self.union and lengths else ()):
+            top = min(lengths[-1], room - nodes)
+            if top <= 0:
+                continue
+            # no union with this tree is within the ties' band of the best (a wider forward never costs less):
+            # most steps' unions go unpriced
+            if (1.0 + tree + min(float(top), self.added(gains[top - 1], tree, beyond))) / (secs + target(2 + nodes)) \
+                    < best * 0.995:
+                continue
+            for j, m in enumerate(lengths):
+                n = min(m, room - nodes)
+                add = min(float(n), self.added(gains[n - 1], tree, beyond)) if n > 0 else 0.0
+                if add > 0:
+                    rates.append(((1.0 + tree + add) / (secs + target(1 + nodes + n)), k * (j + 1) + i + 1, b, m))
+        best = max(r[0] for r in rates)
+        # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
+        r, _, b, m = min((x for x in rates if x[0] >= best * 0.995), key=lambda x: x[1])
+        return VANILLA if b is None and not m else Choice(b, m)
+
+    def step(self, tree_observed: bool = False) -> None:
+        """Every step decays the evidence. A step that verified no head tree also pulls the tree estimate
+        toward its prior (so a stretch of plain steps ends with a try); one that did adds its observation
+        instead. Why not both: a pull on every step weighs the prior like ~30% of the evidence, so a
+        stretch of text accepting half the table's tokens read as 0.66 of it and kept drafting at a loss.
+        Each try in a row that had nothing accepted halves the pull (down to an eighth): on text the head
+        cannot follow the tries were pure loss (Spec-Bench QA at T = 1: 4-7 tries in 81 steps, none
+        accepted, 0.95x vanilla). The chain estimates decay when next read (ChainEstimate)."""
+        d, w = self.decay, self.weight * 0.5 ** min(self.misses, 3)
+        self.num, self.den = d * self.num, d * self.den
+        if not tree_observed:
+            self.num += (1 - d) * w * self.scale_prior
+            self.den += (1 - d) * w
+        self.now += 1
+
+    def observe_tree(self, accepted: int, expected: float) -> None:
+        self.num += accepted
+        self.den += expected
+        self.misses = 0 if accepted else self.misses + 1
+
+    def observe_chain(self, ngram: int, matched: int, length: int, tree: int | None = None) -> None:
+        """A lookup chain of `length` tokens after this n-gram matched its first `matched` tokens; tree:
+        what the head tree verified on its step matched (None: none was)."""
+        est = self.chain.get(ngram)
+        if est is None:
+            est = self.chain[ngram] = ChainEstimate((), self.now)
+        expected = est.gains(length, self.now, CHAIN_DECAY)[-1] if length else 0.0
+        self.text_ratio()  # brought up to now
+        self.text[0] += matched
+        self.text[1] += expected
+        est.observe(matched, length, self.now, CHAIN_DECAY, tree)
