@@ -2,7 +2,6 @@
 config fields), imported with the same logits; exports re-imported, and checked against a re-implementation
 of what vLLM / FasterDecoding compute from those files; one clear error per kind of bad input."""
 
-import copy
 import json
 import math
 
@@ -232,16 +231,13 @@ def test_the_drafter_loads_foreign_layouts(tiny, tmp_path):
     heads = make_heads(tiny, 3, 1, "own")
     for d in (write_vllm(tmp_path / "v", heads), write_fasterdecoding(tmp_path / "fd", heads)):
         dec = from_models(tiny, None, "medusa", heads=str(d), topk=2)
-        # on the streaming kernel an fp32 target's heads run in fp16 (Runner.head_weights)
-        half = dec.drafter.runner.first.precision == "fp16"
-        ref = copy.deepcopy(heads)
-        if half:
-            with torch.no_grad():
-                for p in ref.parameters():
-                    p.copy_(p.half().float())
-        want = full_logits(ref, lm)
+        # on the streaming kernel an fp32 target's heads run on Q8_0 blocks (Runner.head_weights): weights
+        # and activations in 8 bits, so the logits agree to ~1% of their scale, not to the last bits
+        q8 = dec.drafter.runner.first.precision == "q8_0"
+        want = full_logits(heads, lm)
         got = torch.stack([dec.drafter.runner.logits(F_IN[r]) for r in range(len(F_IN))], 1)
-        assert torch.allclose(got, want, atol=1e-4 if half else 1e-5)
+        err = float((got - want).abs().max())
+        assert err < (0.02 * float(want.abs().max()) if q8 else 1e-5)
 
 
 def test_export_refuses_what_the_layout_cannot_hold(tiny, tmp_path):
