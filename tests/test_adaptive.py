@@ -305,6 +305,22 @@ def test_a_chain_prefix_is_priced_by_how_far_chains_matched():
     assert c.chain_gains(3, 12) == pytest.approx(list(itertools.accumulate(geometric_tail(1.5))), abs=1e-3)
 
 
+def test_one_n_grams_misses_lower_the_price_of_another_then_fade():
+    """A text whose 1-gram chains all miss prices its next 3-gram chain lower too (the README demo prompt's
+    answer repeats no phrase of any length); plain steps bring the price back to the prior."""
+    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    before = c.chain_gains(3, 12)[2]
+    for _ in range(3):
+        c.step()
+        c.observe_chain(1, 0, 12)
+    assert c.chain_gains(3, 12)[2] < 0.5 * before
+    for _ in range(150):
+        c.step()
+    assert c.chain_gains(3, 12)[2] == pytest.approx(before, rel=0.05)
+    c.observe_chain(2, 6, 12)  # one long match: this text's chains are worth more than their estimates
+    assert c.chain_gains(3, 12)[2] > before
+
+
 def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
     rows = [{"depth": d, "topk": k, "tree_size": m, "tau": 1 + 0.1 * d + 0.01 * k + 0.02 * m}
             for d in (2, 3, 4, 5) for k in (2, 3, 6) for m in (4, 8)]
