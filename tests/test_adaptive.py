@@ -60,6 +60,9 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
     c = Costs({1: 1.0, 5: 2.0, 9: 4.0}, {}, 0.0, 0.0)
     assert c.target(1) == 1.0 and c.target(3) == pytest.approx(1.5) and c.target(7) == pytest.approx(3.0)
     assert c.target(13) == pytest.approx(6.0)  # along the last segment
+    assert Costs({1: 1.0, 5: 2.0, 9: 1.5}, {}, 0.0, 0.0).target(33) == pytest.approx(1.5)  # never below the last
+    c.target_s = {1: 2.0, 5: 4.0, 9: 8.0}  # new prices (as tests and rescaling set them): no stale table
+    assert c.target(3) == pytest.approx(3.0) and c.target(13) == pytest.approx(12.0)
 
 
 def reference_choice(ctrl: Controller, chain_len: int, room: int, ctx, gains, catch_up=0.0, beyond=None) -> Choice:

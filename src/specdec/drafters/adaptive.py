@@ -43,6 +43,11 @@ SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, a
 MAX_PENDING = 8  # unverified chains followed at once (each ends within its length)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share: what a chain matched of the tokens emitted after it."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def matched(tree: DraftTree, tokens: list[int]) -> int:
     """How far the emitted tokens follow a path of `tree`: the verifier's own walk. A rejected child can
     never be emitted (a point mass leaves the residual no mass there; a sampled child x is rejected only
@@ -187,7 +192,7 @@ class AdaptiveDrafter(FollowsTheMachine):
             t = matched(eagle_tree, new)
             ctrl.observe_tree(t, expected)
         if chain is not None:
-            m = next((i for i, (a, b) in enumerate(zip(chain, new)) if a != b), min(len(chain), len(new)))
+            m = common_prefix(chain, new)
             if m == len(new) < len(chain):
                 # still matching past what this step emitted (unverified, or verified in part): follow it over
                 # the next steps' tokens, so a chain is priced by what it would have matched
@@ -201,7 +206,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         keep = []
         for i, (toks, ngram, start, t) in enumerate(self.pending):
             seq = ctx.tokens[start:start + len(toks)]
-            m = next((j for j, (a, b) in enumerate(zip(toks, seq)) if a != b), len(seq))
+            m = common_prefix(toks, seq)
             if m < len(seq) or m == len(toks):  # settled: it stopped matching, or matched whole
                 self.ctrl.observe_chain(ngram, m, len(toks), t)
             elif len(self.pending) - i > MAX_PENDING:  # among the oldest past the cap: what it showed so far

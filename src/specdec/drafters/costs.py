@@ -8,7 +8,6 @@ rescaled per size class, never by stopping a request to run probes."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import time
@@ -64,7 +63,8 @@ class Costs:
 
     def target(self, n: int, ctx: int | None = None) -> float:
         """t(n) after `ctx` cached tokens (None: at the measured context): linear between the measured
-        sizes (beyond the last, along the last segment), plus n rows' attention over the extra tokens."""
+        sizes (beyond the last, along the last segment, never below the last), plus n rows' attention over the
+        extra tokens."""
         dense = self.dense
         t = dense[n] if n < len(dense) else self._rows(n)
         if ctx is None or not self.attend_s:
@@ -80,7 +80,10 @@ class Costs:
         if hi == lo:
             lo, hi = xs[-2], xs[-1]
         t0, t1 = self.target_s[lo], self.target_s[hi]
-        return t0 + (t1 - t0) * (n - lo) / (hi - lo)
+        t = t0 + (t1 - t0) * (n - lo) / (hi - lo)
+        # past the widest measured size, never below it: a noisy last segment sloping down priced t(33) at
+        # 2% of t(1) on a tiny model
+        return max(t, self.target_s[xs[-1]]) if n > xs[-1] else t
 
     def rescaled(self, factors: list[float], draft: float | None = None) -> Costs:
         """These costs with each forward size's price times its class's factor (SIZE_CLASSES), and the
@@ -91,16 +94,25 @@ class Costs:
                      {b: t * f1 for b, t in self.sampled_s.items()}, self.attend_s * f1, self.ctx,
                      self.catch_row_s * f1)
 
-    @functools.cached_property
+    @property
     def sizes(self) -> list[int]:
-        return sorted(self.target_s)
+        return self._tables()[0]
 
-    @functools.cached_property
+    @property
     def dense(self) -> list[float]:
         """t(n) at the measured context for every n up to the widest measured size, interpolated once:
         target() runs for every option of every step (~30 a step; interpolating each was most of the
         ~60 us a plain step of `auto` spent choosing)."""
-        return [0.0] + [self._rows(n) for n in range(1, self.sizes[-1] + 1)]
+        return self._tables()[1]
+
+    def _tables(self) -> tuple[list[int], list[float]]:
+        """(sorted sizes, dense t(n)), kept until target_s is replaced."""
+        cached = self.__dict__.get("_cached")
+        if cached is None or cached[0] is not self.target_s:
+            self._cached = (self.target_s, sorted(self.target_s), [])
+            self._cached[2].extend([0.0] + [self._rows(n) for n in range(1, self._cached[1][-1] + 1)])
+            cached = self._cached
+        return cached[1], cached[2]
 
     def to_json(self) -> dict:
         return {"target_ms": {str(n): round(t * 1e3, 4) for n, t in self.target_s.items()},
