@@ -10,7 +10,7 @@ import torch
 from specdec.drafters.adaptive import AdaptiveDrafter, matched
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.clock import StepClock
-from specdec.drafters.controller import Choice, Controller, geometric_tail, menu_from_tuning, prefixes
+from specdec.drafters.controller import Choice, Controller, menu_from_tuning, prefixes
 from specdec.drafters.costs import Costs, load_costs, size_class
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
@@ -30,7 +30,20 @@ from tests.helpers import (
 
 B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
 MENU = [(B4, 0.9), (B8, 1.3)]
-PRIOR = {1: 0.5, 2: 1.0, 3: 1.5}  # a lookup chain's matched tokens by the n-gram it matched
+
+
+def geometric_tail(mean: float, length: int = 12) -> tuple[float, ...]:
+    """P(a chain matches at least i tokens), i = 1..length, when each token continues a match with a fixed
+    chance a and a + a^2 + ... + a^length = mean."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** i for i in range(1, length + 1)) < mean else (lo, a)
+    return tuple(lo ** i for i in range(1, length + 1))
+
+
+# a lookup chain's prior by the n-gram it matched: matched tokens 0.5, 1.0, 1.5 in a geometric tail
+PRIOR = {n: geometric_tail(m) for n, m in {1: 0.5, 2: 1.0, 3: 1.5}.items()}
 
 
 def pick(ctrl: Controller, chain_len: int, room: int = 100, ngram: int = 0, **kw) -> Choice:
@@ -443,9 +456,9 @@ def test_adaptive_sampled_children_match_the_target_distribution(params, coupled
 def test_a_sampled_request_never_merges_a_sampled_tree_with_the_chain():
     c = costs(0.01)
     c.sampled_s = {b: 0.01 for b, _ in SAMPLED_MENU}
-    ctrl = Controller(SAMPLED_MENU, c, 1.0, {3: 50.0}, draft_s=c.sampled_s, union=False)
+    ctrl = Controller(SAMPLED_MENU, c, 1.0, {3: (1.0,) * 12}, draft_s=c.sampled_s, union=False)
     assert pick(ctrl, 6, ngram=3) == Choice(None, 6)  # a sure chain: alone, never joined
-    both = Controller(MENU, c, 1.0, {3: 3.0})
+    both = Controller(MENU, c, 1.0, {3: geometric_tail(3.0)})
     for _ in range(5):  # chains that match 4 tokens where the head's trees matched none
         both.observe_chain(3, 4, 6, tree=0)
     assert pick(both, 6, ngram=3).chain and pick(both, 6, ngram=3).budget is not None  # greedy: the union

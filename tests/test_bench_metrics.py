@@ -118,6 +118,22 @@ def test_summarize_baseline_speedup_and_leviathan():
     assert "tau" not in s["hf"][M.OVERALL]
 
 
+def test_best_timing_keeps_each_methods_fastest_repeat_per_prompt():
+    """A repeat slowed by another process does not move a prompt's ratio: per method and prompt only the
+    fastest repeat counts (each method's own, not the other method's on the same repeat)."""
+    recs = [_rec("vanilla", "a", "x", 0, 2.0), _rec("vanilla", "a", "x", 1, 3.0), _rec("vanilla", "a", "x", 2, 2.2),
+            _rec("auto", "a", "x", 0, 1.8), _rec("auto", "a", "x", 1, 1.5), _rec("auto", "a", "x", 2, 4.0),
+            _rec("vanilla", "b", "y", 0, 1.0), _rec("auto", "b", "y", 0, 1.25)]
+    best = M.fastest_repeats(recs)
+    assert sorted((r["method"], r["question_id"], r["wall_time"], r["repeat"]) for r in best) == [
+        ("auto", "a", 1.5, 0), ("auto", "b", 1.25, 0), ("vanilla", "a", 2.0, 0), ("vanilla", "b", 1.0, 0)]
+    s = M.summarize(best, "vanilla")
+    assert s["auto"]["x"]["speedup"] == pytest.approx(2.0 / 1.5)
+    assert s["auto"]["x"]["speedup_std"] == 0.0
+    assert s["auto"][M.OVERALL]["speedup"] == pytest.approx(3.0 / 2.75)
+    assert M.summarize(recs, "vanilla")["auto"]["x"]["speedup"] == pytest.approx((2.0 / 1.8 + 3.0 / 1.5 + 2.2 / 4) / 3)
+
+
 def test_a_speculating_peer_gets_tokens_per_forward_from_its_accepted_drafts():
     recs = [_rec("vanilla", "a", "x", 0, 2.0, stats=_st({1: 10}, [], [], 0.0, 1.0, 10))]
     for q, acc in (("a", 6), ("b", 3)):  # 11 tokens each: 10 decoded in 4 and 7 forwards

@@ -87,6 +87,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--seed", type=arg_type(int, ge=0, le=MAX_SEED), default=0)
     b.add_argument("--repeats", type=arg_type(int, ge=1), default=None,
                    help="timed runs per prompt and method (default 1)")
+    b.add_argument("--timing", choices=("mean", "best"), default="mean",
+                   help="per prompt over the repeats: mean (each repeat a sample; mean +- std) or best (each "
+                        "method's fastest repeat: the least disturbed on a shared host)")
     b.add_argument("--warmup", type=arg_type(int, ge=0), default=1, help="untimed warm-up rounds per method")
     b.add_argument("--out", default=None, help="results dir (default: bench-results/<time>); must be empty "
                    "unless --overwrite")
@@ -200,7 +203,8 @@ def cmd_bench(args) -> int:
         check_out_dir(o, args.overwrite)  # last check before the model load; deletes nothing
     cfg = BenchConfig(
         methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
-        warmup=args.warmup, threads=rt.threads, backend=rt.backend, weights=rt.weights, progress=not args.no_progress,
+        timing=args.timing, warmup=args.warmup, threads=rt.threads, backend=rt.backend, weights=rt.weights,
+        progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         extra={"dataset": "papers-table" if table else args.dataset or "spec_bench", "draft": args.draft,
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",

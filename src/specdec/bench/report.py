@@ -117,7 +117,9 @@ def render(run: dict, summary: dict, audit: dict) -> str:
             ["questions", f"{run['questions']} from {cfg['extra'].get('dataset', '?')} "
                           f"({', '.join(run['categories'])})"],
             ["decoding", f"max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, "
-                         f"seed {cfg['seed']}, {cfg['repeats']} repeat(s), {cfg['warmup']} warm-up round(s)"],
+                         f"seed {cfg['seed']}, {cfg['repeats']} repeat(s)"
+                         + (" (the fastest per prompt and method counts)" if cfg.get("timing") == "best" else "")
+                         + f", {cfg['warmup']} warm-up round(s)"],
             ["baseline", f"`{base}`: the faster of HF generate (`hf`, {_f(tot.get('hf'), 1)} s) and our "
                          f"`vanilla` ({_f(tot.get('vanilla'), 1)} s) in this run"],
             ["timing", "wall time per generation; per prompt the methods run back to back in a rotated order"],
@@ -133,7 +135,9 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                + "; ".join(f"{s['question_id']}/turn {s['turn']} ({s['reason']})" for s in run["skipped"]), ""]
     md += [f"## Speedup vs `{base}`", "",
            "Baseline wall time per token / method wall time per token, totals over the same prompts "
-           "(at T = 0 every output is the same, so this is the wall-time ratio); mean ± std over repeats.", "",
+           "(at T = 0 every output is the same, so this is the wall-time ratio); "
+           + ("per prompt and method the fastest of its repeats." if cfg.get("timing") == "best"
+              else "mean ± std over repeats."), "",
            _metric_table(summary, run, methods, lambda c: _pm(c["speedup"], c["speedup_std"], 2, "×"),
                          marks={m: " ⚠" for m in loaded(run)}), ""]
     if loaded(run):

@@ -31,7 +31,7 @@ import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.clock import CatchUp, StepClock
-from specdec.drafters.controller import LOOKUP_PRIOR, Controller
+from specdec.drafters.controller import LOOKUP_PRIOR, LOOKUP_PRIOR_SAMPLED, Controller
 from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -129,7 +129,7 @@ class AdaptiveDrafter(FollowsTheMachine):
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
-        prior = {n: p if greedy else p / 2 for n, p in LOOKUP_PRIOR.items()}
+        prior = LOOKUP_PRIOR if greedy else LOOKUP_PRIOR_SAMPLED
         costs = self.costs
         if greedy or self.sampled is None:
             self.ctrl = Controller(self.menu, costs, 1.0 if greedy else self.sampled_scale, prior)
