@@ -333,8 +333,10 @@ def test_one_n_grams_misses_lower_the_price_of_another_then_fade():
     for _ in range(150):
         c.step()
     assert c.chain_gains(3, 12)[2] == pytest.approx(before, rel=0.05)
-    c.observe_chain(2, 6, 12)  # one long match: this text's chains are worth more than their estimates
-    assert c.chain_gains(3, 12)[2] > before
+    before2 = c.chain_gains(2, 12)[5]
+    c.observe_chain(2, 6, 12)  # one long match raises its own n-gram's estimate, not the others'
+    assert c.chain_gains(3, 12)[2] == pytest.approx(before, rel=0.05)
+    assert c.chain_gains(2, 12)[5] > 1.5 * before2
 
 
 def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
