@@ -100,6 +100,29 @@ def reference_choice(ctrl: Controller, chain_len: int, room: int, ctx, gains, ca
     return next(o for o, r in zip(options, rates) if r >= best * 0.995)
 
 
+def test_a_plain_step_below_the_tree_bar_is_the_choice_pricing_every_tree_makes():
+    """Without a chain, a tree scale under the bar of the context's bucket skips pricing the trees: the
+    choice is still the one every option priced gives, on both sides of the bar and at every context."""
+    g = torch.Generator().manual_seed(1)
+    menu = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
+    below = drafted = 0
+    for _ in range(300):
+        u = torch.rand(8, generator=g).tolist()
+        c = Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
+                  {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in menu}, 0.05 * u[2], 0.01 * u[3],
+                  attend_s=1e-3 * u[4], ctx=300)
+        ctrl = Controller(menu, c, 1.0, PRIOR)
+        ctx = int(3000 * u[5])
+        bar = ctrl.tree_bar(ctx)
+        ctrl.num = ctrl.den * bar * (0.8 + 0.4 * u[6])  # a scale within 20% of the bar, either side
+        catch_up = 0.1 * u[7]
+        got = ctrl.choose(0, 100, ctx, None, catch_up)
+        assert got == reference_choice(ctrl, 0, 100, ctx, None, catch_up)
+        below += ctrl.scale < bar
+        drafted += not got.vanilla
+    assert below > 100 and drafted > 30
+
+
 def test_the_step_choice_is_the_best_priced_option_over_random_states():
     g = torch.Generator().manual_seed(0)
     menu = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]

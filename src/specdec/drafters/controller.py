@@ -40,6 +40,7 @@ LOOKUP_PRIOR_SAMPLED = {  # T = 1
 # the retries after plain steps cost more than drafting gains; measured on SmolLM2 (the README demo
 # prompt drafted 2-node trees that accepted 0.33 tokens against a break-even of 0.35: 0.94x vanilla)
 HURDLE = 0.05
+BUCKET = 32  # contexts that share a tree_bar (t(1) moves ~0.3% over 32 tokens on SmolLM2)
 # chain prefixes offered (and the whole chain): finer steps add options to price every step, not speed
 PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -167,6 +168,23 @@ class Controller:
         self.chain = {n: ChainEstimate(tail, 0) for n, tail in (lookup_prior or {}).items()}
         # this text's chains: decayed matched / expected tokens over all n-gram lengths, updated when read
         self.text = [TEXT_WEIGHT, TEXT_WEIGHT, 0]
+        self.widest = max((b.tree_size for b, _ in menu), default=0)
+        self._bars: dict[int, float] = {}  # context bucket -> tree_bar
+
+    def tree_bar(self, ctx: int) -> float:
+        """A scale below which no menu tree beats a plain step anywhere in ctx's bucket of BUCKET contexts (full
+        room, no chain, no catch-up): each tree priced at the bucket's start, the plain step at its end. A
+        lower bound because t(n) never falls as the context grows (attend_s >= 0). Why: on text that drafts
+        nothing, pricing every tree every step was most of what `auto` added to a plain step."""
+        lo = ctx - ctx % BUCKET
+        bar = self._bars.get(lo)
+        if bar is None:
+            c = self.costs
+            plain = (1.0 + self.hurdle) / c.target(1, lo + BUCKET - 1)
+            bar = min(((self.draft_s[b] + c.follow_s + c.target(1 + b.tree_size, lo)) * plain - 1.0) / g
+                      for b, g in self.menu if g > 0) if any(g > 0 for _, g in self.menu) else float("inf")
+            self._bars[lo] = bar
+        return bar
 
     @property
     def scale(self) -> float:
@@ -238,6 +256,8 @@ class Controller:
         if room <= 0:
             return VANILLA
         c, scale = self.costs, self.scale
+        if not chain_len and ctx is not None and room >= self.widest and c.attend_s >= 0 and scale < self.tree_bar(ctx):
+            return VANILLA
         look = c.lookup_s if chain_len else 0.0
         t_rows: dict[int, float] = {}
 
