@@ -31,7 +31,7 @@ import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.clock import CatchUp, StepClock
-from specdec.drafters.controller import LOOKUP_PRIOR, LOOKUP_PRIOR_SAMPLED, Controller
+from specdec.drafters.controller import LOOKUP_PRIOR, LOOKUP_PRIOR_SAMPLED, VANILLA, Controller
 from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -144,12 +144,18 @@ class AdaptiveDrafter(FollowsTheMachine):
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         chain = self.pld.lookup(ctx) if self.pld is not None and ctx.max_nodes > 0 else []
+        self.rows_ctx = len(ctx.tokens)
+        if not chain and self.ctrl.surely_plain(ctx.max_nodes, self.rows_ctx):  # most steps on text that drafts nothing
+            self.choices[0] += 1
+            self.last, self.rows, self.draft_priced = (VANILLA, None, 0.0, None, 0), 1, None
+            self.catch.drafted(0, 0.0)
+            return DraftTree.empty()
         ngram = self.pld.last_ngram if chain else 0
         gains = self.ctrl.chain_gains(ngram, len(chain)) if chain else None
         beyond = self.ctrl.chain_beyond(ngram) if chain else None
         backlog = self.eagle.unread_steps
         extra = self.catch.extra_rows(self.eagle.pending)
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes, len(ctx.tokens), gains, self.catch.price(extra), beyond)
+        choice = self.ctrl.choose(len(chain), ctx.max_nodes, self.rows_ctx, gains, self.catch.price(extra), beyond)
         self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
         tree = DraftTree.empty()
         expected = 0.0
@@ -162,8 +168,7 @@ class AdaptiveDrafter(FollowsTheMachine):
             part = DraftTree.chain(torch.tensor(chain[:min(choice.chain, ctx.max_nodes - len(tree))], dtype=torch.long))
             tree = tree.union(part) if len(tree) else part
         self.last = (choice, eagle_tree, expected, chain or None, ngram)
-        self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows and context, for the clock
-        self.rows_ctx = len(ctx.tokens)
+        self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows (and rows_ctx its context), for the clock
         # what this step's drafting was priced at (None: no head tree, only a lookup at most; or a head that
         # first read several steps' rows: that catch-up is no typical step's, and priced as one it taught the
         # clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer)

@@ -31,7 +31,9 @@ class StepClock:
     def __init__(self, drift: float = 1.1, min_steps: int = 64, decay: float = 0.99) -> None:
         self.drift, self.min_steps, self.decay = drift, min_steps, decay
         self.seen = self.priced = 0.0
-        self.by_class = [[0.0, 0.0, 0.0] for _ in SIZE_CLASSES]  # decayed (seen, priced, steps) per size class
+        # decayed (seen, priced, steps) per size class, as of step `at` of each (decayed further when next read)
+        self.by_class = [[0.0, 0.0, 0.0] for _ in SIZE_CLASSES]
+        self.at = [0] * len(SIZE_CLASSES)
         self.draft = [0.0, 0.0, 0.0]  # decayed (seen, priced, steps) of the drafting before a verify
         self.steps = 0
 
@@ -40,12 +42,22 @@ class StepClock:
         self.seen = d * self.seen + seconds
         self.priced = d * self.priced + priced
         hit = size_class(rows)
-        for i, c in enumerate(self.by_class):
-            if i == hit:
-                c[0], c[1], c[2] = d * c[0] + seconds, d * c[1] + priced, d * c[2] + 1.0
-            else:
-                c[0], c[1], c[2] = d * c[0], d * c[1], d * c[2]
+        c = self._class(hit)  # the others decay when next read: a step touches one class
+        c[0], c[1], c[2] = d * c[0] + seconds, d * c[1] + priced, d * c[2] + 1.0
         self.steps += 1
+        self.at[hit] = self.steps
+
+    def _class(self, i: int) -> list[float]:
+        """Size class i's (seen, priced, steps) decayed up to the last observed step."""
+        c, lag = self.by_class[i], self.steps - self.at[i]
+        if lag:
+            f = self.decay ** lag
+            c[0], c[1], c[2] = f * c[0], f * c[1], f * c[2]
+            self.at[i] = self.steps
+        return c
+
+    def classes(self) -> list[list[float]]:
+        return [self._class(i) for i in range(len(SIZE_CLASSES))]
 
     def observe_draft(self, seconds: float, priced: float) -> None:
         """A drafted step's propose() (the head's catch-up included) against its price."""
@@ -63,7 +75,7 @@ class StepClock:
         near break-even (measured: the README demo prompt at 0.92x vanilla)."""
         if self.steps < self.min_steps or self.priced <= 0:
             return False
-        classes = [c for c in self.by_class if c[2] >= self.CLASS_SEEN]
+        classes = [c for c in self.classes() if c[2] >= self.CLASS_SEEN]
         draft = [self.draft] if self.draft[2] >= self.CLASS_SEEN else []
         return self._off(self.seen, self.priced) or any(self._off(c[0], c[1]) for c in classes + draft)
 
@@ -79,7 +91,7 @@ class StepClock:
         and every later process drafted less."""
         overall = self.seen / self.priced if self.priced > 0 else 1.0
         out = []
-        for seen, priced, steps in self.by_class:
+        for seen, priced, steps in self.classes():
             w = self.PRIOR_STEPS * priced / steps if steps > 0 else 0.0  # PRIOR_STEPS of this class's typical price
             out.append((seen + w * overall) / (priced + w) if priced > 0 else overall)
         return out

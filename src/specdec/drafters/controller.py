@@ -171,6 +171,11 @@ class Controller:
         self.widest = max((b.tree_size for b, _ in menu), default=0)
         self._bars: dict[int, float] = {}  # context bucket -> tree_bar
 
+    def surely_plain(self, room: int, ctx: int | None) -> bool:
+        """Whether a step without a chain draft is a plain one whatever its catch-up costs: the tree scale is
+        under the context's tree_bar."""
+        return ctx is not None and room >= self.widest and self.costs.attend_s >= 0 and self.scale < self.tree_bar(ctx)
+
     def tree_bar(self, ctx: int) -> float:
         """A scale below which no menu tree beats a plain step anywhere in ctx's bucket of BUCKET contexts (full
         room, no chain, no catch-up): each tree priced at the bucket's start, the plain step at its end. A
@@ -256,7 +261,7 @@ class Controller:
         if room <= 0:
             return VANILLA
         c, scale = self.costs, self.scale
-        if not chain_len and ctx is not None and room >= self.widest and c.attend_s >= 0 and scale < self.tree_bar(ctx):
+        if not chain_len and self.surely_plain(room, ctx):
             return VANILLA
         look = c.lookup_s if chain_len else 0.0
         t_rows: dict[int, float] = {}
