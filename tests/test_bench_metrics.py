@@ -245,7 +245,7 @@ def test_question_errors(tmp_path):
 
 
 def test_calibration_pairs_only_for_tried_nodes():
-    from specdec.bench.runner import _calibration
+    _calibration = M.calibration_pairs
 
     # root -> 0 (p .6), 1 (p .3); 0 -> 2 (p .5); 1 -> 3 (p .9); path accepts node 0 only
     scores = torch.log(torch.tensor([0.6, 0.3, 0.3, 0.27]))

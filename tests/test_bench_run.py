@@ -348,3 +348,42 @@ def test_a_peer_failing_on_one_prompt_costs_that_prompt_not_the_run(bench_models
     raw = (tmp_path / "o" / "raw" / "vanilla.jsonl").read_text().splitlines()
     assert len(raw) == 1 and json.loads(raw[0])["question_id"] == "7"
     assert "81/turn 0 (hf failed on it" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_lockstep_steps_each_run_in_turn_until_all_are_done():
+    from specdec.bench.ours import lockstep
+
+    seen = []
+
+    def run(name, steps):
+        for i in range(steps):
+            seen.append((name, i))
+            yield
+        return {"name": name, "steps": steps}
+
+    out = lockstep({"a": run("a", 3), "b": run("b", 1), "c": run("c", 2)})
+    assert out == {"a": {"name": "a", "steps": 3}, "b": {"name": "b", "steps": 1}, "c": {"name": "c", "steps": 2}}
+    assert seen == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_methods_stepping_in_turn_give_the_tokens_they_give_alone(bench_models, temperature, monkeypatch):
+    """--interleave step: our methods advance a step each in turn (a peer runs on its own after them); every
+    output is what the same method gives run whole, each method's wall time counts only its own steps."""
+    target, tok, draft = bench_models
+    kw = dict(max_new_tokens=12, temperature=temperature, warmup=0, progress=False, threads=1, repeats=2)
+    methods = parse_methods("sps:gamma=3,pld:chain_len=4", True)
+    whole = run_bench(BenchConfig(methods, **kw), QS[1:], target, tok, draft, tok)
+    import specdec.bench.runner as R
+    from specdec.bench.ours import lockstep
+
+    groups = []
+    monkeypatch.setattr(R, "lockstep", lambda runs: groups.append(sorted(runs)) or lockstep(runs))
+    step = run_bench(BenchConfig(methods, interleave="step", timing="best", **kw), QS[1:], target, tok, draft, tok)
+    key = lambda r: (r["method"], r["question_id"], r["turn"], r["repeat"])  # noqa: E731
+    assert {key(r): r["tokens"] for r in step["records"]} == {key(r): r["tokens"] for r in whole["records"]}
+    assert step["audit"]["ok"] and step["run"]["config"]["interleave"] == "step"
+    for r in step["records"]:
+        assert r["wall_time"] > 0 and (r["stats"] is None or r["stats"]["time"]["total"] == r["wall_time"])
+    assert set(step["summary"]["sps:gamma=3"]) >= {"overall"}
+    assert groups and all(g == ["pld:chain_len=4", "sps:gamma=3", "vanilla"] for g in groups)  # the peer apart

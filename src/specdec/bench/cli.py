@@ -90,6 +90,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--timing", choices=("mean", "best"), default="mean",
                    help="per prompt over the repeats: mean (each repeat a sample; mean +- std) or best (each "
                         "method's fastest repeat: the least disturbed on a shared host)")
+    b.add_argument("--interleave", choices=("generation", "step"), default="generation",
+                   help="our methods take turns per prompt (generation) or per decoding step (step: they see the "
+                        "same drift of the host's speed; peers still run one by one)")
     b.add_argument("--warmup", type=arg_type(int, ge=0), default=1, help="untimed warm-up rounds per method")
     b.add_argument("--out", default=None, help="results dir (default: bench-results/<time>); must be empty "
                    "unless --overwrite")
@@ -203,7 +206,8 @@ def cmd_bench(args) -> int:
         check_out_dir(o, args.overwrite)  # last check before the model load; deletes nothing
     cfg = BenchConfig(
         methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
-        timing=args.timing, warmup=args.warmup, threads=rt.threads, backend=rt.backend, weights=rt.weights,
+        timing=args.timing, interleave=args.interleave, warmup=args.warmup, threads=rt.threads, backend=rt.backend,
+        weights=rt.weights,
         progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         extra={"dataset": "papers-table" if table else args.dataset or "spec_bench", "draft": args.draft,

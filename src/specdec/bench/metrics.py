@@ -92,6 +92,24 @@ def mean_std(xs) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def calibration_pairs(trace) -> list[list]:
+    """(confidence, value V, depth, accepted) for every node whose parent was reached, i.e. every node the
+    verifier actually tried, from a generation's (scores, parents, accepted path) per verified tree;
+    confidence = the node's own draft probability."""
+    out = []
+    for scores, parents, path in trace:
+        s, par = scores.float().cpu().tolist(), parents.tolist()
+        on_path = set(path)
+        depth = []
+        for i, p in enumerate(par):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            if p >= 0 and p not in on_path:
+                continue
+            conf = s[i] - (s[p] if p >= 0 else 0.0)
+            out.append([round(math.e ** conf, 5), round(math.e ** s[i], 5), depth[i], i in on_path])
+    return out
+
+
 def calibration_curve(pairs, bins: int = 10) -> list[dict]:
     """pairs: (confidence in [0, 1], accepted bool). Equal-width bins; empty bins are left out."""
     acc = [[0, 0, 0.0] for _ in range(bins)]  # count, accepted, sum of confidence

@@ -23,13 +23,12 @@ from specdec.bench import metrics, report
 from specdec.bench.audit import TIE_TOL, audit_groups, runner_logits
 from specdec.bench.data import Question
 from specdec.bench.methods import MethodSpec
+from specdec.bench.ours import OurMethod, lockstep
 from specdec.bench.outdir import check_out_dir, clear_out_dir
 from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
-from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.machine import ContentionMeter, machine_info, memory_floor
-from specdec.sampling import SamplingParams
 from specdec.target.gguf import GGUFModel
 from specdec.target.loading import load_like, model_for, own_precision
 
@@ -42,6 +41,7 @@ class BenchConfig:
     seed: int = 0
     repeats: int = 1
     timing: str = "mean"  # per prompt over repeats: "mean" (each repeat a sample) or "best" (the fastest one)
+    interleave: str = "generation"  # our methods take turns per "generation", or per decoding "step" (lockstep)
     warmup: int = 1  # untimed generations per method before the first timed one
     warmup_tokens: int = 32
     threads: int | None = None  # None: all cores the process may use
@@ -55,55 +55,6 @@ class BenchConfig:
 
 
 # ---------------------------------------------------------------------------------------------- methods
-
-
-class OurMethod:
-    def __init__(self, spec: MethodSpec, dec, precision: str, target: str | None = None) -> None:
-        self.spec, self.dec = spec, dec
-        self.precision = precision  # the target's linear weights this method ran (fp32, int8, ...)
-        self.target = target  # its own target's dir (None: the run's model)
-        self.gamma = dec.drafter.draft_depth  # draft steps per tree, for the Leviathan analysis
-
-    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True) -> dict:
-        """learn: the drafter may keep this answer for later prompts (engine.decode's)."""
-        dec, stats, trace = self.dec, Stats(), []
-
-        def on_verify(tree, verdict):  # references only: the arithmetic happens after the clock stops
-            if tree.scores is not None and len(tree):
-                trace.append((tree.scores, tree.parents, verdict.path))
-
-        params = SamplingParams(temperature, seed=seed)
-        t0 = time.perf_counter()
-        tokens = [t for step in dec.steps(prompt_ids, params, max_new, stats, on_verify=on_verify, learn=learn)
-                  for t in step]
-        wall = time.perf_counter() - t0
-        s = stats.summary()
-        rec_stats = {
-            "target_forwards": stats.target_forwards, "accept_histogram": stats.accept_histogram(),
-            "depth_tries": list(stats.depth_tries), "depth_accepts": list(stats.depth_accepts),
-            "time": s["time"], "gamma": self.gamma, "tau": stats.tau, "mean_tree_size": s["mean_tree_size"],
-            "tree_sizes": list(stats.tree_sizes),
-            "finish_reason": stats.finish_reason, "accept_lengths": list(stats.accept_lengths),
-        }
-        return {"tokens": tokens, "wall_time": wall, "stats": rec_stats, "calibration": _calibration(trace)}
-
-
-def _calibration(trace) -> list[list]:
-    """(confidence, value V, depth, accepted) for every node whose parent was reached, i.e. every
-    node the verifier actually tried; confidence = the node's own draft probability."""
-    out = []
-    for scores, parents, path in trace:
-        s, par = scores.float().cpu().tolist(), parents.tolist()
-        on_path = set(path)
-        depth = []
-        for i, p in enumerate(par):
-            depth.append(1 if p < 0 else depth[p] + 1)
-            if p >= 0 and p not in on_path:
-                continue
-            conf = s[i] - (s[p] if p >= 0 else 0.0)
-            out.append([round(2.718281828459045 ** conf, 5), round(2.718281828459045 ** s[i], 5), depth[i],
-                        i in on_path])
-    return out
 
 
 def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_tokenizer=None,
@@ -224,18 +175,29 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                 try:
                     for rep in range(cfg.repeats):
                         k = (qi + turn + rep) % len(labels)
-                        for pos, lab in enumerate(labels[k:] + labels[:k]):
-                            bar.set_postfix_str(f"q={q.question_id} turn={turn} {lab}", refresh=False)
+                        order = labels[k:] + labels[:k]
+                        # only the last repeat teaches a drafter that learns across requests: every
+                        # repeat sees what the earlier prompts taught, none sees this prompt's answer
+                        learn, seed = rep == cfg.repeats - 1, gen_seed(qi, turn)
+                        ours = [lab for lab in order if isinstance(methods[lab], OurMethod)] \
+                            if cfg.interleave == "step" else []
+                        for group in ([ours] if ours else []) + [[lab] for lab in order if lab not in ours]:
+                            bar.set_postfix_str(f"q={q.question_id} turn={turn} {'+'.join(group)}", refresh=False)
                             one, t0 = ContentionMeter(helpers), time.perf_counter()
-                            # only the last repeat teaches a drafter that learns across requests: every
-                            # repeat sees what the earlier prompts taught, none sees this prompt's answer
-                            r = _run_one(methods[lab], ids, cfg.temperature, gen_seed(qi, turn), cfg.max_new_tokens,
-                                         learn=rep == cfg.repeats - 1)
-                            _add_load(one.result(), time.perf_counter() - t0, lab, other_s, wall_s)
-                            batch.append({"method": lab, "name": methods[lab].spec.name, "question_id": q.question_id,
-                                          "category": q.category, "turn": turn, "repeat": rep, "order": pos,
-                                          "prompt_tokens": len(ids), "new_tokens": len(r["tokens"]), **r})
-                            bar.update(1)
+                            if len(group) > 1:  # one step each in turn
+                                got = lockstep({lab: methods[lab].start(ids, cfg.temperature, seed, cfg.max_new_tokens,
+                                                                        learn) for lab in group})
+                            else:
+                                got = {group[0]: _run_one(methods[group[0]], ids, cfg.temperature, seed,
+                                                          cfg.max_new_tokens, learn=learn)}
+                            load, elapsed = one.result(), time.perf_counter() - t0
+                            for lab in group:
+                                _add_load(load, elapsed, lab, other_s, wall_s)
+                                batch.append({"method": lab, "name": methods[lab].spec.name,
+                                              "question_id": q.question_id, "category": q.category, "turn": turn,
+                                              "repeat": rep, "order": order.index(lab), "prompt_tokens": len(ids),
+                                              "new_tokens": len(got[lab]["tokens"]), **got[lab]})
+                                bar.update(1)
                 except PeerFailed as e:  # another engine's bug costs this prompt, not the run
                     del prompts[(q.question_id, turn)]
                     skipped.append({"question_id": q.question_id, "turn": turn, "prompt_tokens": len(ids),
