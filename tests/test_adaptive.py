@@ -100,18 +100,24 @@ def reference_choice(ctrl: Controller, chain_len: int, room: int, ctx, gains, ca
     return next(o for o, r in zip(options, rates) if r >= best * 0.995)
 
 
+RANDOM_MENU = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
+
+
+def random_costs(u: list[float], attend: float) -> Costs:
+    """Costs from uniforms u[0..4]: t(n)'s slope, the drafts, follow, lookup and the attention slope."""
+    return Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
+                 {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in RANDOM_MENU}, 0.05 * u[2], 0.01 * u[3],
+                 attend_s=attend * u[4], ctx=300)
+
+
 def test_a_plain_step_below_the_tree_bar_is_the_choice_pricing_every_tree_makes():
     """Without a chain, a tree scale under the bar of the context's bucket skips pricing the trees: the
     choice is still the one every option priced gives, on both sides of the bar and at every context."""
     g = torch.Generator().manual_seed(1)
-    menu = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
     below = drafted = 0
     for _ in range(300):
         u = torch.rand(8, generator=g).tolist()
-        c = Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
-                  {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in menu}, 0.05 * u[2], 0.01 * u[3],
-                  attend_s=1e-3 * u[4], ctx=300)
-        ctrl = Controller(menu, c, 1.0, PRIOR)
+        ctrl = Controller(RANDOM_MENU, random_costs(u, 1e-3), 1.0, PRIOR)
         ctx = int(3000 * u[5])
         bar = ctrl.tree_bar(ctx)
         ctrl.num = ctrl.den * bar * (0.8 + 0.4 * u[6])  # a scale within 20% of the bar, either side
@@ -125,14 +131,10 @@ def test_a_plain_step_below_the_tree_bar_is_the_choice_pricing_every_tree_makes(
 
 def test_the_step_choice_is_the_best_priced_option_over_random_states():
     g = torch.Generator().manual_seed(0)
-    menu = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
     differ = unions = 0
     for i in range(400):
         u = torch.rand(12, generator=g).tolist()
-        c = Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
-                  {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in menu}, 0.05 * u[2], 0.01 * u[3],
-                  attend_s=1e-4 * u[4], ctx=300)
-        ctrl = Controller(menu, c, 0.3 + 1.5 * u[5], PRIOR, union=u[6] < 0.7)
+        ctrl = Controller(RANDOM_MENU, random_costs(u, 1e-4), 0.3 + 1.5 * u[5], PRIOR, union=u[6] < 0.7)
         ctrl.observe_chain(2, int(12 * u[7]), 12, int(3 * u[8]))
         chain_len = int(u[9] * 14)
         room = [0, 3, 7, 100][i % 4]
