@@ -80,15 +80,14 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
 
 def reference_choice(ctrl: Controller, chain_len: int, room: int, ctx, gains, catch_up=0.0, beyond=None) -> Choice:
     """The choice spelled out: every option priced by `expected`, the best rate (vanilla's raised by the
-    hurdle), ties within 0.5% to the earliest option. Trees are options where one may beat a plain step
-    (`trees_may_pay`), and then a tree + chain where the chain adds expected tokens beyond the tree's."""
+    hurdle), ties within 0.5% to the earliest option. A tree + chain is an option where the chain adds
+    expected tokens beyond the tree's."""
     options = [Choice(None, 0)]
     if room > 0:
-        menu = ctrl.menu if ctrl.trees_may_pay(room, ctx, ctrl.costs.lookup_s if chain_len else 0.0) else []
-        options += [Choice(b, 0) for b, _ in menu]
+        options += [Choice(b, 0) for b, _ in ctrl.menu]
         for m in prefixes(chain_len, room):
             options.append(Choice(None, m))
-            for b, g in menu if ctrl.union else []:
+            for b, g in ctrl.menu if ctrl.union else []:
                 n = min(m, room - min(b.tree_size, room))
                 tree = ctrl.scale * g * min(b.tree_size, room) / b.tree_size
                 if n > 0 and ctrl.added(gains[n - 1], tree, beyond) > 0:

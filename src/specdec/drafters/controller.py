@@ -169,31 +169,26 @@ class Controller:
         # this text's chains: decayed matched / expected tokens over all n-gram lengths, updated when read
         self.text = [TEXT_WEIGHT, TEXT_WEIGHT, 0]
         self.widest = max((b.tree_size for b, _ in menu), default=0)
-        self._bars: dict[tuple[int, float], float] = {}  # (context bucket, lookup seconds) -> tree_bar
+        self._bars: dict[int, float] = {}  # context bucket -> tree_bar
 
     def surely_plain(self, room: int, ctx: int | None) -> bool:
         """Whether a step without a chain draft is a plain one whatever its catch-up costs: the tree scale is
         under the context's tree_bar."""
-        return not self.trees_may_pay(room, ctx, 0.0)
+        return ctx is not None and room >= self.widest and self.costs.attend_s >= 0 and self.scale < self.tree_bar(ctx)
 
-    def trees_may_pay(self, room: int, ctx: int | None, look: float) -> bool:
-        """False when no menu tree can beat a plain step (both after `look` seconds of lookup), whatever its
-        catch-up costs: the tree scale is under the bar of ctx's bucket."""
-        return ctx is None or room < self.widest or self.costs.attend_s < 0 or self.scale >= self.tree_bar(ctx, look)
-
-    def tree_bar(self, ctx: int, look: float = 0.0) -> float:
+    def tree_bar(self, ctx: int) -> float:
         """A scale below which no menu tree beats a plain step anywhere in ctx's bucket of BUCKET contexts (full
-        room, no catch-up, both after `look`): each tree priced at the bucket's start, the plain step at its
-        end. A lower bound because t(n) never falls as the context grows (attend_s >= 0). Why: on text that
-        drafts nothing, pricing every tree every step was most of what `auto` added to a plain step."""
+        room, no chain, no catch-up): each tree priced at the bucket's start, the plain step at its end. A
+        lower bound because t(n) never falls as the context grows (attend_s >= 0). Why: on text that drafts
+        nothing, pricing every tree every step was most of what `auto` added to a plain step."""
         lo = ctx - ctx % BUCKET
-        bar = self._bars.get((lo, look))
+        bar = self._bars.get(lo)
         if bar is None:
             c = self.costs
-            plain = (1.0 + self.hurdle) / (look + c.target(1, lo + BUCKET - 1))
-            bar = min(((look + self.draft_s[b] + c.follow_s + c.target(1 + b.tree_size, lo)) * plain - 1.0) / g
+            plain = (1.0 + self.hurdle) / c.target(1, lo + BUCKET - 1)
+            bar = min(((self.draft_s[b] + c.follow_s + c.target(1 + b.tree_size, lo)) * plain - 1.0) / g
                       for b, g in self.menu if g > 0) if any(g > 0 for _, g in self.menu) else float("inf")
-            self._bars[(lo, look)] = bar
+            self._bars[lo] = bar
         return bar
 
     @property
@@ -260,8 +255,7 @@ class Controller:
                catch_up: float = 0.0, beyond: float | None = None) -> Choice:
         """chain_len: nodes of this step's chain draft (0: none), its `prefixes` options priced by `gains`.
         The options are vanilla, each menu tree, and per prefix the chain alone and each tree + chain whose
-        chain adds something (`added`); the trees and unions only where some tree may beat a plain step
-        (`trees_may_pay`). Each is priced as `expected` prices it (the same
+        chain adds something (`added`), priced as `expected` prices them (the same
         arithmetic, inlined: this runs every step, and on text that drafts nothing it is most of what
         `auto` adds to a step)."""
         if room <= 0:
@@ -278,10 +272,9 @@ class Controller:
                 t = t_rows[rows] = c.target(rows, ctx)
             return t
 
-        # per menu tree: (budget, nodes, expected tree tokens, seconds before the forward); none if none can
-        # beat a plain step, and then no union is offered either
+        # per menu tree: (budget, nodes, expected tree tokens, seconds before the forward)
         trees = []
-        for b, g in self.menu if self.trees_may_pay(room, ctx, look) else ():
+        for b, g in self.menu:
             nodes = min(b.tree_size, room)
             trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s + catch_up)))
         # (rate, rank, budget, chain): rank orders the options as listed above, ties going to the earliest
