@@ -151,6 +151,10 @@ def test_bad_method_option_fails_before_timing(bench_models):
     with pytest.raises(SpecdecError, match="unknown option"):  # our methods: already when the spec is parsed
         cfg = BenchConfig(parse_methods("sps:gamma=2:warp=1", True), max_new_tokens=4, progress=False)
         run_bench(cfg, QS[1:], target, tok, target, tok)
+    for bad in ({"timing": "fastest"}, {"interleave": "token"}):  # before any method is built
+        with pytest.raises(SpecdecError, match="timing must be 'mean' or 'best' and interleave"):
+            run_bench(BenchConfig(parse_methods("vanilla", True), max_new_tokens=4, progress=False, **bad),
+                      QS[1:], target, tok)
 
 
 def test_sampled_run_audits_by_greedy_replay(bench_models):

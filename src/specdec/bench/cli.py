@@ -207,8 +207,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(
         methods=specs, max_new_tokens=max_new, temperature=sp.temperature, seed=args.seed, repeats=repeats,
         timing=args.timing, interleave=args.interleave, warmup=args.warmup, threads=rt.threads, backend=rt.backend,
-        weights=rt.weights,
-        progress=not args.no_progress,
+        weights=rt.weights, progress=not args.no_progress,
         command="specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         extra={"dataset": "papers-table" if table else args.dataset or "spec_bench", "draft": args.draft,
                "model": args.model or "smollm2 (SmolLM2-135M-Instruct, embedded)",

@@ -152,10 +152,11 @@ def choose_baseline(records: list[dict], candidates=("hf", "vanilla")) -> str:
 
 
 def fastest_repeats(records: list[dict]) -> list[dict]:
-    """Per method and prompt, its fastest repeat, as repeat 0. Why: on a shared host another process only
-    ever slows a generation (a 2-thread run by 2-50x), so the least wall time of a few repeats is the
-    least disturbed estimate of what a method costs (timeit's rule), and one prompt's ratio stops
-    swinging by +-10% with the host."""
+    """Per method and prompt, its fastest repeat, as repeat 0. Why: another process only ever slows a
+    generation (a 2-thread run by 2-50x), so the least wall time of a few repeats is the least disturbed
+    estimate of what a method costs (timeit's rule). A host whose speed drifts over seconds still moves
+    one prompt's ratio (the fastest of 4 repeats: 0.82x on a prompt `auto` runs at ~1.0x); stepping the
+    methods in turn (runner's interleave="step") is what removes that."""
     best: dict[tuple, dict] = {}
     for r in records:
         k = (r["method"], *_key(r))

@@ -109,6 +109,9 @@ def run_bench(cfg: BenchConfig, questions: list[Question], model, tokenizer, dra
         raise SpecdecError("--warmup must be >= 0")
     if cfg.temperature < 0:
         raise SpecdecError("--temperature must be >= 0")
+    if cfg.timing not in ("mean", "best") or cfg.interleave not in ("generation", "step"):
+        raise SpecdecError(f"timing must be 'mean' or 'best' and interleave 'generation' or 'step', got "
+                           f"timing={cfg.timing!r}, interleave={cfg.interleave!r}")
     if out_dir is not None:
         check_out_dir(Path(out_dir), overwrite)
     threads_before = torch.get_num_threads()

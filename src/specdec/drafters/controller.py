@@ -90,9 +90,9 @@ class ChainEstimate:
     """What lookup chains matched after one n-gram length: per position i, the decayed share of chains
     whose first i tokens all matched (among those that reached i); and of the tokens they matched on
     steps that verified a head tree too, the share beyond the tree's (what a tree + chain gains over
-    the tree). The prior counts as PRIOR_CHAINS chains (half its tokens beyond a tree). The steps' decay toward the
-    prior is applied when the estimate is next read or updated (its closed form): a plain step pays
-    nothing for it."""
+    the tree). The prior counts as PRIOR_CHAINS chains per position, and as one chain's tokens (half
+    beyond a tree) in that share. The steps' decay toward the prior is applied when the estimate is next
+    read or updated (its closed form): a plain step pays nothing for it."""
 
     def __init__(self, prior: tuple[float, ...], now: int) -> None:
         self.prior = prior
