@@ -169,27 +169,46 @@ class Controller:
         # this text's chains: decayed matched / expected tokens over all n-gram lengths, updated when read
         self.text = [TEXT_WEIGHT, TEXT_WEIGHT, 0]
         self.widest = max((b.tree_size for b, _ in menu), default=0)
-        self._bars: dict[int, float] = {}  # context bucket -> tree_bar
+        self._bars: dict[tuple[int, bool], tuple] = {}  # (context bucket, lookup) -> plain_bounds
 
-    def surely_plain(self, room: int, ctx: int | None) -> bool:
-        """Whether a step without a chain draft is a plain one whatever its catch-up costs: the tree scale is
-        under the context's tree_bar."""
-        return ctx is not None and room >= self.widest and self.costs.attend_s >= 0 and self.scale < self.tree_bar(ctx)
+    def surely_plain(self, room: int, ctx: int | None, catch_up: float = 0.0, chain: float = 0.0) -> bool:
+        """Whether the step is a plain one without pricing its options: no option beats a plain step by the
+        bounds of the context's bucket (plain_bounds). chain: the lookup chain's expected matched tokens,
+        whole (0: no chain); catch_up: what a head tree pays first. Exact: a cheap test that skips `choose`'s
+        pricing on most steps of text that drafts nothing, and on it they were most of what `auto` added."""
+        if ctx is None or room < self.widest or self.costs.attend_s < 0:
+            return False
+        plain, chain_k, bar, bars = self.plain_bounds(ctx, chain > 0)
+        if chain > 0 and chain >= chain_k:
+            return False
+        scale, more = self.scale, plain * catch_up - chain
+        if more >= 0 and scale < bar:  # the bar without catch-up and chain holds (most plain steps)
+            return True
+        return all(scale * g < k + more for g, k in bars)
+
+    def plain_bounds(self, ctx: int, look: bool) -> tuple[float, float, float, list[tuple[float, float]]]:
+        """For ctx's bucket of BUCKET contexts, with or without a lookup: (P, C, bar, [(g, K) per menu tree])
+        where P is the plain step's rate priced at the bucket's end, a chain alone cannot beat it if its
+        expected tokens are under C, tree b (with any chain of expected tokens G, catch-up c) cannot if
+        scale * g + G < K + P * c, and bar = min K / g (no tree can if scale < bar, G = c = 0). Options are
+        priced at the bucket's start and without the chain's rows: bounds, because t(n) never falls as n or
+        the context grow (attend_s >= 0)."""
+        lo = ctx - ctx % BUCKET
+        got = self._bars.get((lo, look))
+        if got is None:
+            c = self.costs
+            ls = c.lookup_s if look else 0.0
+            plain = (1.0 + self.hurdle) / (ls + c.target(1, lo + BUCKET - 1))
+            bars = [(g, plain * (ls + self.draft_s[b] + c.follow_s + c.target(1 + b.tree_size, lo)) - 1.0)
+                    for b, g in self.menu]
+            bar = -float("inf") if any(g <= 0 and k <= 0 for g, k in bars) else \
+                min((k / g for g, k in bars if g > 0), default=float("inf"))
+            got = self._bars[(lo, look)] = (plain, plain * (ls + c.target(2, lo)) - 1.0, bar, bars)
+        return got
 
     def tree_bar(self, ctx: int) -> float:
-        """A scale below which no menu tree beats a plain step anywhere in ctx's bucket of BUCKET contexts (full
-        room, no chain, no catch-up): each tree priced at the bucket's start, the plain step at its end. A
-        lower bound because t(n) never falls as the context grows (attend_s >= 0). Why: on text that drafts
-        nothing, pricing every tree every step was most of what `auto` added to a plain step."""
-        lo = ctx - ctx % BUCKET
-        bar = self._bars.get(lo)
-        if bar is None:
-            c = self.costs
-            plain = (1.0 + self.hurdle) / c.target(1, lo + BUCKET - 1)
-            bar = min(((self.draft_s[b] + c.follow_s + c.target(1 + b.tree_size, lo)) * plain - 1.0) / g
-                      for b, g in self.menu if g > 0) if any(g > 0 for _, g in self.menu) else float("inf")
-            self._bars[lo] = bar
-        return bar
+        """The scale below which no menu tree beats a plain step in ctx's bucket (no chain, no catch-up)."""
+        return self.plain_bounds(ctx, False)[2]
 
     @property
     def scale(self) -> float:
@@ -261,7 +280,7 @@ class Controller:
         if room <= 0:
             return VANILLA
         c, scale = self.costs, self.scale
-        if not chain_len and self.surely_plain(room, ctx):
+        if self.surely_plain(room, ctx, catch_up, gains[min(chain_len, room) - 1] if chain_len else 0.0):
             return VANILLA
         look = c.lookup_s if chain_len else 0.0
         t_rows: dict[int, float] = {}
