@@ -134,7 +134,7 @@ def test_forks_of_auto_never_teach_the_clock(model):
     fork = drafter.fork()
     assert fork.clock is None and fork.costs is drafter.costs and fork.eagle.runner is not drafter.eagle.runner
     drive(Batch(LeanRunner(model, exact=True), drafter, EOS), REQUESTS, SamplingParams(), max_batch=4)
-    assert clock.steps == 0 and not drafter.choices
+    assert clock.steps == 0 and not clock.log and not drafter.choices
 
 
 @pytest.mark.parametrize("method", ["vanilla", "pld", "eagle2", "eagle+pld"])

@@ -69,6 +69,8 @@ class FollowsTheMachine(Drafter):
     def prepare(self) -> None:
         if self._meter is None:
             self._meter = ContentionMeter()
+        if self.clock is not None:
+            self.clock.settle(self.costs.target)
         if self.clock is not None and self.clock.drifted:
             self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
             self.clock = self.clock.restarted()
@@ -180,7 +182,8 @@ class AdaptiveDrafter(FollowsTheMachine):
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
-            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx), self.rows)
+            if self.clock.note(ctx.verify_s, self.rows, self.rows_ctx):
+                self.clock.settle(self.costs.target)
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)
             self.rows = 0

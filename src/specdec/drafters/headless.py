@@ -186,7 +186,8 @@ class HeadlessDrafter(FollowsTheMachine):
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
-            self.clock.observe(ctx.verify_s, self.costs.target(self.rows, self.rows_ctx), self.rows)
+            if self.clock.note(ctx.verify_s, self.rows, self.rows_ctx):
+                self.clock.settle(self.costs.target)
             self.rows = 0
         for d in (self.ngram, self.draft):
             if d is not None:
