@@ -8,8 +8,8 @@ sequence attends over its own cache), then each sequence verifies and commits it
 state) over shared weights; a row's bits are those it gets decoded alone, so every sequence emits what it
 would emit alone. A joining sequence's prompt is prefilled on its own, between steps.
 
-A sequence's ctx.verify_s here is the packed forward's time (and its neighbours' verification), not a
-price of its own rows: drafters that learn prices from it (adaptive `auto`) fork without their clock,
+A sequence's ctx.forward_s here spans the packed forward and its neighbours' drafting and verification,
+not a price of its own rows: drafters that learn prices from it (adaptive `auto`) fork without their clock,
 drafting by the costs they had."""
 
 from __future__ import annotations

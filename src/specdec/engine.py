@@ -217,6 +217,7 @@ class Sequence:
         """Verify the planned rows' forward: commit the accepted ones; the new tokens (cut at EOS and
         max_new_tokens)."""
         stats, ctx, tree = self.stats, self.ctx, self._tree
+        ctx.forward_s = _clock(self.dev) - self._t
         if self._side:  # the drafter's side rows: their logits go back to it, and they are never committed
             n = 1 + len(tree)
             self.drafter.side_logits(out.logits[n:])
@@ -226,7 +227,6 @@ class Sequence:
         self.runner.commit(keep)
         t2 = _clock(self.dev)
         stats.verify_time += t2 - self._t
-        ctx.verify_s = t2 - self._t
         stats.record(tree, verdict.path)
         if self.on_verify is not None:
             self.on_verify(tree, verdict)

@@ -122,7 +122,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.catch = CatchUp(self.costs.catch_row_s)  # measured at load, then learned over requests
 
     def fork(self) -> AdaptiveDrafter:
-        # state of its own, these costs; no clock: in a batch its verify_s times the whole packed forward
+        # state of its own, these costs; no clock: in a batch its forward_s times the whole packed forward
         return replace(self, eagle=self.eagle.fork(), clock=None, choices=Counter())
 
     @property
@@ -182,7 +182,7 @@ class AdaptiveDrafter(FollowsTheMachine):
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
-            if self.clock.note(ctx.verify_s, self.rows, self.rows_ctx):
+            if self.clock.note(ctx.forward_s, self.rows, self.rows_ctx):
                 self.clock.settle(self.costs.target)
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)

@@ -28,7 +28,9 @@ class DecodeContext:
     features: torch.Tensor | None = None  # target features of the rows committed by the last forward
     aux_features: torch.Tensor | None = None  # [rows, k * H] of the same rows when the drafter has aux_layers
     max_nodes: int = field(default=1 << 30)  # room left in the target's context for this draft
-    verify_s: float = 0.0  # seconds the last step's target forward + verification took (at accept())
+    # seconds the last step's target forward took (at accept()); not its verification, whose cost at T > 0
+    # grows with the tokens emitted (their noise), not with the rows verified
+    forward_s: float = 0.0
     draft_s: float = 0.0  # seconds the last step's propose() took (at accept())
     # a seeded sampled request's draws (sampling.Coupling): the token at index i of `tokens` will be the
     # target's draw with coupling.gumbel(i); a drafter ranks by log q + that noise to match it

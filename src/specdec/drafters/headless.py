@@ -140,7 +140,7 @@ class HeadlessDrafter(FollowsTheMachine):
     def fork(self) -> HeadlessDrafter | None:
         """Another sequence of a batch: forks of the n-gram and draft-model drafters, its own Controller,
         calibration and pending drafts, priced by this drafter's costs as they stand; never learning
-        prices (clock None: in a batch a sequence's verify_s times the whole packed forward)."""
+        prices (clock None: in a batch a sequence's forward_s times the whole packed forward)."""
         draft = None if self.draft is None else self.draft.fork()
         if self.draft is not None and draft is None:
             return None
@@ -186,7 +186,7 @@ class HeadlessDrafter(FollowsTheMachine):
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
-            if self.clock.note(ctx.verify_s, self.rows, self.rows_ctx):
+            if self.clock.note(ctx.forward_s, self.rows, self.rows_ctx):
                 self.clock.settle(self.costs.target)
             self.rows = 0
         for d in (self.ngram, self.draft):
