@@ -170,6 +170,8 @@ class Controller:
         self.text = [TEXT_WEIGHT, TEXT_WEIGHT, 0]
         self.widest = max((b.tree_size for b, _ in menu), default=0)
         self._bars: dict[tuple[int, bool], tuple] = {}  # (context bucket, lookup) -> plain_bounds
+        self._trees = [(b, b.tree_size, g, self.draft_s[b] + costs.follow_s) for b, g in menu]
+        self._base: list[float] = []  # target(n) at the measured context (_times)
 
     def surely_plain(self, room: int, ctx: int | None, catch_up: float = 0.0, chain: float = 0.0) -> bool:
         """Whether the step is a plain one without pricing its options: no option beats a plain step by the
@@ -205,6 +207,16 @@ class Controller:
                 min((k / g for g, k in bars if g > 0), default=float("inf"))
             got = self._bars[(lo, look)] = (plain, plain * (ls + c.target(2, lo)) - 1.0, bar, bars)
         return got
+
+    def _times(self, ctx: int | None, rows: int) -> list[float]:
+        """[target(n, ctx) for n < rows]: one list a step instead of a call per option."""
+        c = self.costs
+        if len(self._base) < rows:
+            self._base = [0.0] + [c.target(n) for n in range(1, rows)]
+        if ctx is None or not c.attend_s:
+            return self._base
+        a, d = c.attend_s, ctx - c.ctx
+        return [max(x + n * a * d, 0.25 * x) for n, x in enumerate(self._base[:rows])]
 
     def tree_bar(self, ctx: int) -> float:
         """The scale below which no menu tree beats a plain step in ctx's bucket (no chain, no catch-up)."""
@@ -283,42 +295,38 @@ class Controller:
         if self.surely_plain(room, ctx, catch_up, gains[min(chain_len, room) - 1] if chain_len else 0.0):
             return VANILLA
         look = c.lookup_s if chain_len else 0.0
-        t_rows: dict[int, float] = {}
-
-        def target(rows: int) -> float:
-            t = t_rows.get(rows)
-            if t is None:
-                t = t_rows[rows] = c.target(rows, ctx)
-            return t
-
+        lengths = prefixes(chain_len, room)
+        t = self._times(ctx, 2 + self.widest + (lengths[-1] if lengths else 0))  # t[n]: target(n, ctx)
         # per menu tree: (budget, nodes, expected tree tokens, seconds before the forward)
         trees = []
-        for b, g in self.menu:
-            nodes = min(b.tree_size, room)
-            trees.append((b, nodes, scale * g * nodes / b.tree_size, look + (self.draft_s[b] + c.follow_s + catch_up)))
         # (rate, rank, budget, chain): rank orders the options as listed above, ties going to the earliest
+        rates = [(1.0 / (look + t[1]) * (1 + self.hurdle), 0, None, 0)]
+        for i, (b, size, g, df) in enumerate(self._trees):
+            nodes = size if size <= room else room
+            tree, secs = scale * g * nodes / size, look + (df + catch_up)
+            trees.append((b, nodes, tree, secs))
+            rates.append(((1.0 + tree) / (secs + t[1 + nodes]), i + 1, b, 0))
         k = len(trees) + 1
-        rates = [(1.0 / (look + target(1)) * (1 + self.hurdle), 0, None, 0)]
-        rates += [((1.0 + tree) / (secs + target(1 + nodes)), i + 1, b, 0)
-                  for i, (b, nodes, tree, secs) in enumerate(trees)]
-        lengths = prefixes(chain_len, room)
-        rates += [((1.0 + min(float(m), gains[m - 1])) / (look + target(1 + m)), k * (j + 1), None, m)
+        rates += [((1.0 + min(float(m), gains[m - 1])) / (look + t[1 + m]), k * (j + 1), None, m)
                   for j, m in enumerate(lengths)]
-        best = max(r[0] for r in rates)
-        for i, (b, nodes, tree, secs) in enumerate(trees if self.union and lengths else ()):
-            top = min(lengths[-1], room - nodes)
-            if top <= 0:
-                continue
-            # no union with this tree is within the ties' band of the best (a wider forward never costs less):
-            # most steps' unions go unpriced
-            if (1.0 + tree + min(float(top), self.added(gains[top - 1], tree, beyond))) / (secs + target(2 + nodes)) \
-                    < best * 0.995:
-                continue
-            for j, m in enumerate(lengths):
-                n = min(m, room - nodes)
-                add = min(float(n), self.added(gains[n - 1], tree, beyond)) if n > 0 else 0.0
-                if add > 0:
-                    rates.append(((1.0 + tree + add) / (secs + target(1 + nodes + n)), k * (j + 1) + i + 1, b, m))
+        if self.union and lengths:
+            band, most, bz = max(r[0] for r in rates) * 0.995, lengths[-1], 0.0 if beyond is None else beyond
+            for i, (b, nodes, tree, secs) in enumerate(trees):
+                top = min(most, room - nodes)
+                if top <= 0:
+                    continue
+                # no union with this tree is within the ties' band of the best (a wider forward never costs
+                # less): most steps' unions go unpriced. `added` inlined, as below
+                alone = gains[top - 1]
+                if (1.0 + tree + min(float(top), max(0.0, alone - tree, bz * alone))) / (secs + t[2 + nodes]) < band:
+                    continue
+                for j, m in enumerate(lengths):
+                    n = min(m, room - nodes)
+                    if n > 0:
+                        alone = gains[n - 1]
+                        add = min(float(n), max(0.0, alone - tree, bz * alone))
+                        if add > 0:
+                            rates.append(((1.0 + tree + add) / (secs + t[1 + nodes + n]), k * (j + 1) + i + 1, b, m))
         best = max(r[0] for r in rates)
         # ties (within 0.5%) go to the cheapest option: vanilla first, then smaller trees
         r, _, b, m = min((x for x in rates if x[0] >= best * 0.995), key=lambda x: x[1])

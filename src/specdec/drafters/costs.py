@@ -200,7 +200,8 @@ def target_costs(runner, top: int, sizes: set[int], ctx_len: int) -> tuple[dict[
     """t(N) at `sizes`, at the anchors below `top` and at `top` rows after ctx_len cached tokens, and the
     attention slope: `top` rows timed over LONG_CTX more tokens."""
     sizes = sorted({n for n in ANCHORS if n < top} | sizes | {top})
-    target_s = forward_costs(runner, sizes, 2, ctx=ctx_len, stat=min, warmup=1)  # min: the least disturbed repetition
+    # min: the least disturbed repetition; of 4, as of 2 the ratios t(n) / t(1) moved ~15% between measurements
+    target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1)
     extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
     return target_s, attention_slope(runner, top, ctx_len, extra) if extra >= 64 else 0.0
 
