@@ -707,28 +707,38 @@ def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_pa
     assert sum(s["tree_size_histogram"].values()) == stats.target_forwards and 0 <= s["vanilla_share"] <= 1
 
 
-def test_a_head_catching_up_after_plain_steps_does_not_teach_the_drafting_price(tiny, trained):
-    """The first draft after a stretch of plain steps also reads those steps' rows: timed against the price
-    of one step's drafting it would read as dear drafting (and fewer drafts, longer catch-ups). Only drafts
-    after a drafted step are observed."""
+def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_catch_up(tiny, trained):
+    """The first draft after a stretch of plain steps also reads those steps' rows: the clock times it
+    against its drafting's price plus the catch-up's (timed against one step's drafting it read as dear
+    drafting, and fewer drafts, longer catch-ups); a catch-up of more rows than are counted is not observed."""
+    from specdec.drafters.clock import CatchUp
     from specdec.heads.io import load_head
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
-    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+
+    def drive(slope, prompt):
         d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0,
                             clock=StepClock())
-        backlogs, observed = [], []
+        wanted, observed = [], []
         orig = d.eagle.propose
 
-        def spy(ctx, budget=None, orig=orig, d=d, backlogs=backlogs):
-            backlogs.append(d.eagle.unread_steps)
+        def spy(ctx, budget=None):
+            extra = d.catch.extra_rows(d.eagle.pending)
+            price = d.ctrl.draft_s[budget] + d.costs.follow_s + d.catch.price(extra)
+            wanted.append((d.eagle.unread_steps, extra, price))
             return orig(ctx, budget)
 
         d.eagle.propose = spy
-        d.clock.observe_draft = lambda seconds, priced, observed=observed: observed.append(priced)
-        run(target, d, PROMPTS[1], SamplingParams(), 40)
-        if any(b > 1 for b in backlogs) and any(b <= 1 for b in backlogs):
+        d.clock.observe_draft = lambda seconds, priced: observed.append(priced)
+        run(target, d, prompt, SamplingParams(), 40)
+        assert observed == [p for _, e, p in wanted if e <= CatchUp.PRICED_ROWS] and all(p > 0 for p in observed)
+        return wanted
+
+    counted = uncounted = False
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+        counted |= any(b > 1 and 0 < e <= CatchUp.PRICED_ROWS for b, e, _ in drive(slope, PROMPTS[1]))
+        uncounted |= any(e > CatchUp.PRICED_ROWS for _, e, _ in drive(slope, PROMPTS[3]))  # the first tree reads 28
+        if counted and uncounted:
             break
-    assert any(b > 1 for b in backlogs) and any(b <= 1 for b in backlogs)
-    assert len(observed) == sum(b <= 1 for b in backlogs) and all(p > 0 for p in observed)
+    assert counted and uncounted

@@ -171,12 +171,14 @@ class AdaptiveDrafter(FollowsTheMachine):
             tree = tree.union(part) if len(tree) else part
         self.last = (choice, eagle_tree, expected, chain or None, ngram)
         self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows (and rows_ctx its context), for the clock
-        # what this step's drafting was priced at (None: no head tree, only a lookup at most; or a head that
-        # first read several steps' rows: that catch-up is no typical step's, and priced as one it taught the
-        # clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer)
+        # what this step's drafting was priced at, its catch-up included (None: no head tree, only a lookup at
+        # most; or a catch-up of more rows than are counted. Why with the catch-up: priced without it, the
+        # reads after a plain stretch taught the clock drafting costs ~2x, so auto drafted ever less and each
+        # catch-up grew longer; left out, the clock saw only steps right after a draft, and in-situ drafting
+        # at ~2x its probe went unlearned: the README demo prompt kept trying 4-node trees at a loss)
         base = None if choice.budget is None else \
             self.ctrl.draft_s[choice.budget] + self.costs.follow_s + (self.costs.lookup_s if len(chain) else 0.0)
-        self.draft_priced = None if backlog > 1 else base
+        self.draft_priced = None if base is None or extra > CatchUp.PRICED_ROWS else base + self.catch.price(extra)
         self.catch.drafted(extra if base is not None and backlog > 1 else 0, base or 0.0)
         return tree
 

@@ -35,7 +35,8 @@ from specdec.verify import Verdict
 ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 # the second context the widest forward is timed at: how fast a row's attention grows with the context
 LONG_CTX = 512  # its prefill is most of the ~1 s this adds
-VERSION = 3  # of the measurement (2: attention slope, 3: catch-up per row); in the cache key: older files re-measure
+VERSION = 4  # of the measurement (2: attention slope, 3: catch-up per row, 4: forwards learned without their
+# verification, t(n) of 4 repetitions); in the cache key: older files re-measure
 QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
 
 
