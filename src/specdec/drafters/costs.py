@@ -1,5 +1,5 @@
 """The cost model of adaptive speculation: what a step costs on this machine (machine-dependent, unlike
-the acceptance model that ships with a head). Measured in ~3 s when the drafter is built (at load) and
+the acceptance model that ships with a head). Measured in ~4 s when the drafter is built (at load) and
 cached per CPU, cores, threads, torch, target, precision and head; `recalibrate` re-measures for that
 command (and stores it only when no other process was busy). Afterwards the costs follow the machine
 online: StepClock compares every verify forward with its price, and between requests the prices are
@@ -149,7 +149,7 @@ def cost_key(runner: Runner, head_dir: str | None, menu: list[tuple[TreeBudget, 
 @torch.inference_mode()
 def measure_costs(runner, drafter: EagleDrafter, menu: list[tuple[TreeBudget, float]], lookup: int,
                   reps: int = 3, ctx_len: int = 384, sampled: list[tuple[TreeBudget, float]] = ()) -> Costs:
-    """~3 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
+    """~4 s for SmolLM2-135M on 2 cores: t(N) for every menu tree and at the anchors up to the largest
     tree + chain, then each budget's propose() (the `sampled` menu's with children drawn at T = 1, which
     needs a drafter with children="sample") and the head's catch-up as decoding leaves the caches, at a
     ctx_len-token context; the widest forward over LONG_CTX more tokens gives the attention slope."""
