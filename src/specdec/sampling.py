@@ -95,30 +95,41 @@ class Coupling:
     the Gumbel-max trick that is an exact draw from p_i (after temperature, top-k, top-p), and it depends
     on nothing but the seed, i and the target's distribution there. A draft token is accepted iff it
     equals the target's draw, so every method gives vanilla's text for a seed, however it drafts; a
-    drafter that ranks by its own log-probabilities plus the same noise proposes the likeliest match."""
+    drafter that ranks by its own log-probabilities plus the same noise proposes the likeliest match.
+    The draw is taken as argmax_x p_i(x) / E_i(x) with E_i = -log U_i iid Exp(1) and G_i = -log E_i (the
+    exponential race: the same token, without a log of p or of E; ~0.2 ms of a ~0.9 ms draw over 49k)."""
 
     KEEP = 64  # positions whose noise stays cached (a step reads a few consecutive ones)
 
     def __init__(self, seed: int, vocab: int) -> None:
         self.seed, self.vocab = seed, vocab
-        self._noise: dict[int, torch.Tensor] = {}
+        self._exp: dict[int, torch.Tensor] = {}
+        self._gumbel: dict[int, torch.Tensor] = {}
 
-    def gumbel(self, position: int) -> torch.Tensor:
-        """G_position [vocab], fp64, drawn on the CPU (the same on every device)."""
-        g = self._noise.get(position)
-        if g is None:
+    def exponential(self, position: int) -> torch.Tensor:
+        """E_position [vocab] = -log U, fp64, drawn on the CPU (the same on every device)."""
+        e = self._exp.get(position)
+        if e is None:
             h = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
             gen = torch.Generator().manual_seed(int.from_bytes(h, "little") >> 1)
             u = torch.rand(self.vocab, generator=gen, dtype=torch.float64).clamp_min_(1e-300)
-            g = -torch.log(-torch.log(u))
-            if len(self._noise) >= self.KEEP:
-                self._noise.pop(next(iter(self._noise)))
-            self._noise[position] = g
-        return g
+            e = self._keep(self._exp, position, u.log_().neg_())
+        return e
+
+    def gumbel(self, position: int) -> torch.Tensor:
+        """G_position [vocab] = -log E_position, fp64 (what a drafter ranks by; the draw itself needs only E)."""
+        g = self._gumbel.get(position)
+        return g if g is not None else self._keep(self._gumbel, position, -torch.log(self.exponential(position)))
+
+    def _keep(self, cache: dict[int, torch.Tensor], position: int, x: torch.Tensor) -> torch.Tensor:
+        if len(cache) >= self.KEEP:
+            cache.pop(next(iter(cache)))
+        cache[position] = x
+        return x
 
     def pick(self, probs: torch.Tensor, position: int) -> int:
         """The target's draw at `position` from `probs` [vocab]."""
-        return int((torch.log(probs.double().cpu()) + self.gumbel(position)).argmax())
+        return int((probs.double().cpu() / self.exponential(position)).argmax())
 
     def perturb(self, logprobs: torch.Tensor, positions: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
         """log_softmax(log q + G) for rows of a drafter's `logprobs` [n, V_d], row r at positions[r]: its
