@@ -232,3 +232,16 @@ def test_coupling_draws_depend_on_seed_and_position_only():
     ids = torch.arange(30, 50)  # a reduced draft vocabulary: columns are target ids 30..49
     want = torch.log_softmax(lp + torch.stack([a.gumbel(10)[ids], a.gumbel(11)[ids]]).float(), -1)
     assert torch.allclose(a.perturb(lp, [10, 11], ids), want)
+
+
+def test_the_coupled_draw_is_the_gumbel_max_of_the_noise_drafters_rank_by():
+    """pick() takes the exponential race argmax p / E; a drafter ranks by log q + G with G = -log E: the draw
+    must be argmax(log p + G) for that G, or drafts would chase another token than the target draws."""
+    c, g = Coupling(5, 300), torch.Generator().manual_seed(0)
+    for i in range(200):
+        p = torch.softmax(torch.randn(300, generator=g) * (0.5 + i % 7), -1)
+        p[torch.rand(300, generator=g) < 0.3] = 0.0  # top-k / top-p zeros: never drawn
+        p = p / p.sum()
+        x = c.pick(p, i)
+        assert x == int((torch.log(p.double()) + c.gumbel(i)).argmax()) and p[x] > 0
+    assert torch.equal(c.gumbel(3), -torch.log(c.exponential(3)))
