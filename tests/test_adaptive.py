@@ -119,7 +119,7 @@ def test_a_plain_step_below_the_tree_bar_is_the_choice_pricing_every_tree_makes(
         u = torch.rand(8, generator=g).tolist()
         ctrl = Controller(RANDOM_MENU, random_costs(u, 1e-3), 1.0, PRIOR)
         ctx = int(3000 * u[5])
-        bar = ctrl.tree_bar(ctx)
+        bar = ctrl.plain_bounds(ctx, False)[2]  # no tree beats a plain step below this scale
         ctrl.num = ctrl.den * bar * (0.8 + 0.4 * u[6])  # a scale within 20% of the bar, either side
         catch_up = 0.1 * u[7]
         got = ctrl.choose(0, 100, ctx, None, catch_up)

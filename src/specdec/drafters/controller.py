@@ -40,7 +40,7 @@ LOOKUP_PRIOR_SAMPLED = {  # T = 1
 # the retries after plain steps cost more than drafting gains; measured on SmolLM2 (the README demo
 # prompt drafted 2-node trees that accepted 0.33 tokens against a break-even of 0.35: 0.94x vanilla)
 HURDLE = 0.05
-BUCKET = 32  # contexts that share a tree_bar (t(1) moves ~0.3% over 32 tokens on SmolLM2)
+BUCKET = 32  # contexts that share plain_bounds (t(1) moves ~0.3% over 32 tokens on SmolLM2)
 # chain prefixes offered (and the whole chain): finer steps add options to price every step, not speed
 PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -217,10 +217,6 @@ class Controller:
             return self._base
         a, d = c.attend_s, ctx - c.ctx
         return [max(x + n * a * d, 0.25 * x) for n, x in enumerate(self._base[:rows])]
-
-    def tree_bar(self, ctx: int) -> float:
-        """The scale below which no menu tree beats a plain step in ctx's bucket (no chain, no catch-up)."""
-        return self.plain_bounds(ctx, False)[2]
 
     @property
     def scale(self) -> float:
