@@ -3,6 +3,7 @@ draft size changing from step to step (greedy equality, chi-square at T > 0 with
 
 import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -362,6 +363,27 @@ def test_one_n_grams_misses_lower_the_price_of_another_then_fade():
     c.observe_chain(2, 6, 12)  # one long match raises its own n-gram's estimate, not the others'
     assert c.chain_gains(3, 12)[2] == pytest.approx(before, rel=0.05)
     assert c.chain_gains(2, 12)[5] > 1.5 * before2
+
+
+def test_a_chains_bound_holds_at_every_later_step_until_it_is_observed():
+    """chain_bound lets a step skip pricing its chain: it must be at least what chain_gains gives for every
+    length at every step until the chain's n-gram is next observed, over random histories; a plain step it
+    declares sure is the one choose() makes with the chain priced."""
+    rng = random.Random(5)
+    for trial in range(60):
+        c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+        for _ in range(rng.randrange(0, 30)):
+            c.step()
+            n, length = rng.choice([1, 2, 3]), rng.randrange(1, 20)
+            c.observe_chain(n, rng.randrange(0, length + 1), length)
+        for _ in range(rng.randrange(0, 60)):
+            for n in (1, 2, 3):
+                for length in (1, 2, 5, 12, 19, 31):
+                    assert c.chain_bound(n, length) >= c.chain_gains(n, length)[-1] - 1e-12
+            length = rng.randrange(1, 32)
+            if c.surely_plain(64, 300, 0.0, c.chain_bound(3, length)):
+                assert c.choose(length, 64, 300, c.chain_gains(3, length), 0.0, c.chain_beyond(3)).vanilla
+            c.step()
 
 
 def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():

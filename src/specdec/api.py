@@ -75,12 +75,14 @@ class Decoder:
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, stats: Stats,
               on_verify: Callable | None = None, drafter: Drafter | None = None,
-              learn: bool = True) -> Iterator[list[int]]:
+              learn: bool = True, prefill_steps: bool = False) -> Iterator[list[int]]:
         """The new token ids of each decoding step, under this Decoder's turn-taking like every request
-        (the benchmark and `specdec tune` decode token ids through here). on_verify, learn: engine.decode's.
+        (the benchmark and `specdec tune` decode token ids through here). on_verify, learn, prefill_steps:
+        engine.decode's.
         drafter: another drafter over the same target instead of this Decoder's (e.g. NoDrafter)."""
         return decode(self.runner, self.drafter if drafter is None else drafter, prompt_ids, params, max_new_tokens,
-                      self.eos_ids, stats, on_verify=on_verify, lease=self.slot.lease(), learn=learn)
+                      self.eos_ids, stats, on_verify=on_verify, lease=self.slot.lease(), learn=learn,
+                      prefill_steps=prefill_steps)
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""

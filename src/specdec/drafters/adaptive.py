@@ -147,12 +147,15 @@ class AdaptiveDrafter(FollowsTheMachine):
     def propose(self, ctx: DecodeContext) -> DraftTree:
         chain = self.pld.lookup(ctx) if self.pld is not None and ctx.max_nodes > 0 else []
         self.rows_ctx = len(ctx.tokens)
-        if not chain and self.ctrl.surely_plain(ctx.max_nodes, self.rows_ctx):  # most steps on text that drafts nothing
+        ngram = self.pld.last_ngram if chain else 0
+        # most steps on text that drafts nothing; the chain at its bound and no catch-up (both only make
+        # drafting look better): what choose() would decide
+        if self.ctrl.surely_plain(ctx.max_nodes, self.rows_ctx, 0.0,
+                                  self.ctrl.chain_bound(ngram, min(len(chain), ctx.max_nodes)) if chain else 0.0):
             self.choices[0] += 1
-            self.last, self.rows, self.draft_priced = (VANILLA, None, 0.0, None, 0), 1, None
+            self.last, self.rows, self.draft_priced = (VANILLA, None, 0.0, chain or None, ngram), 1, None
             self.catch.drafted(0, 0.0)
             return DraftTree.empty()
-        ngram = self.pld.last_ngram if chain else 0
         gains = self.ctrl.chain_gains(ngram, len(chain)) if chain else None
         beyond = self.ctrl.chain_beyond(ngram) if chain else None
         backlog = self.eagle.unread_steps

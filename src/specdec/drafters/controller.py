@@ -128,6 +128,14 @@ class ChainEstimate:
             out.append(total)
         return out
 
+    def bound(self, length: int) -> float:
+        """At least gains(length)[-1] at this or any later step before the next observation, cheaply: the
+        decay only moves each position's rate from hits / seen toward the prior, so it stays under the
+        larger of the two; past the positions kept, the rates halve from the last one's (their sum < it)."""
+        top = [max(h / s, q) if s > 0 else q for h, s, q in zip(self.hits, self.seen, self.prior)]
+        total = sum(top[:length])
+        return min(float(length), total + top[-1] if length > len(top) and top else total)
+
     def observe(self, matched: int, length: int, now: int, decay: float, tree: int | None = None) -> None:
         """A chain of `length` tokens whose first `matched` tokens matched (it says nothing past its length);
         tree: what a head tree verified on the step it was drafted matched (None: no tree)."""
@@ -246,6 +254,12 @@ class Controller:
             num, den = d * num + (1 - d) * TEXT_WEIGHT, d * den + (1 - d) * TEXT_WEIGHT
             self.text = [num, den, self.now]
         return min(1.0, num / den)
+
+    def chain_bound(self, ngram: int, length: int) -> float:
+        """At least chain_gains(ngram, length)[-1], for surely_plain before the chain is priced: on text whose
+        chains keep missing (sampled RAG) most steps find a chain, and pricing it cost ~40 us a step."""
+        est = self.chain.get(ngram)
+        return 0.0 if est is None else est.bound(length)
 
     def chain_beyond(self, ngram: int) -> float:
         est = self.chain.get(ngram)

@@ -41,7 +41,7 @@ class PromptLookupDrafter(Drafter):
         toks = ctx.tokens
         if k < 1:
             return []
-        index = self.index = NgramIndex.over(self.index, toks, self.max_ngram)
+        index = self.index = NgramIndex.over(self.index, toks, self.max_ngram, counts=False)
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
             end = index.latest(toks[-n:])
             if end is not None:
@@ -54,21 +54,25 @@ class NgramIndex:
     """Each n-gram (n <= max_ngram) of a growing token list: where it last occurred and how often each
     token followed it, updated by the new tokens only. Why: a numpy scan of the whole context cost ~0.3 ms
     a step at 1k tokens (2% of a SmolLM2 forward, paid on plain steps too); this is O(new tokens). The
-    suffix itself is never indexed: an n-gram counts once a token follows it (a draft copies that token on)."""
+    suffix itself is never indexed: an n-gram counts once a token follows it (a draft copies that token on).
+    counts=False keeps no counts (`following` is None): a lookup needs only where, and `auto` looks up on
+    every step."""
 
-    def __init__(self, max_ngram: int) -> None:
+    def __init__(self, max_ngram: int, counts: bool = True) -> None:
         self.max_ngram = max_ngram
         self.ends: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]  # [n][n-gram] -> end index
-        self.counts: list[dict[tuple, dict[int, int]]] = [{} for _ in range(max_ngram + 1)]  # -> {next: times}
+        # [n][n-gram] -> {next: times}
+        self.counts: list[dict[tuple, dict[int, int]]] | None = [{} for _ in range(max_ngram + 1)] if counts else None
         self.src: list[int] | None = None
         self.done = 0  # n-grams ending before this index are indexed (ends in [1, len) of the list)
         self.last = None  # the token at done - 1 when indexed (a list edited in place is re-indexed)
 
     @classmethod
-    def over(cls, index: NgramIndex | None, toks: list[int], max_ngram: int) -> NgramIndex:
+    def over(cls, index: NgramIndex | None, toks: list[int], max_ngram: int, counts: bool = True) -> NgramIndex:
         """`index` brought up to date with toks, or a new one if toks is not the list it follows."""
-        if index is None or index.max_ngram != max_ngram or not index.follows(toks):
-            index = cls(max_ngram)
+        if index is None or index.max_ngram != max_ngram or not index.follows(toks) or \
+                (index.counts is not None) != counts:
+            index = cls(max_ngram, counts)
         index.extend(toks)
         return index
 
@@ -78,14 +82,17 @@ class NgramIndex:
 
     def extend(self, toks: list[int]) -> None:
         self.src = toks
+        counts, ends = self.counts, self.ends
         for e in range(max(self.done, 1), len(toks)):
             nxt = toks[e]
             for n in range(1, min(e, self.max_ngram) + 1):
                 gram = tuple(toks[e - n:e])
-                self.ends[n][gram] = e
-                seen = self.counts[n].get(gram)
+                ends[n][gram] = e
+                if counts is None:
+                    continue
+                seen = counts[n].get(gram)
                 if seen is None:
-                    self.counts[n][gram] = {nxt: 1}
+                    counts[n][gram] = {nxt: 1}
                 else:
                     seen[nxt] = seen.get(nxt, 0) + 1
         self.done = max(self.done, len(toks))
@@ -96,8 +103,8 @@ class NgramIndex:
         return self.ends[len(ngram)].get(tuple(ngram))
 
     def following(self, ngram: tuple) -> dict[int, int] | None:
-        """How many times each token followed ngram earlier in the list (None: it never occurred)."""
-        return self.counts[len(ngram)].get(ngram)
+        """How many times each token followed ngram earlier in the list (None: it never occurred, or no counts)."""
+        return None if self.counts is None else self.counts[len(ngram)].get(ngram)
 
 
 class LookupOptions(Options):
