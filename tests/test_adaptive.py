@@ -370,7 +370,7 @@ def test_a_chains_bound_holds_at_every_later_step_until_it_is_observed():
     length at every step until the chain's n-gram is next observed, over random histories; a plain step it
     declares sure is the one choose() makes with the chain priced."""
     rng = random.Random(5)
-    for trial in range(60):
+    for _ in range(60):
         c = Controller(MENU, costs(0.1), 1.0, PRIOR)
         for _ in range(rng.randrange(0, 30)):
             c.step()

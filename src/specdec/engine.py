@@ -340,8 +340,9 @@ def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -
 
 
 def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext, n_prompt: int) -> None:
-    """Rebuild a request's target cache and drafter state from its tokens: the prompt as at the start, then what it emitted but the root in forwards of at most runner.exact_rows rows, whose
-    rows equal the original steps' bit for bit. The sampling generator lives in ctx: it continues as is."""
+    """Rebuild a request's target cache and drafter state from its tokens: the prompt as at the start, then
+    what it emitted but the root in forwards of at most runner.exact_rows rows, whose rows equal the
+    original steps' bit for bit. The sampling generator lives in ctx: it continues as is."""
     done, aux = ctx.tokens[:-1], drafter.aux_layers
     outs = [_advance(_prefill(runner, done[:n_prompt], aux))]
     step = runner.exact_rows or len(done)
