@@ -184,6 +184,23 @@ def test_prompt_lookup_is_lossless_and_finds_repeats():
     assert got == want and stats.depth_tries[0] > 0
 
 
+def test_a_lookup_chain_stops_at_an_end_token_and_the_answer_is_unchanged():
+    """Nothing after an end token is emitted, so a chain that copies one on (a phrase of the prompt restated,
+    then the chat template's <|im_end|><|im_start|>assistant) ends with it; greedy text stays vanilla's."""
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    d = PromptLookupDrafter(max_ngram=2, chain_len=6)
+    ctx = DecodeContext([5, 6, 7, 2, 1, 3, 4, 9, 6, 7], SamplingParams(), None, 10, eos_ids=frozenset({2}))
+    assert d.propose(ctx).tokens.tolist() == [2]
+    ctx.eos_ids = frozenset()
+    assert d.propose(ctx).tokens.tolist() == [2, 1, 3, 4, 9, 6]
+    model = tiny_model("llama")
+    prompt = [4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5]
+    want, _ = run(LeanRunner(model), NoDrafter(), prompt, SamplingParams(), 30, eos={8})
+    got, _ = run(LeanRunner(model), PromptLookupDrafter(), prompt, SamplingParams(), 30, eos={8})
+    assert got == want
+
+
 @pytest.mark.slow
 def test_prompt_lookup_sampling_matches_vanilla_distribution():
     from specdec.drafters.prompt_lookup import PromptLookupDrafter

@@ -170,7 +170,8 @@ class Sequence:
         first = verify(DraftTree.empty(), out.logits, self.params, self.gen, coupling=self.coupling,
                        position=len(self.prompt_ids)).bonus
         self.ctx = DecodeContext(list(self.prompt_ids) + [first], self.params, self.gen, len(self.prompt_ids),
-                                 out.features, aux_features=out.aux, coupling=self.coupling)
+                                 out.features, aux_features=out.aux, coupling=self.coupling,
+                                 eos_ids=frozenset(self.eos_ids))
         drafter.begin(self.ctx)
         self.n = stats.new_tokens = 1
         stats.finish_reason = "stop" if first in self.eos_ids else "length"
@@ -279,16 +280,17 @@ def decode(
         while first is None:
             t = _clock(dev)
             with lease.hold() as lost:
-                stats.wait_time += _clock(dev) - t
+                t1 = _clock(dev)
+                stats.wait_time += t1 - t
                 if lost or parts is None:  # the cache holds another request's rows: redo the forwards done, go on
                     parts = seq.prefill_parts()
                     for _ in range(done):
                         next(parts)
                 first = _advance(parts, whole=not prefill_steps)
                 done += 1
+                stats.prefill_time += _clock(dev) - t1  # its own forwards: others may step in between
             if first is None:
                 yield []
-        stats.prefill_time = _clock(dev) - t0 - stats.wait_time
         yield first
         while not seq.done:
             t = _clock(dev)

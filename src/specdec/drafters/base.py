@@ -35,6 +35,7 @@ class DecodeContext:
     # a seeded sampled request's draws (sampling.Coupling): the token at index i of `tokens` will be the
     # target's draw with coupling.gumbel(i); a drafter ranks by log q + that noise to match it
     coupling: Coupling | None = None
+    eos_ids: frozenset[int] = frozenset()  # tokens that end the request: no draft token after one is emitted
 
 
 @dataclass

@@ -46,7 +46,11 @@ class PromptLookupDrafter(Drafter):
             end = index.latest(toks[-n:])
             if end is not None:
                 self.last_ngram = n
-                return toks[end:end + k]
+                chain = toks[end:end + k]
+                if not ctx.eos_ids.isdisjoint(chain):  # nothing after an end token is emitted: a chain that
+                    # copies the chat template on (a phrase of the prompt restated, then <|im_end|>...) stops there
+                    return chain[:next(i for i, t in enumerate(chain) if t in ctx.eos_ids) + 1]
+                return chain
         return []
 
 
