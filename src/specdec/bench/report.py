@@ -123,7 +123,8 @@ def render(run: dict, summary: dict, audit: dict) -> str:
             ["baseline", f"`{base}`: the faster of HF generate (`hf`, {_f(tot.get('hf'), 1)} s) and our "
                          f"`vanilla` ({_f(tot.get('vanilla'), 1)} s) in this run"],
             ["timing", "wall time per generation; per prompt the methods run "
-                       + ("a decoding step (or a prefill forward of ≤ 64 rows) each in turn (lockstep), in a rotated order"
+                       + ("a decoding step (or a prefill forward of ≤ 64 rows) each in turn (lockstep), "
+                          "in a rotated order"
                           if cfg.get("interleave") == "step" else "back to back in a rotated order")],
             ["other load", "—" if other is None else f"other processes used {100 * other:.1f}% of the CPUs "
                                                        "during the timed run"],

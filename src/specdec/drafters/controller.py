@@ -256,10 +256,11 @@ class Controller:
         return min(1.0, num / den)
 
     def chain_bound(self, ngram: int, length: int) -> float:
-        """At least chain_gains(ngram, length)[-1], for surely_plain before the chain is priced: on text whose
-        chains keep missing (sampled RAG) most steps find a chain, and pricing it cost ~40 us a step."""
+        """At least chain_gains(ngram, length)[-1] at this step, for surely_plain before the chain is priced:
+        on text whose chains keep missing (the README demo prompt, sampled RAG) most steps find a chain, and
+        pricing it cost ~40 us a step. Each position's share there is min(1, rate * text_ratio)."""
         est = self.chain.get(ngram)
-        return 0.0 if est is None else est.bound(length)
+        return 0.0 if est is None else est.bound(length) * self.text_ratio()
 
     def chain_beyond(self, ngram: int) -> float:
         est = self.chain.get(ngram)
