@@ -322,11 +322,16 @@ def _advance(parts: Generator[None, None, T], whole: bool = True) -> T | None:
 
 
 def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -> Generator[None, None, ForwardOut]:
-    """The cache reset, then `ids` in forwards of at most runner.exact_rows rows (one without exact rows),
-    yielding between them: the logits of the last row, the features of all. Why in parts: each row then
-    has the bits it gets in any forward of exact rows (a resumed request's rebuild, a step's), and one
-    forward of all rows costs the same (SmolLM2, 767 rows: 0.590 s whole, 0.595 s in 64-row parts)."""
+    """The cache reset, then `ids` in forwards of at most runner.exact_rows rows (_forwards). Why in parts:
+    each row then has the bits it gets in any forward of exact rows (a resumed request's rebuild, a step's),
+    and one forward of all rows costs the same (SmolLM2, 767 rows: 0.590 s whole, 0.595 s in 64-row parts)."""
     runner.reset()
+    return (yield from _forwards(runner, ids, aux_layers))
+
+
+def _forwards(runner: Runner, ids: list[int], aux_layers: tuple[int, ...]) -> Generator[None, None, ForwardOut]:
+    """`ids` committed after the cache in forwards of at most runner.exact_rows rows (one without exact
+    rows), yielding between them: the logits of the last row, the features of all."""
     step = runner.exact_rows or len(ids)
     outs = []
     for i in range(0, len(ids), step):
@@ -343,15 +348,12 @@ def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -
 
 def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext, n_prompt: int) -> None:
     """Rebuild a request's target cache and drafter state from its tokens: the prompt as at the start, then
-    what it emitted but the root in forwards of at most runner.exact_rows rows, whose rows equal the
-    original steps' bit for bit. The sampling generator lives in ctx: it continues as is."""
+    what it emitted but the root the same way, whose rows equal the original steps' bit for bit (forwards
+    of exact rows). The sampling generator lives in ctx: it continues as is."""
     done, aux = ctx.tokens[:-1], drafter.aux_layers
     outs = [_advance(_prefill(runner, done[:n_prompt], aux))]
-    step = runner.exact_rows or len(done)
-    for i in range(n_prompt, len(done), step):
-        chunk = done[i:i + step]
-        outs.append(runner.forward(torch.tensor(chunk), logits_rows=slice(-1, None), aux_layers=aux))
-        runner.commit(range(len(chunk)))
+    if len(done) > n_prompt:
+        outs.append(_advance(_forwards(runner, done[n_prompt:], aux)))
     ctx.prompt_len, ctx.features = len(done), torch.cat([o.features for o in outs])
     ctx.aux_features = torch.cat([o.aux for o in outs]) if aux else None
     drafter.begin(ctx)
