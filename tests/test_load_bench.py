@@ -91,3 +91,48 @@ def test_bad_input_is_one_line_before_any_server_starts(flags, message, tmp_path
     with pytest.raises(SpecdecError, match=message):
         args.func(args)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_stream_in_flight_and_exits_0(tiny_dir, tmp_path):
+    """`specdec serve` decodes on its main thread and serves HTTP on another; SIGTERM stops accepting,
+    lets the stream in flight end with [DONE], then the process exits 0."""
+    import http.client
+    import signal
+
+    from specdec.bench.load import ServerProcess
+
+    server = ServerProcess(str(tiny_dir), "vanilla", 2, [], tmp_path / "serve.log", timeout=120)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"model": str(tiny_dir), "messages": [{"role": "user", "content": "w3 w4 w5"}], "max_tokens": 400,
+                "temperature": 0, "stream": True}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        first = resp.readline()
+        assert first.startswith(b"data: ")
+        server.proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        chunks = [json.loads(line[6:]) for line in [first.decode(), *rest.splitlines()]
+                  if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_one_line_and_exit_2(tiny_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        r = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--model", str(tiny_dir), "--port",
+                            str(port)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2
+    assert f"specdec serve could not listen on 127.0.0.1:{port}" in r.stderr.splitlines()[-1]

@@ -1,6 +1,6 @@
 """What the app submits requests to. `Engine` is the whole interface: `SerialEngine` decodes one request
-at a time, `BatchEngine` up to --max-batch together (batch.py), each behind one worker thread and a
-bounded queue."""
+at a time, `BatchEngine` up to --max-batch together (batch.py), each behind a bounded queue, decoding on
+a worker thread of its own or on the caller's (`run`, as `specdec serve` does: see app.serve)."""
 
 from __future__ import annotations
 
@@ -63,16 +63,26 @@ class Engine(Protocol):
     def batch_size(self) -> int:
         """Sequences in the decoding batch (stepping together) now."""
 
+    def run(self) -> None:
+        """Decode on the calling thread until close() (only for an engine made with thread=False)."""
+
     def close(self) -> None: ...
 
 
 class _Worker:
-    """A bounded queue of jobs and the worker thread that takes them (the engines' common part)."""
+    """A bounded queue of jobs and who takes them: a worker thread of the engine's own, or the thread
+    that calls run() (the engines' common part)."""
 
-    def _start(self, max_queue: int, name: str) -> None:
+    def _start(self, max_queue: int, name: str, thread: bool) -> None:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True) if thread else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def run(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("this engine decodes on its own thread")
+        self._work()
 
     def _work(self) -> None:
         raise NotImplementedError
@@ -88,16 +98,17 @@ class _Worker:
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
 
 class SerialEngine(_Worker):
     """Decodes one request at a time, in arrival order, on a worker thread; at most `max_queue` wait."""
 
-    def __init__(self, decoder: Decoder, max_queue: int = 64) -> None:
+    def __init__(self, decoder: Decoder, max_queue: int = 64, thread: bool = True) -> None:
         self.decoder = decoder
         self._running = 0
-        self._start(max_queue, "specdec-serve-engine")
+        self._start(max_queue, "specdec-serve-engine", thread)
 
     def running(self) -> int:
         return self._running
@@ -136,12 +147,12 @@ class BatchEngine(_Worker):
     wait. Each request keeps its own sampling parameters, seed, stop strings and max tokens. Raises
     SpecdecError when the Decoder's runner or drafter cannot fork (make_engine then serves serially)."""
 
-    def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64) -> None:
+    def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64, thread: bool = True) -> None:
         self.decoder, self.max_batch = decoder, max_batch
         self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids)
         self._live: dict[Sequence, tuple[Job, TextStream]] = {}
         self._size = 0
-        self._start(max_queue, "specdec-serve-batch")
+        self._start(max_queue, "specdec-serve-batch", thread)
 
     def running(self) -> int:
         return len(self._live)
@@ -211,12 +222,12 @@ class BatchEngine(_Worker):
         job.end()
 
 
-def make_engine(decoder: Decoder, max_batch: int = 1, max_queue: int = 64) -> Engine:
+def make_engine(decoder: Decoder, max_batch: int = 1, max_queue: int = 64, thread: bool = True) -> Engine:
     """BatchEngine for max_batch > 1 where the method can fork per request; else SerialEngine (a note
-    on stderr says why)."""
+    on stderr says why). thread=False: it decodes on the thread that calls its run()."""
     if max_batch > 1:
         try:
-            return BatchEngine(decoder, max_batch, max_queue)
+            return BatchEngine(decoder, max_batch, max_queue, thread)
         except SpecdecError as e:
             print(f"specdec serve: {e}: requests decode one at a time", file=sys.stderr)
-    return SerialEngine(decoder, max_queue)
+    return SerialEngine(decoder, max_queue, thread)
