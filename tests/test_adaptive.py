@@ -70,6 +70,28 @@ def test_a_disturbed_one_row_forward_is_floored_by_the_wider_ones():
     assert Costs.from_json(cached | {"target_ms": {"1": 44.0, "2": 32.0, "5": 39.0}}).target(1) == pytest.approx(0.032)
 
 
+def test_a_row_shared_by_a_batch_costs_its_share_of_the_forward_and_drafts_pay_less():
+    """In a batch of n a plain step costs t(n) / n and each added row t(n + k) - t(n): a chain whose tokens
+    pay alone (one row ~10% of a step) does not pay in a batch of 4, where a row is ~40% of a sequence's step;
+    the sure chain pays in both. Prices go back when the batch shrinks to one."""
+    c = costs(0.1)
+    assert c.shared(1) is c
+    s = c.shared(4)
+    assert s.target(1) == pytest.approx(c.target(4) / 4)
+    for k in (2, 5, 9):
+        assert s.target(k) - s.target(1) == pytest.approx(c.target(4 + k - 1) - c.target(4))
+    assert s.draft_s == c.draft_s and s.follow_s == c.follow_s and s.attend_s == c.attend_s
+
+    ctrl = Controller([], c, 1.0, {2: (0.3, 0.3, 0.3, 0.3)})
+    assert pick(ctrl, 4, ngram=2).chain > 0  # alone: 1.3 tokens a step for t(2) = 1.1
+    ctrl.reprice(c.shared(4), 4)
+    assert pick(ctrl, 4, ngram=2).vanilla  # shared by 4: a row adds 0.1 to a 0.325 share
+    sure = Controller([], c.shared(4), 1.0, {2: (0.95, 0.95, 0.95, 0.95)})
+    assert pick(sure, 4, ngram=2).chain > 0
+    ctrl.reprice(c, 1)
+    assert pick(ctrl, 4, ngram=2).chain > 0
+
+
 def test_costs_interpolate_between_and_beyond_measured_sizes():
     c = Costs({1: 1.0, 5: 2.0, 9: 4.0}, {}, 0.0, 0.0)
     assert c.target(1) == 1.0 and c.target(3) == pytest.approx(1.5) and c.target(7) == pytest.approx(3.0)

@@ -10,7 +10,7 @@ would emit alone. A joining sequence's prompt is prefilled on its own, between s
 
 A sequence's ctx.forward_s here spans the packed forward and its neighbours' drafting and verification,
 not a price of its own rows: drafters that learn prices from it (adaptive `auto`) fork without their clock,
-drafting by the costs they had."""
+drafting by the costs they had, each row priced as its share of the packed forward (ctx.sharing)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ class Batch:
         results: list[tuple[Sequence, list[int] | Exception]] = []
         planned = []
         for seq in list(self.active):
+            seq.ctx.sharing = len(self.active)  # drafters price their rows as a share of the packed forward
             try:
                 rows = seq.plan()
             except Exception as e:  # this sequence fails, the others go on

@@ -81,6 +81,11 @@ class FollowsTheMachine(Drafter):
                     store_learned(self.cache, self.costs)
             self._meter = ContentionMeter()
 
+    def share(self, ctx: DecodeContext) -> None:
+        """Price this step's rows for the sequences sharing its forward (ctx.sharing; Costs.shared)."""
+        if ctx.sharing != self.ctrl.sharing:
+            self.ctrl.reprice(self.costs.shared(ctx.sharing), ctx.sharing)
+
     @property
     def costs_source(self) -> str:
         return f"{self.origin}, then learned online ({self.relearned}x)" if self.relearned else self.origin
@@ -145,6 +150,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.eagle.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
+        self.share(ctx)
         chain = self.pld.lookup(ctx) if self.pld is not None and ctx.max_nodes > 0 else []
         self.rows_ctx = len(ctx.tokens)
         ngram = self.pld.last_ngram if chain else 0

@@ -36,6 +36,7 @@ class DecodeContext:
     # target's draw with coupling.gumbel(i); a drafter ranks by log q + that noise to match it
     coupling: Coupling | None = None
     eos_ids: frozenset[int] = frozenset()  # tokens that end the request: no draft token after one is emitted
+    sharing: int = 1  # sequences whose rows share this step's verify forward (a batch's), this one included
 
 
 @dataclass

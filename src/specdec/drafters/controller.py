@@ -180,6 +180,12 @@ class Controller:
         self._bars: dict[tuple[int, bool], tuple] = {}  # (context bucket, lookup) -> plain_bounds
         self._trees = [(b, b.tree_size, g, self.draft_s[b] + costs.follow_s) for b, g in menu]
         self._base: list[float] = []  # target(n) at the measured context (_times)
+        self.sharing = 1  # the sequences sharing each forward that `costs` prices rows for (Costs.shared)
+
+    def reprice(self, costs: Costs, sharing: int) -> None:
+        """Price the options by these forward costs from now on (drafting's stay)."""
+        self.costs, self.sharing, self._bars, self._base = costs, sharing, {}, []
+        self._trees = [(b, b.tree_size, g, self.draft_s[b] + costs.follow_s) for b, g in self.menu]
 
     def surely_plain(self, room: int, ctx: int | None, catch_up: float = 0.0, chain: float = 0.0) -> bool:
         """Whether the step is a plain one without pricing its options: no option beats a plain step by the

@@ -160,6 +160,7 @@ class HeadlessDrafter(FollowsTheMachine):
                 d.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
+        self.share(ctx)
         room = ctx.max_nodes
         ng = self.ngram.propose(ctx) if self.ngram is not None and room > 0 else DraftTree.empty()
         confs, parents = confidences(ng), ng.parents.tolist()
