@@ -58,7 +58,9 @@ class GenerationParams(SamplingParams):
 @dataclass
 class Decoder:
     """A target, a drafter and a tokenizer. Safe to share between threads: requests are serialized
-    (slot.py), and a stream another request interrupted rebuilds its state and continues exactly."""
+    (slot.py), and a stream another request interrupted rebuilds its state and continues exactly. Fastest
+    on the thread that loaded it: on a CPU, decoding on a second thread's OpenMP team was 2.7x slower
+    (docs/architecture.md, continuous batching)."""
 
     runner: Runner
     tokenizer: object

@@ -1,0 +1,80 @@
+"""Continuous batching in one process, without a server: vanilla, `auto` pricing its rows as if decoding
+alone, and `auto` pricing them as its share of the packed forward (Costs.shared), each a Batch of its own
+over the same MT-bench first turns, stepping in turn (one step of each, then again), so the three see the
+same machine. Prints tokens per second and the ratios; at T = 0 checks the three gave the same tokens.
+
+    python scripts/batch_ab.py --batch 4 --prompts 16 --temperature 0
+"""
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+from specdec.api import load
+from specdec.batch import Batch
+from specdec.bench.data import MT_BENCH_CATEGORIES, load_questions
+from specdec.sampling import SamplingParams
+
+p = argparse.ArgumentParser()
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--prompts", type=int, default=16)
+p.add_argument("--temperature", type=float, default=0.0)
+p.add_argument("--max-new-tokens", type=int, default=256)
+p.add_argument("--threads", type=int, default=2)
+args = p.parse_args()
+torch.set_num_threads(args.threads)
+
+plain = load("smollm2", "vanilla", threads=args.threads)
+auto = load("smollm2", "auto", threads=args.threads)
+qs = [q for q in load_questions("spec_bench") if q.category in MT_BENCH_CATEGORIES][:args.prompts]
+prompts = [plain.encode([{"role": "user", "content": q.turns[0]}]) for q in qs]
+names = ["vanilla", "auto, rows priced alone", "auto"]
+batches = [Batch(plain.runner, plain.drafter, plain.eos_ids), Batch(auto.runner, auto.drafter, auto.eos_ids),
+           Batch(auto.runner, auto.drafter, auto.eos_ids)]
+forwards = collections.defaultdict(list)  # packed rows -> seconds, over all three
+
+
+def timed(batch: Batch) -> None:
+    run = batch.runner.forward_many
+
+    def forward_many(parts, aux_layers=()):
+        t = time.perf_counter()
+        out = run(parts, aux_layers)
+        forwards[sum(p[1].numel() for p in parts)].append(time.perf_counter() - t)
+        return out
+
+    batch.runner.forward_many = forward_many
+
+
+for b in batches:
+    timed(b)
+todo = [list(range(len(prompts))) for _ in batches]
+owner = [{} for _ in batches]
+out = [{} for _ in batches]
+secs = [0.0] * len(batches)
+while any(t or b.active for t, b in zip(todo, batches)):
+    for i, b in enumerate(batches):
+        if not (todo[i] or b.active):
+            continue
+        t0 = time.perf_counter()
+        while todo[i] and len(b.active) < args.batch:
+            k = todo[i].pop(0)
+            seq, first = b.join(prompts[k], SamplingParams(args.temperature, seed=k), args.max_new_tokens)
+            if i == 1:  # its drafter prices rows as a lone sequence's
+                seq.drafter.share = lambda ctx: None
+            owner[i][seq], out[i][k] = k, list(first)
+        results = b.step()
+        secs[i] += time.perf_counter() - t0
+        for seq, new in results:
+            if isinstance(new, list):
+                out[i][owner[i][seq]] += new
+tokens = [sum(map(len, o.values())) for o in out]
+rates = [n / s for n, s in zip(tokens, secs)]
+print(f"batch {args.batch}, {len(prompts)} prompts, T = {args.temperature:g}" +
+      (f", same tokens: {out[0] == out[1] == out[2]}" if args.temperature == 0 else ""))
+for name, r in zip(names, rates):
+    print(f"  {name}: {r:.1f} tok/s, {r / rates[0]:.3f}x vanilla")
+print("  packed forwards: " + ", ".join(f"t({n}) {statistics.median(v) * 1e3:.1f} ms"
+                                        for n, v in sorted(forwards.items()) if len(v) >= 5))
