@@ -295,8 +295,9 @@ def serve(decoder: Decoder, model_name: str, host: str = "127.0.0.1", port: int 
     try:
         thread.start()
         engine.run()
+    finally:  # also when decoding itself failed: the HTTP thread stops, or the process would never exit
+        server.should_exit = True
         thread.join()
-    finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if not server.started:

@@ -103,7 +103,8 @@ class _Worker:
 
 
 class SerialEngine(_Worker):
-    """Decodes one request at a time, in arrival order, on a worker thread; at most `max_queue` wait."""
+    """Decodes one request at a time, in arrival order, on its worker thread (or run()'s); at most
+    `max_queue` wait."""
 
     def __init__(self, decoder: Decoder, max_queue: int = 64, thread: bool = True) -> None:
         self.decoder = decoder
@@ -142,7 +143,7 @@ class SerialEngine(_Worker):
 
 
 class BatchEngine(_Worker):
-    """Decodes up to `max_batch` requests together on a worker thread (batch.Batch): between steps,
+    """Decodes up to `max_batch` requests together on its worker thread or run()'s (batch.Batch): between steps,
     finished and cancelled requests leave and queued ones join, in arrival order; at most `max_queue`
     wait. Each request keeps its own sampling parameters, seed, stop strings and max tokens. Raises
     SpecdecError when the Decoder's runner or drafter cannot fork (make_engine then serves serially)."""
