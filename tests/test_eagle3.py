@@ -62,7 +62,7 @@ def trained3(tiny, tmp_path_factory):
     data = make_aux_data(tiny, tmp_path_factory.mktemp("aux-data"))
     out = tmp_path_factory.mktemp("run3")
     cfg = TrainConfig(data=str(data), out=str(out), steps=60, batch_size=8, lr=3e-2, warmup=5, save_every=1000,
-                      log_every=10, arch="eagle3", unroll=2, draft_vocab=60)
+                      log_every=10, arch="eagle3", unroll=2, draft_vocab=60, intermediate_size=96)
     return train_eagle(cfg, tiny, progress=False), out, data
 
 
@@ -190,6 +190,9 @@ def test_training_lowers_the_loss_and_reads_aux_states(trained3):
     assert len(hist[-1]["top1_acc_by_step"]) == 2  # the training-time test's second step is trained too
     head = r["head"]
     assert head.kind == "eagle3" and head.aux_layers == (0, 1) and head.draft_vocab_size == 60
+    # --intermediate-size narrows the MLP (the target's is 128), and the saved head keeps it
+    assert head.config.intermediate_size == 96 and head.layers[0].mlp.down_proj.weight.shape == (64, 96)
+    assert json.loads((out / "head" / "config.json").read_text())["intermediate_size"] == 96
 
 
 def test_missing_aux_states_are_one_line(tiny, tiny_data, trained3, tmp_path):
@@ -208,6 +211,10 @@ def test_missing_aux_states_are_one_line(tiny, tiny_data, trained3, tmp_path):
         train(no_aux)
     with pytest.raises(SpecdecError, match="--pad does not apply to an EAGLE-3 head"):
         TrainConfig(data="x", out="y", arch="eagle3", pad=True).check()
+    with pytest.raises(SpecdecError, match="--init-from .* has an MLP width of 96: pass the same --intermediate-si"):
+        cfg = TrainConfig(data=str(trained3[2]), out=str(tmp_path / "o3"), steps=2, batch_size=4, arch="eagle3",
+                          init_from=str(trained3[1] / "head"), intermediate_size=64)
+        train_eagle(cfg, tiny, progress=False)
     with pytest.raises(SpecdecError, match="--init-from .* is an eagle3 head"):
         cfg = TrainConfig(data=str(trained3[2]), out=str(tmp_path / "o2"), steps=2, batch_size=4,
                           init_from=str(trained3[1] / "head"))

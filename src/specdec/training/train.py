@@ -60,6 +60,8 @@ class TrainConfig(LoopConfig):
     pad: bool = knob(False, "FSPAD's Partial Alignment Distillation", resume=True)
     sampler_size: int = knob(0, "the Feature Sampler's intermediate size; 0: the target's intermediate_size",
                              ge=0, resume=True)
+    intermediate_size: int = knob(0, "the decoder layer's MLP width; 0: the target's intermediate_size (narrower: a "
+                                  "smaller head and a cheaper draft step)", ge=0, resume=True)
     arch: Literal[ARCHS] = knob("eagle", "eagle (EAGLE-1/2, FSPAD) or eagle3 (fused low/middle/high target "
                                 "features; data: datagen --aux-layers eagle3)", resume=True)
 
@@ -115,11 +117,12 @@ class EagleTrainer(Trainer):
 
         cfg, data, target = self.cfg, self.data, self.target
         vocab, hidden = self.target_lm.shape
+        mlp = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
         if not cfg.init_from:
             if self.aux:
-                head = Eagle3Head(head_config(target.config), data.aux_layers)
+                head = Eagle3Head(head_config(target.config, **mlp), data.aux_layers)
             else:
-                head = EagleHead(head_config(target.config, num_hidden_layers=cfg.layers or 1),
+                head = EagleHead(head_config(target.config, num_hidden_layers=cfg.layers or 1, **mlp),
                                  connector=cfg.connector, pad=cfg.pad, sampler_size=cfg.sampler_size or None)
             if cfg.draft_vocab:
                 eos = getattr(target.config, "eos_token_id", None)
@@ -135,6 +138,9 @@ class EagleTrainer(Trainer):
         if head.aux_layers != data.aux_layers:
             raise SpecdecError(f"--init-from {cfg.init_from} reads target layers {list(head.aux_layers)}, the data "
                                f"holds {list(data.aux_layers)}")
+        if cfg.intermediate_size not in (0, head.config.intermediate_size):
+            raise SpecdecError(f"--init-from {cfg.init_from} has an MLP width of {head.config.intermediate_size}: "
+                               "pass the same --intermediate-size, or none")
         if cfg.draft_vocab and cfg.draft_vocab != vd:
             raise SpecdecError(f"--init-from {cfg.init_from} has a draft vocabulary of {vd}, "
                                f"not --draft-vocab {cfg.draft_vocab}")
