@@ -265,14 +265,36 @@ def test_method_and_head_kinds_must_match(tiny, trained, trained3):
     from specdec.api import from_models
     from specdec.drafters import registry
 
-    with pytest.raises(SpecdecError, match="head.*must be given"):
-        registry.parse("eagle3", {})
     with pytest.raises(SpecdecError, match="lookup"):
         registry.parse("eagle3", {"head": "x", "lookup": 4})
     with pytest.raises(SpecdecError, match="is an EAGLE-3 head: run it with eagle3 or auto"):
         from_models(tiny, None, "eagle2", head=str(trained3[1] / "head"))
     with pytest.raises(SpecdecError, match="is an EAGLE-1/2 head"):
         from_models(tiny, None, "eagle3", head=str(trained[1] / "head"))
+
+
+def test_eagle3_takes_the_head_shipped_for_its_target(tiny, trained3, tmp_path, monkeypatch):
+    """Without head=: an error before any model loads when no EAGLE-3 head ships at all; else the one whose
+    fingerprint matches the loaded target, and a line naming the shipped ones when none does."""
+    import shutil
+
+    import specdec.heads.shipped as shipped
+    from specdec.api import from_models
+    from specdec.drafters import registry
+
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "empty")
+    with pytest.raises(SpecdecError, match="head.*must be given: no EAGLE-3 head ships for any target"):
+        registry.parse("eagle3", {})
+    shutil.copytree(trained3[1] / "head", tmp_path / "ship" / "tiny-eagle3")
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "ship")
+    registry.parse("eagle3", {})  # one ships: the loaded target decides
+    dec = from_models(tiny, None, "eagle3", depth=4, topk=3, tree_size=8)
+    assert dec.drafter.name == "eagle3" and dec.drafter.aux_layers == (0, 1)
+    assert np.mean(greedy_taus(dec.runner, dec.drafter, PROMPTS)) > 1.3  # the trained head, accepting
+    with pytest.raises(SpecdecError, match=r"needs an EAGLE-3 head for this model: none ships for it \(shipped: "
+                                           r"tiny-eagle3\); pass head=<dir>"):
+        from_models(tiny_model("llama", seed=5), None, "eagle3")
 
 
 def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, monkeypatch):

@@ -11,26 +11,34 @@ from pydantic import field_validator
 from specdec.drafters.base import Drafter
 from specdec.drafters.eagle import Eagle2Options, eagle2_drafter, head_runner
 from specdec.drafters.registry import Method, Target, option, register
+from specdec.errors import SpecdecError
+from specdec.heads.shipped import find_shipped_head, shipped_targets
 
 
 class Eagle3Options(Eagle2Options):
-    # no EAGLE-3 head ships yet: say so when the options are parsed, before any model loads
+    # without a head given and none shipped at all, say so when the options are parsed, before any model loads
     model_config = Eagle2Options.model_config | {"validate_default": True}
     head: str | None = option(None, "EAGLE-3 head dir (`specdec train eagle3`, or an official EAGLE-3 export); "
-                              "required: none ships yet", shown="required")
+                              "default: the one shipped for the target", shown="shipped")
     lookup: int | None = option(None, "a prompt-lookup chain in every tree: not available with eagle3 (0 only)",
                                 ge=0, le=0, shown="0")
 
     @field_validator("head")
     @classmethod
     def _given(cls, v: str | None) -> str | None:
-        if v is None:
-            raise ValueError("must be given: no EAGLE-3 head ships for any target yet; pass head=<dir> "
+        if v is None and not shipped_targets("eagle3"):
+            raise ValueError("must be given: no EAGLE-3 head ships for any target; pass head=<dir> "
                              "(train one with `specdec datagen --aux-layers eagle3` + `specdec train eagle3`)")
         return v
 
 
 def build_eagle3(target: Target, opts: Eagle3Options) -> Drafter:
+    if opts.head is None:
+        head = find_shipped_head(target.model, "eagle3")
+        if head is None:
+            raise SpecdecError("method 'eagle3' needs an EAGLE-3 head for this model: none ships for it (shipped: "
+                               f"{', '.join(shipped_targets('eagle3'))}); pass head=<dir>")
+        opts = opts.model_copy(update={"head": str(head)})
     runner, head_dir = head_runner(target, opts, "eagle3")
     drafter = eagle2_drafter(runner, opts, head_dir)
     drafter.name = "eagle3"

@@ -25,6 +25,18 @@ def fingerprint_matches(a: dict, b: dict) -> bool:
     return x is not None and y is not None and abs(x - y) <= 1e-2 * max(abs(x), abs(y))
 
 
+def shipped_targets(kind: str) -> list[str]:
+    """The names of the shipped head dirs of this kind (read from their config.json, no weights)."""
+    out = []
+    for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
+        try:
+            if json.loads(cfg.read_text()).get("specdec", {}).get("kind") == kind:
+                out.append(cfg.parent.name)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def find_shipped_head(model, kind: str = "eagle") -> Path | None:
     """The shipped head dir of this kind ("eagle", "eagle3" or "medusa") trained on this target, else None."""
     fp = None
