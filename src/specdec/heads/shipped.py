@@ -25,31 +25,33 @@ def fingerprint_matches(a: dict, b: dict) -> bool:
     return x is not None and y is not None and abs(x - y) <= 1e-2 * max(abs(x), abs(y))
 
 
-def shipped_targets(kind: str) -> list[str]:
-    """The names of the shipped head dirs of this kind (read from their config.json, no weights)."""
+def _shipped(kind: str) -> list[tuple[Path, dict]]:
+    """(dir, the "specdec" block of its config.json) of every shipped head of this kind; no weights read."""
     out = []
-    for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
-        try:
-            if json.loads(cfg.read_text()).get("specdec", {}).get("kind") == kind:
-                out.append(cfg.parent.name)
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def find_shipped_head(model, kind: str = "eagle") -> Path | None:
-    """The shipped head dir of this kind ("eagle", "eagle3" or "medusa") trained on this target, else None."""
-    fp = None
     for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
         try:
             meta = json.loads(cfg.read_text()).get("specdec", {})
         except (OSError, ValueError):
             continue
-        if meta.get("kind") != kind or not _shape_matches(meta.get("target", {}), model):
+        if meta.get("kind") == kind:
+            out.append((cfg.parent, meta))
+    return out
+
+
+def shipped_targets(kind: str) -> list[str]:
+    """The names of the shipped head dirs of this kind."""
+    return [d.name for d, _ in _shipped(kind)]
+
+
+def find_shipped_head(model, kind: str = "eagle") -> Path | None:
+    """The shipped head dir of this kind ("eagle", "eagle3" or "medusa") trained on this target, else None."""
+    fp = None
+    for head_dir, meta in _shipped(kind):
+        if not _shape_matches(meta.get("target", {}), model):
             continue
         fp = fp or target_fingerprint(model)  # reads the whole embedding table: only for a candidate
         if fingerprint_matches(meta.get("target", {}), fp):
-            return cfg.parent
+            return head_dir
     return None
 
 
