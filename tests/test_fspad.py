@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.drafters.base import DecodeContext
+from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.sampling import SamplingParams
 from specdec.target.lean import LeanRunner
 from specdec.training.train import TrainConfig, train_eagle
 from tests.helpers import (
+    PROMPTS,
     ROOT,
     TRAIN_KW,
     VARIANTS,
@@ -25,7 +26,9 @@ from tests.helpers import (
     flat_tiny,
     greedy_taus,
     make_head,
+    run,
     sample_first3,
+    tiny_model,
 )
 
 SHIPPED = ROOT / "src" / "specdec" / "heads" / "smollm2-135m-instruct-eagle"
@@ -217,16 +220,42 @@ def test_train_cli_fspad_is_eagle_with_sampler_and_pad(tiny, tiny_data, tmp_path
 # ---- the `fspad` method: lossless ----
 
 
-def test_fspad_without_a_head_fails_before_any_model_loads():
-    from specdec.api import load
+def test_fspad_takes_the_head_shipped_for_its_target(tiny, trained, trained_fspad, tmp_path, monkeypatch):
+    """Without head=: an error before any model loads when no FSPAD head ships at all; else the FSPAD head
+    shipped for the loaded target, while eagle2 and auto keep the plain EAGLE head shipped beside it."""
+    import shutil
+
+    import specdec.heads.shipped as shipped
+    from specdec.api import from_models, load
     from specdec.drafters import registry
 
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "empty")
     with pytest.raises(SpecdecError, match="head must be given.*pass head=<dir>"):
         registry.parse("fspad", {})
     with pytest.raises(SpecdecError, match="method 'fspad': head must be given"):
         load("/nonexistent/model", "fspad")  # the method's error, not the model's
     _, opts = registry.parse("auto", {})
-    assert opts.head is None  # auto is unchanged: it still needs no head
+    assert opts.head is None  # auto needs no head
+
+    ship = tmp_path / "ship"
+    shutil.copytree(trained[1] / "head", ship / "tiny-a-eagle")
+    shutil.copytree(trained_fspad[1] / "head", ship / "tiny-b-fspad")
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", ship)
+    assert shipped.shipped_targets("fspad") == ["tiny-b-fspad"] and shipped.shipped_targets("eagle") == ["tiny-a-eagle"]
+    registry.parse("fspad", {})  # one ships: the loaded target decides
+    assert shipped.find_shipped_head(tiny, "fspad") == ship / "tiny-b-fspad"
+    assert shipped.find_shipped_head(tiny, "eagle") == ship / "tiny-a-eagle"
+    dec = from_models(tiny, None, "fspad", depth=4, topk=3, tree_size=8)
+    assert dec.drafter.name == "fspad" and (dec.drafter.runner.connector, dec.drafter.runner.pad) == ("sampler", True)
+    for prompt in PROMPTS:
+        want, _ = run(LeanRunner(tiny), NoDrafter(), prompt, SamplingParams(), 24)
+        got, _ = run(dec.runner, dec.drafter, prompt, SamplingParams(), 24)
+        assert got == want
+    assert from_models(tiny, None, "eagle2").drafter.runner.connector == "fc"  # the plain EAGLE head
+    with pytest.raises(SpecdecError, match=r"needs an FSPAD head for this model: none ships for it \(shipped: "
+                                           r"tiny-b-fspad\); pass head=<dir>"):
+        from_models(tiny_model("llama", seed=5), None, "fspad")
 
 
 @pytest.mark.parametrize("which", ["untrained-fs", "untrained-pad", "trained-fspad"])

@@ -22,7 +22,7 @@ from specdec.bench.data import MT_BENCH_CATEGORIES, Question, load_questions
 from specdec.bench.methods import MethodSpec, parse_method
 from specdec.errors import SpecdecError
 from specdec.files import packaged_data_dir
-from specdec.heads.shipped import find_shipped_head
+from specdec.heads.shipped import find_shipped_head, shipped_targets
 
 # (question source, column): our category key -> the paper's column name
 COLUMNS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "cnn_dm": "CNN/DM",
@@ -30,7 +30,7 @@ COLUMNS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "
 METHODS = {"sps": "SpS", "pld": "PLD", "medusa": "Medusa", "lookahead": "Lookahead", "hydra": "Hydra",
            "eagle": "EAGLE", "eagle2": "EAGLE-2", "fspad": "FSPAD", "auto": "auto"}
 HEAD_OPTION = {"medusa": "heads", "hydra": "heads", "eagle": "head", "eagle2": "head", "fspad": "head"}
-SHIPPED_KIND = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle"}  # fspad ships none
+SHIPPED_KIND = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle", "fspad": "fspad"}
 LOSSY = ("medusa", "hydra")  # their typical acceptance: extra rows at T > 0
 PUBLISHED = "papers/eagle2_table1_vicuna7b.json"
 NO_HEAD = "no head for this target (pass --methods {m}:{opt}=DIR)"
@@ -91,7 +91,7 @@ def plan(args, has_draft: bool) -> Plan:
     p = Plan(questions(args.per_task or 1), specs)
     if not has_draft:
         p.na["sps"] = "no draft model (--draft)"
-    if "head" not in specs["fspad"].opts:  # none ships: its options cannot even be parsed without one
+    if "head" not in specs["fspad"].opts and not shipped_targets("fspad"):  # no head: its options do not parse
         p.na["fspad"] = NO_HEAD.format(m="fspad", opt="head")
     return p
 

@@ -289,21 +289,6 @@ class Eagle2Options(HeadOptions):
         return self
 
 
-class FspadOptions(Eagle2Options):
-    # no FSPAD head ships yet: say so when the options are parsed, before any model loads
-    model_config = Eagle2Options.model_config | {"validate_default": True}
-    head: str | None = option(None, "FSPAD head dir (`specdec train fspad`); required: none ships yet",
-                              shown="required")
-
-    @field_validator("head")
-    @classmethod
-    def _given(cls, v: str | None) -> str | None:
-        if v is None:
-            raise ValueError("must be given: no FSPAD head ships for any target yet; pass head=<dir> "
-                             "(train one with `specdec train fspad`)")
-        return v
-
-
 DEFAULT_BUDGET = TreeBudget(5, 4, 10)
 
 
@@ -379,19 +364,7 @@ def build_eagle2(target: Target, opts: Eagle2Options) -> Drafter:
     return with_lookup(drafter, opts.lookup or 0)
 
 
-def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
-    runner, head_dir = head_runner(target, opts, "fspad")
-    if (runner.connector, runner.pad) != ("sampler", True):
-        raise SpecdecError(f"method 'fspad' needs an FSPAD head (connector=sampler, pad=true); {head_dir} has "
-                           f"connector={runner.connector}, pad={str(runner.pad).lower()}: run it with eagle2")
-    drafter = eagle2_drafter(runner, opts, head_dir)
-    drafter.name = "fspad"
-    return with_lookup(drafter, opts.lookup or 0)
-
-
 register(Method("eagle", "EAGLE-1 head (feature-level draft), static tree of top-k rank paths", EagleOptions,
                 build_eagle))
 register(Method("eagle2", "EAGLE-2: the same head, dynamic tree (expand by value, rerank to the top tree_size)",
                 Eagle2Options, build_eagle2))
-register(Method("fspad", "FSPAD: EAGLE-2 drafting with a head that has the Feature Sampler and PAD (`specdec train "
-                "fspad`; EAGLE+FS or EAGLE+PAD heads run as eagle2)", FspadOptions, build_fspad))

@@ -33,8 +33,8 @@ __all__ = ["Method", "Options", "Target", "get", "markdown_table", "methods", "n
 
 # modules whose import registers the built-in methods, in the order the docs list them
 BUILTIN = ("specdec.drafters.vanilla", "specdec.drafters.draft_model", "specdec.drafters.prompt_lookup",
-           "specdec.drafters.ngram", "specdec.drafters.lookahead", "specdec.drafters.eagle", "specdec.drafters.eagle3",
-           "specdec.drafters.medusa", "specdec.drafters.hydra", "specdec.drafters.auto")
+           "specdec.drafters.ngram", "specdec.drafters.lookahead", "specdec.drafters.eagle", "specdec.drafters.fspad",
+           "specdec.drafters.eagle3", "specdec.drafters.medusa", "specdec.drafters.hydra", "specdec.drafters.auto")
 
 _METHODS: dict[str, Method] = {}
 

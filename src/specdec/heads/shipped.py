@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SHIPPED_DIR = Path(__file__).parent  # where smollm2-135m-instruct-eagle/ and -medusa/ live
+SHIPPED_DIR = Path(__file__).parent  # where the shipped heads' dirs (smollm2-135m-instruct-eagle/, ...) live
 
 
 def target_fingerprint(model) -> dict:
@@ -25,16 +25,25 @@ def fingerprint_matches(a: dict, b: dict) -> bool:
     return x is not None and y is not None and abs(x - y) <= 1e-2 * max(abs(x), abs(y))
 
 
+def head_kind(config: dict) -> str | None:
+    """A head's kind from its config.json: its "specdec" kind, except that an EAGLE head with both of
+    FSPAD's options is "fspad" (it runs as `fspad`, and `eagle2`/`auto` keep the plain EAGLE head)."""
+    kind = config.get("specdec", {}).get("kind")
+    if kind == "eagle" and config.get("connector") == "sampler" and config.get("pad"):
+        return "fspad"
+    return kind
+
+
 def _shipped(kind: str) -> list[tuple[Path, dict]]:
     """(dir, the "specdec" block of its config.json) of every shipped head of this kind; no weights read."""
     out = []
     for cfg in sorted(SHIPPED_DIR.glob("*/config.json")):
         try:
-            meta = json.loads(cfg.read_text()).get("specdec", {})
+            config = json.loads(cfg.read_text())
         except (OSError, ValueError):
             continue
-        if meta.get("kind") == kind:
-            out.append((cfg.parent, meta))
+        if head_kind(config) == kind:
+            out.append((cfg.parent, config.get("specdec", {})))
     return out
 
 
@@ -44,7 +53,8 @@ def shipped_targets(kind: str) -> list[str]:
 
 
 def find_shipped_head(model, kind: str = "eagle") -> Path | None:
-    """The shipped head dir of this kind ("eagle", "eagle3" or "medusa") trained on this target, else None."""
+    """The shipped head dir of this kind ("eagle", "fspad", "eagle3", "medusa" or "hydra") trained on this
+    target, else None."""
     fp = None
     for head_dir, meta in _shipped(kind):
         if not _shape_matches(meta.get("target", {}), model):
