@@ -386,9 +386,11 @@ def make_heads(model, k=3, layers=1, lm_head="own", vocab=None, seed=0, scale=0.
     return h.eval()
 
 
-def make_hydra(model, k=3, layers=1, lm_head="target", vocab=None, seed=0, scale=0.5):
-    """Random Hydra blocks (not the zero init: every head must read its path)."""
-    h = HydraHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head)
+def make_hydra(model, k=3, layers=1, lm_head="target", vocab=None, seed=0, scale=0.5, prefix=False):
+    """Random Hydra blocks (not the zero init: every head must read its path); prefix: with a random
+    Hydra++ prefix layer (not the identity it starts as)."""
+    sizes = {"prefix": HydraHeads.prefix_sizes(model.config)} if prefix else {}
+    h = HydraHeads(model.config.hidden_size, model.config.vocab_size, k, layers, lm_head, **sizes)
     h.init_lm_heads(model.lm_head.weight.detach(), vocab)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -396,4 +398,10 @@ def make_hydra(model, k=3, layers=1, lm_head="target", vocab=None, seed=0, scale
             for lin in blk.layers:
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale / math.sqrt(lin.in_features))
                 lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.1)
+        if prefix:
+            for name, w in h.prefix.named_parameters():
+                if name.endswith("norm.weight"):
+                    w.copy_(1 + 0.1 * torch.randn(w.shape, generator=g))
+                else:
+                    w.copy_(torch.randn(w.shape, generator=g) / math.sqrt(w.shape[-1]))
     return h.eval()

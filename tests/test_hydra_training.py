@@ -54,8 +54,9 @@ def test_hydra_flags(tiny, tiny_data, tmp_path, capsys):
     parse = build_parser().parse_args
     cfg = config_of(parse(["train", "medusa", "--data", "d", "--out", "o", "--arch", "hydra"]), MedusaTrainConfig)
     assert (cfg.arch, cfg.kind, cfg.prefix_attention) == ("hydra", "hydra", False)
-    with pytest.raises(SpecdecError, match="--prefix-attention"):
-        MedusaTrainConfig(data="d", out="o", arch="hydra", prefix_attention=True).check()
+    with pytest.raises(SpecdecError, match="--prefix-attention .* needs --arch hydra"):
+        MedusaTrainConfig(data="d", out="o", prefix_attention=True).check()
+    MedusaTrainConfig(data="d", out="o", arch="hydra", prefix_attention=True).check()
     with pytest.raises(SpecdecError, match="--joint .* --arch hydra"):
         MedusaTrainConfig(data="d", out="o", arch="hydra", joint=True).check()
     model_dir = tmp_path / "target"
@@ -66,3 +67,29 @@ def test_hydra_flags(tiny, tiny_data, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("train medusa --arch hydra: step 2/2")
     raw = json.loads((tmp_path / "run" / "heads" / "config.json").read_text())
     assert raw["model_type"] == "hydra" and raw["architectures"] == ["HydraHeads"]
+
+
+def test_a_prefix_layer_trains_with_the_heads(trained_hydra, tiny, tiny_data, tmp_path):
+    """--prefix-attention: the layer starts as the identity and trains with the heads; the saved heads
+    carry it and draft losslessly; warm starts must agree on it."""
+    cfg = MedusaTrainConfig(data=str(tiny_data), out=str(tmp_path / "p"), arch="hydra", prefix_attention=True,
+                            num_heads=3, steps=40, batch_size=8, lr=3e-2, warmup=5, save_every=1000, log_every=10)
+    r = train_medusa(cfg, tiny, progress=False)
+    assert r["history"][-1]["loss"] < r["history"][0]["loss"] - 0.3
+    heads = load_medusa(tmp_path / "p" / "heads", 64, 97, target_lm_head=tiny.lm_head.weight, cls=HydraHeads)
+    assert heads.prefix is not None and heads.prefix_config["num_key_value_heads"] == tiny.config.num_key_value_heads
+    assert heads.prefix.self_attn.o_proj.weight.abs().max() > 0  # trained away from its zero start
+    d = from_models(tiny, None, "hydra", heads=str(tmp_path / "p" / "heads"), tree_size=6)
+    assert d.drafter.runner.prefix is not None
+    for prompt in PROMPTS:
+        want, _ = run(d.runner, NoDrafter(), prompt, SamplingParams(), 24)
+        got, _ = run(d.runner, d.drafter, prompt, SamplingParams(), 24)
+        assert got == want
+    plain = cfg.model_copy(update={"out": str(tmp_path / "q"), "prefix_attention": False,
+                                   "init_from": str(tmp_path / "p" / "heads")})
+    with pytest.raises(SpecdecError, match="has prefix_attention=True: pass --prefix-attention"):
+        train_medusa(plain, tiny, progress=False)
+    more = cfg.model_copy(update={"out": str(tmp_path / "m"), "prefix_attention": True,
+                                  "init_from": str(trained_hydra[1] / "heads")})
+    with pytest.raises(SpecdecError, match="has prefix_attention=False: drop --prefix-attention"):
+        train_medusa(more, tiny, progress=False)

@@ -33,6 +33,19 @@ class HydraDrafter(MedusaDrafter):
     def __init__(self, runner: HydraRunner, choices, typical: Typical | None = None, children: str = "topk") -> None:
         super().__init__(runner, choices, typical, children)
 
+    def fork(self) -> HydraDrafter:
+        d = super().fork()
+        d.runner = self.runner.fork()  # a prefix layer's cache is per sequence
+        return d
+
+    def begin(self, ctx: DecodeContext) -> None:
+        if ctx.features is None or ctx.features.shape[0] < 1:
+            raise SpecdecError("Hydra needs the target's features of the prompt")
+        self.feature = self.runner.begin(ctx.features)
+
+    def accept(self, ctx: DecodeContext, verdict) -> None:
+        self.feature = self.runner.extend(ctx.features)
+
     def propose(self, ctx: DecodeContext) -> DraftTree:
         if self.feature is None:
             raise RuntimeError("Hydra drafter used before begin()")

@@ -54,6 +54,15 @@ class MedusaHeads(nn.Module):
         self.register_buffer("d2t", None)
         self.meta: dict = {}  # the "specdec" block of config.json (training recipe, target, accuracies)
 
+    def config_extra(self) -> dict:
+        """Fields of config.json beyond Medusa's (HydraHeads: its prefix layer's sizes)."""
+        return {}
+
+    @classmethod
+    def config_kwargs(cls, raw: dict, path) -> dict:
+        """Constructor arguments read from config.json beyond Medusa's (checked: SpecdecError naming path)."""
+        return {}
+
     @property
     def draft_vocab_size(self) -> int:
         return self.vocab_size if self.d2t is None else self.d2t.numel()

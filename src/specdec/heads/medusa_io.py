@@ -42,6 +42,7 @@ def save_medusa(heads: MedusaHeads, path: str | os.PathLike, extra: dict | None 
     cfg = {"architectures": [type(heads).__name__], "model_type": heads.model_type, "hidden_size": heads.hidden_size,
            "vocab_size": heads.vocab_size, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "lm_head": heads.lm_head_kind, "draft_vocab_size": heads.draft_vocab_size,
+           **heads.config_extra(),
            "specdec": meta | {"kind": meta["kind"] if meta.get("kind") in KINDS else heads.model_type}}
     with atomic_dir(path) as tmp:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -87,7 +88,8 @@ def load_medusa(path: str | os.PathLike, hidden_size: int | None = None, vocab_s
         vd = sd["d2t"].numel()
         ids = sd["d2t"].long().reshape(-1) + torch.arange(vd)
     heads = build_heads(path, h, v, k_heads, n_layers, raw["lm_head"], {k: t for k, t in sd.items()
-                                                                         if k not in ("d2t", "t2d")}, ids, cls)
+                                                                         if k not in ("d2t", "t2d")}, ids, cls,
+                        cls.config_kwargs(raw, path))
     if raw["lm_head"] == "target" and target_lm_head is not None and tuple(target_lm_head.shape) != (v, h):
         raise SpecdecError(f"Medusa heads {path} share the target's LM head, which is {tuple(target_lm_head.shape)}, "
                            f"expected {(v, h)}")
@@ -101,10 +103,11 @@ def check_target(path: Path, h: int, v: int, hidden_size: int | None, vocab_size
 
 def build_heads(path: Path, h: int, v: int, k_heads: int, n_layers: int, lm_head: str,
                 state: dict[str, torch.Tensor], ids: torch.Tensor | None,
-                cls: type[MedusaHeads] = MedusaHeads) -> MedusaHeads:
-    """MedusaHeads from tensors in our names (blocks.*, lm_heads.* for lm_head "own") and the draft
-    vocabulary `ids` (increasing target ids, None = all), checked: names, shapes, finite values."""
-    heads = cls(h, v, k_heads, n_layers, lm_head)
+                cls: type[MedusaHeads] = MedusaHeads, kwargs: dict | None = None) -> MedusaHeads:
+    """MedusaHeads from tensors in our names (blocks.*, lm_heads.* for lm_head "own", a Hydra prefix
+    layer's prefix.*) and the draft vocabulary `ids` (increasing target ids, None = all), checked: names,
+    shapes, finite values. kwargs: the class's own constructor arguments (config_kwargs)."""
+    heads = cls(h, v, k_heads, n_layers, lm_head, **(kwargs or {}))
     if ids is not None:
         vd = ids.numel()
         if vd == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or bool((ids[1:] <= ids[:-1]).any()):
@@ -118,6 +121,7 @@ def build_heads(path: Path, h: int, v: int, k_heads: int, n_layers: int, lm_head
     want = {f"blocks.{k}.layers.{i}.{p}" for k in range(k_heads) for i in range(n_layers) for p in ("weight", "bias")}
     if lm_head == "own":
         want |= {f"lm_heads.{k}.weight" for k in range(k_heads)}
+    want |= {k for k in heads.state_dict() if k.startswith("prefix.")}
     have = set(state)
     if have != want:
         missing, extra = sorted(want - have), sorted(have - want)

@@ -44,8 +44,8 @@ class MedusaTrainConfig(LoopConfig):
     arch: Literal["medusa", "hydra"] = knob(
         "medusa", "medusa: parallel heads on the last feature; hydra: Hydra's sequentially-dependent heads (each "
         "also reads the embeddings of the tokens before it on its path; for the `hydra` method)", resume=True)
-    prefix_attention: bool = knob(False, "--arch hydra: Hydra++'s extra decoder layer over the context "
-                                  "(not implemented)", resume=True)
+    prefix_attention: bool = knob(False, "--arch hydra: Hydra++'s prefix attention, one decoder layer of the "
+                                  "target's shape over the context's features, read by the heads", resume=True)
     num_heads: int = knob(4, "heads; head k predicts the token k + 2 positions ahead", ge=1, le=16, resume=True)
     num_layers: int = knob(1, "residual blocks per head", ge=1, resume=True)
     lm_head: Literal[LM_HEADS] = knob("target", "target (the target's, shared and frozen) or own (one per head, "
@@ -71,8 +71,8 @@ class MedusaTrainConfig(LoopConfig):
                                   "instead of recomputing them (faster, far more memory)")
 
     def check(self) -> None:
-        if self.prefix_attention:
-            raise SpecdecError("--prefix-attention (Hydra++'s prefix attention layer) is not implemented")
+        if self.prefix_attention and self.arch != "hydra":
+            raise SpecdecError("--prefix-attention is Hydra++'s layer under Hydra's heads: it needs --arch hydra")
         if self.arch == "hydra" and self.joint:
             raise SpecdecError("--joint trains Medusa-2 heads with the backbone: it does not apply to --arch hydra")
         if self.full_finetune and not self.joint:
@@ -104,11 +104,14 @@ def warm_start(cfg: MedusaTrainConfig, hidden: int, vocab: int, lm_cpu: torch.Te
     """The --init-from heads, checked against the run's flags (shape, LM head kind, draft vocabulary)."""
     heads = load_medusa(cfg.init_from, hidden, vocab, target_lm_head=lm_cpu, cls=cfg.heads_class).train()
     have = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "lm_head": heads.lm_head_kind,
-            "draft_vocab": 0 if heads.d2t is None else heads.draft_vocab_size}
+            "draft_vocab": 0 if heads.d2t is None else heads.draft_vocab_size,
+            "prefix_attention": getattr(heads, "prefix", None) is not None}
     for k, v in have.items():
         if getattr(cfg, k) != v:
             flag = "--" + k.replace("_", "-")
-            raise SpecdecError(f"--init-from {cfg.init_from} has {k}={v}: pass {flag} {v}, not {getattr(cfg, k)}")
+            fix = (f"pass {flag}" if v else f"drop {flag}") if isinstance(v, bool) else \
+                f"pass {flag} {v}, not {getattr(cfg, k)}"
+            raise SpecdecError(f"--init-from {cfg.init_from} has {k}={v}: {fix}")
     heads.meta = {}
     return heads
 
@@ -135,7 +138,8 @@ class MedusaTrainer(Trainer):
         vocab, hidden = lm_cpu.shape
         if cfg.init_from:
             return warm_start(cfg, hidden, vocab, lm_cpu)
-        heads = cfg.heads_class(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head)
+        prefix = {"prefix": HydraHeads.prefix_sizes(self.target.config)} if cfg.prefix_attention else {}
+        heads = cfg.heads_class(hidden, vocab, cfg.num_heads, cfg.num_layers, cfg.lm_head, **prefix)
         draft_ids = None
         if cfg.draft_vocab:
             eos = getattr(self.target.config, "eos_token_id", None)
