@@ -138,6 +138,29 @@ def test_shipped_medusa_heads_greedy_equal_vanilla(smol):
     assert mean_tau_if_lossless(model, from_models(model, tok), spec) > 1.2  # untrained heads accept ~nothing
 
 
+@pytest.mark.parametrize("method,kind,most_mb", [("fspad", "fspad", 16), ("hydra", "hydra", 20)])
+def test_shipped_fspad_and_hydra_heads_greedy_equal_vanilla(smol, method, kind, most_mb):
+    """The FSPAD head and the Hydra heads shipped for SmolLM2 (fp16, no LM-head rows of their own): found by
+    fingerprint under their own kind (eagle2 and auto keep the EAGLE head), lossless, and accepting."""
+    from safetensors import safe_open
+
+    from specdec.heads.shipped import find_shipped_head
+
+    model, tok, _ = smol
+    head = find_shipped_head(model, kind)
+    assert head is not None and head.name == f"smollm2-135m-instruct-{method}"
+    assert find_shipped_head(model).name == "smollm2-135m-instruct-eagle"
+    st = head / "model.safetensors"
+    assert st.stat().st_size <= most_mb * 2**20
+    with safe_open(str(st), "pt") as f:
+        names = list(f.keys())
+        assert not any("lm_head" in k for k in names)
+        assert {str(f.get_slice(k).get_dtype()) for k in names if k not in ("d2t", "t2d")} == {"F16"}
+    spec = from_models(model, tok, method)
+    assert spec.drafter.name == method
+    assert mean_tau_if_lossless(model, from_models(model, tok), spec) > 1.3
+
+
 def test_int8_target_auto_equals_int8_vanilla_exactly(smol):
     """A reduced-precision target is a different model: auto must reproduce *its* greedy text."""
     model, tok, _ = smol
