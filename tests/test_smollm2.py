@@ -167,7 +167,7 @@ def test_int8_target_auto_equals_int8_vanilla_exactly(smol):
     vanilla = from_models(model, tok, weights="int8")
     spec = from_models(model, tok, "auto", weights="int8")
     assert vanilla.weights == spec.weights == "int8" and spec.runner.exact_rows
-    assert mean_tau_if_lossless(model, vanilla, spec) > 1.3
+    assert mean_tau_if_lossless(model, vanilla, spec) > 1.1  # drafts accepted (its tree is sized by measured costs)
 
 
 @pytest.fixture(scope="module")
