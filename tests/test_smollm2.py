@@ -138,8 +138,12 @@ def test_shipped_medusa_heads_greedy_equal_vanilla(smol):
     assert mean_tau_if_lossless(model, from_models(model, tok), spec) > 1.2  # untrained heads accept ~nothing
 
 
-@pytest.mark.parametrize("method,kind,most_mb", [("fspad", "fspad", 16), ("hydra", "hydra", 20)])
-def test_shipped_fspad_and_hydra_heads_greedy_equal_vanilla(smol, method, kind, most_mb):
+# fixed trees: the tuned / cost-sized ones move with the machine, and so would tau (measured on MT-bench:
+# FSPAD 1.56 at 2 nodes, Hydra++ 1.78 at 10; untrained heads accept ~nothing)
+@pytest.mark.parametrize("method,kind,most_mb,opts,least_tau", [
+    ("fspad", "fspad", 16, {"depth": 2, "topk": 3, "tree_size": 4}, 1.3),
+    ("hydra", "hydra", 20, {"tree_size": 10}, 1.4)])
+def test_shipped_fspad_and_hydra_heads_greedy_equal_vanilla(smol, method, kind, most_mb, opts, least_tau):
     """The FSPAD head and the Hydra heads shipped for SmolLM2 (fp16, no LM-head rows of their own): found by
     fingerprint under their own kind (eagle2 and auto keep the EAGLE head), lossless, and accepting."""
     from safetensors import safe_open
@@ -156,9 +160,9 @@ def test_shipped_fspad_and_hydra_heads_greedy_equal_vanilla(smol, method, kind, 
         names = list(f.keys())
         assert not any("lm_head" in k for k in names)
         assert {str(f.get_slice(k).get_dtype()) for k in names if k not in ("d2t", "t2d")} == {"F16"}
-    spec = from_models(model, tok, method)
+    spec = from_models(model, tok, method, **opts)
     assert spec.drafter.name == method
-    assert mean_tau_if_lossless(model, from_models(model, tok), spec) > 1.3
+    assert mean_tau_if_lossless(model, from_models(model, tok), spec) > least_tau
 
 
 def test_int8_target_auto_equals_int8_vanilla_exactly(smol):
