@@ -30,7 +30,7 @@ from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
 from specdec.heads.runner import HeadRunner, runner_for
-from specdec.heads.shipped import find_shipped_head
+from specdec.heads.shipped import find_shipped_head, shipped_targets
 from specdec.sampling import tempered_log_probs
 from specdec.target.gguf import float_weight
 from specdec.tree import (
@@ -290,6 +290,18 @@ class Eagle2Options(HeadOptions):
 
 
 DEFAULT_BUDGET = TreeBudget(5, 4, 10)
+
+
+def with_shipped_head(target: Target, opts, kind: str, method: str, what: str):
+    """opts with head= the head of this kind shipped for the loaded target when none was given; else one
+    line naming the shipped ones."""
+    if opts.head is not None:
+        return opts
+    head = find_shipped_head(target.model, kind)
+    if head is None:
+        raise SpecdecError(f"method {method!r} needs {what} for this model: none ships for it (shipped: "
+                           f"{', '.join(shipped_targets(kind))}); pass head=<dir>")
+    return opts.model_copy(update={"head": str(head)})
 
 
 def head_runner(target: Target, opts: HeadOptions, method: str) -> tuple[HeadRunner, str | None]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pydantic import field_validator
 
 from specdec.drafters.base import Drafter
-from specdec.drafters.eagle import Eagle2Options, eagle2_drafter, head_runner
+from specdec.drafters.eagle import Eagle2Options, eagle2_drafter, head_runner, with_shipped_head
 from specdec.drafters.registry import Method, Target, option, register
-from specdec.errors import SpecdecError
-from specdec.heads.shipped import find_shipped_head, shipped_targets
+from specdec.heads.shipped import shipped_targets
 
 
 class Eagle3Options(Eagle2Options):
@@ -33,12 +32,7 @@ class Eagle3Options(Eagle2Options):
 
 
 def build_eagle3(target: Target, opts: Eagle3Options) -> Drafter:
-    if opts.head is None:
-        head = find_shipped_head(target.model, "eagle3")
-        if head is None:
-            raise SpecdecError("method 'eagle3' needs an EAGLE-3 head for this model: none ships for it (shipped: "
-                               f"{', '.join(shipped_targets('eagle3'))}); pass head=<dir>")
-        opts = opts.model_copy(update={"head": str(head)})
+    opts = with_shipped_head(target, opts, "eagle3", "eagle3", "an EAGLE-3 head")
     runner, head_dir = head_runner(target, opts, "eagle3")
     drafter = eagle2_drafter(runner, opts, head_dir)
     drafter.name = "eagle3"

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pydantic import field_validator
 
 from specdec.drafters.base import Drafter
-from specdec.drafters.eagle import Eagle2Options, eagle2_drafter, head_runner
+from specdec.drafters.eagle import Eagle2Options, eagle2_drafter, head_runner, with_shipped_head
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
-from specdec.heads.shipped import find_shipped_head, shipped_targets
+from specdec.heads.shipped import shipped_targets
 
 
 class FspadOptions(Eagle2Options):
@@ -30,12 +30,7 @@ class FspadOptions(Eagle2Options):
 
 
 def build_fspad(target: Target, opts: FspadOptions) -> Drafter:
-    if opts.head is None:
-        head = find_shipped_head(target.model, "fspad")
-        if head is None:
-            raise SpecdecError("method 'fspad' needs an FSPAD head for this model: none ships for it (shipped: "
-                               f"{', '.join(shipped_targets('fspad'))}); pass head=<dir>")
-        opts = opts.model_copy(update={"head": str(head)})
+    opts = with_shipped_head(target, opts, "fspad", "fspad", "an FSPAD head")
     runner, head_dir = head_runner(target, opts, "fspad")
     if (runner.connector, runner.pad) != ("sampler", True):
         raise SpecdecError(f"method 'fspad' needs an FSPAD head (connector=sampler, pad=true); {head_dir} has "
