@@ -1,6 +1,7 @@
 """`specdec bench --preset papers-table`: the paper's layout with its published row, N/A where a method
 lacks what it needs, Kendall's tau of the two orderings; bad combinations fail before any model loads."""
 
+import argparse
 import itertools
 import math
 
@@ -74,6 +75,15 @@ def test_bad_combinations_fail_before_loading(tmp_path, monkeypatch, capsys, arg
     assert main(["bench", "--preset", "papers-table", "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("specdec: error:") and says in err
+
+
+def test_lookahead_runs_its_authors_setting_unless_given_options():
+    def args(methods):
+        return argparse.Namespace(methods=methods, per_task=1)
+
+    spec = papers.plan(args(None), False).specs["lookahead"]
+    assert spec.opts == {"window": 7, "ngram_size": 5, "guesses": 7}
+    assert papers.plan(args("lookahead:window=2"), False).specs["lookahead"].opts == {"window": 2}
 
 
 @pytest.mark.slow

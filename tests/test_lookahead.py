@@ -100,8 +100,23 @@ def test_verified_rows_are_bit_identical_with_and_without_the_window():
             torch.testing.assert_close(side[lvl * 4 + col], want, atol=1e-4, rtol=1e-4)
 
 
-def test_the_window_shifts_and_fills_the_pool():
+def test_the_pool_starts_with_the_prompts_ngrams_latest_first():
+    ctx = DecodeContext([5, 6, 7, 5, 6, 8, 5], SamplingParams(), None, 4)
     drafter = LookaheadDrafter(window=2, ngram_size=3, guesses=2)
+    drafter.begin(ctx)
+    assert {k: list(v) for k, v in drafter.pool.items()} == {5: [(6, 7), (6, 8)], 6: [(7, 5), (8, 5)], 7: [(5, 6)]}
+    tree = drafter.propose(ctx)  # after 5: (6, 8) is the latest, (6, 7) the other guess
+    assert tree.tokens.tolist() == [6, 8, 7] and tree.parents.tolist() == [-1, 0, 0]
+    one = LookaheadDrafter(window=2, ngram_size=3, guesses=1)
+    one.begin(ctx)
+    assert one.propose(ctx).tokens.tolist() == [6, 8]
+    off = LookaheadDrafter(window=2, ngram_size=3, guesses=2, pool_from_prompt=False)
+    off.begin(ctx)
+    assert not off.pool and len(off.propose(ctx)) == 0
+
+
+def test_the_window_shifts_and_fills_the_pool():
+    drafter = LookaheadDrafter(window=2, ngram_size=3, guesses=2, pool_from_prompt=False)
     ctx = DecodeContext([1, 2, 3], SamplingParams(), None, 2)
     drafter.begin(ctx)
     drafter.levels = [[10, 11]]

@@ -5,9 +5,9 @@ Spec-Bench columns we have prompts for: MT-bench, HumanEval, GSM8K, CNN/DM (Spec
 Natural Questions (Spec-Bench's qa). Alpaca is dropped: no installable package ships its prompts (the
 alpaca-eval wheel holds evaluator configs and leaderboards; its instructions come from the Hugging Face hub).
 A method without what it needs (SpS: --draft; a head method: a head, given or shipped for this target) is
-N/A. Each cell is the speedup vs our vanilla and τ; the published Vicuna-7B row sits under ours, and
-Kendall's τ compares the two orderings of the methods by mean speedup. At T > 0 Medusa's and Hydra's
-typical acceptance join as extra rows, marked LOSSY.
+N/A. Lookahead runs with its authors' setting (PAPER_SETTINGS). Each cell is the speedup vs our vanilla and
+τ; the published Vicuna-7B row sits under ours, and Kendall's τ compares the two orderings of the methods by
+mean speedup. At T > 0 Medusa's and Hydra's typical acceptance join as extra rows, marked LOSSY.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ METHODS = {"sps": "SpS", "pld": "PLD", "medusa": "Medusa", "lookahead": "Lookahe
            "eagle": "EAGLE", "eagle2": "EAGLE-2", "fspad": "FSPAD", "auto": "auto"}
 HEAD_OPTION = {"medusa": "heads", "hydra": "heads", "eagle": "head", "eagle2": "head", "fspad": "head"}
 SHIPPED_KIND = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle", "fspad": "fspad"}
+# the authors' settings where a method's default is sized for this machine instead: Lookahead's paper runs 7B
+# targets with W 7, N 5, G 7 and the pool seeded from the prompt
+PAPER_SETTINGS = {"lookahead": "lookahead:window=7:ngram_size=5:guesses=7"}
 LOSSY = ("medusa", "hydra")  # their typical acceptance: extra rows at T > 0
 PUBLISHED = "papers/eagle2_table1_vicuna7b.json"
 NO_HEAD = "no head for this target (pass --methods {m}:{opt}=DIR)"
@@ -80,7 +83,7 @@ def plan(args, has_draft: bool) -> Plan:
     if given:
         raise SpecdecError(f"--preset papers-table picks its own questions (--per-task N per column): drop "
                            f"{', '.join(given)}")
-    specs = {m: MethodSpec(m, {}, m) for m in METHODS}
+    specs = {m: parse_method(PAPER_SETTINGS[m]) if m in PAPER_SETTINGS else MethodSpec(m, {}, m) for m in METHODS}
     for text in (args.methods or "").split(","):
         if text.strip():
             s = parse_method(text)

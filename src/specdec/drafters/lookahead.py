@@ -6,7 +6,8 @@ root and sees the root, level 0's columns 0..j and its own column's lower levels
 that diagonal. Each verify forward carries the window as side rows (drafters.base.SideRows): the
 tree never sees them and the cache drops them. The top level's argmax becomes the next level; once N - 1
 levels exist, each column's diagonal plus that new token is an n-gram for the pool (keyed by its first
-token, the latest G per key), and the oldest level is dropped.
+token, the latest G per key), and the oldest level is dropped. As the authors' implementation does with
+POOL_FROM_PROMPT (their setting for the paper's runs), the pool starts with the prompt's own n-grams.
 
 The draft is up to G pooled n-grams after the root, merged into one tree: point masses the verifier
 checks like any draft, so decoding stays exact at any temperature. The window itself follows the
@@ -31,11 +32,12 @@ MAX_ROWS = 64  # the rows of a forward whose bits the lean runner keeps exact (t
 class LookaheadDrafter(Drafter):
     name = "lookahead"
 
-    def __init__(self, window: int = 5, ngram_size: int = 3, guesses: int = 5) -> None:
+    def __init__(self, window: int = 1, ngram_size: int = 3, guesses: int = 1, pool_from_prompt: bool = True) -> None:
         if window < 1 or ngram_size < 2 or guesses < 1:
             raise SpecdecError(f"lookahead needs window >= 1, ngram_size >= 2 and guesses >= 1, got window={window}, "
                                f"ngram_size={ngram_size}, guesses={guesses}")
         self.window, self.ngram_size, self.guesses = window, ngram_size, guesses
+        self.pool_from_prompt = pool_from_prompt
         self.draft_depth = ngram_size - 1
         self.levels: list[list[int]] = []
         self.pool: dict[int, dict[tuple[int, ...], None]] = {}  # first token -> the rests, oldest first
@@ -46,6 +48,10 @@ class LookaheadDrafter(Drafter):
         pick = random.Random(0)
         self.levels = [[pick.choice(ctx.tokens) for _ in range(self.window)]]
         self.pool = {}
+        if self.pool_from_prompt:
+            n = self.ngram_size
+            for i in range(len(ctx.tokens) - n + 1):
+                self._remember(tuple(ctx.tokens[i:i + n]))
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         grams = list(self.pool.get(ctx.tokens[-1], ()))[::-1]  # the latest first
@@ -74,19 +80,23 @@ class LookaheadDrafter(Drafter):
             self.levels.append(top)
             return
         for j, nxt in enumerate(top):
-            gram = tuple(level[j] for level in self.levels) + (nxt,)
-            seen = self.pool.setdefault(gram[0], {})
-            seen.pop(gram[1:], None)  # seen again: now the latest
-            seen[gram[1:]] = None
-            if len(seen) > self.guesses:
-                del seen[next(iter(seen))]
+            self._remember(tuple(level[j] for level in self.levels) + (nxt,))
         self.levels = self.levels[1:] + [top]
+
+    def _remember(self, gram: tuple[int, ...]) -> None:
+        seen = self.pool.setdefault(gram[0], {})
+        seen.pop(gram[1:], None)  # seen again: now the latest
+        seen[gram[1:]] = None
+        if len(seen) > self.guesses:
+            del seen[next(iter(seen))]
 
 
 class LookaheadOptions(Options):
-    window: int = option(5, "W: Jacobi window width (tokens guessed ahead per level)", ge=1)
+    # W 1, G 1: the fastest setting measured on a 2-core CPU, where every verify row costs (docs/benchmarks.md)
+    window: int = option(1, "W: Jacobi window width (tokens guessed ahead per level)", ge=1)
     ngram_size: int = option(3, "N: length of the n-grams the window makes (N - 1 levels; the draft's depth)", ge=2)
-    guesses: int = option(5, "G: pooled n-grams verified per step (and kept per first token)", ge=1)
+    guesses: int = option(1, "G: pooled n-grams verified per step (and kept per first token)", ge=1)
+    pool_from_prompt: bool = option(True, "start the pool with the prompt's n-grams (the authors' POOL_FROM_PROMPT)")
 
     @model_validator(mode="after")
     def _fits(self):
@@ -99,4 +109,4 @@ class LookaheadOptions(Options):
 
 register(Method("lookahead", "lookahead decoding: a Jacobi window rides in each verify forward and makes n-grams; "
                 "those after the last token are the draft (Fu et al.)", LookaheadOptions,
-                lambda t, o: LookaheadDrafter(o.window, o.ngram_size, o.guesses)))
+                lambda t, o: LookaheadDrafter(o.window, o.ngram_size, o.guesses, o.pool_from_prompt)))
