@@ -119,3 +119,14 @@ def test_answer_loglik_of_a_gguf_target_is_its_runners(tmp_path):
     want = answer_loglik(hf, prompt, answer)
     got = answer_loglik(model, prompt, answer, LeanRunner(model, weights="gguf"))
     assert got == pytest.approx(want, rel=0.01) and want < 0  # Q8_0 kernels round activations too
+
+
+@pytest.mark.parametrize("model, label", [
+    (None, "SmolLM2-135M-Instruct"),
+    ("/m/qwen2.5-coder-1.5b-instruct/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+     "qwen2.5-coder-1.5b-instruct-q4_k_m"),
+    ("/m/qwen2.5-coder-0.5b-instruct/", "qwen2.5-coder-0.5b-instruct"),
+    ("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct"),
+])
+def test_the_model_column_names_the_file_not_its_path(model, label):
+    assert papers.model_label(model) == label

@@ -237,7 +237,7 @@ def cmd_bench(args) -> int:
         ok = _print_summary(res, o) and ok
         summaries[t] = res["summary"]
     if table is not None:
-        md = papers.table(table, summaries, args.model or "SmolLM2-135M-Instruct")
+        md = papers.table(table, summaries, papers.model_label(args.model))
         (out / "papers-table.md").write_text(md + "\n")
         print(f"\n{md}\npapers table: {out / 'papers-table.md'}")
     return 0 if ok else 1

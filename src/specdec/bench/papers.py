@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from scipy.stats import kendalltau
 
@@ -107,6 +108,13 @@ def check_heads(p: Plan, model) -> None:
         kind = SHIPPED_KIND.get(m)
         if kind is None or find_shipped_head(model, kind) is None:
             p.na[m] = NO_HEAD.format(m=m, opt=opt)
+
+
+def model_label(model: str | None) -> str:
+    """The table's Model column: the file or directory name, not its path."""
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    return Path(model.rstrip("/")).name.removesuffix(".gguf")
 
 
 def published() -> dict:
