@@ -24,6 +24,7 @@
 
 #include "ops.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -40,15 +41,17 @@ int64_t codes_at(int t) { return t == Q4_1 ? 64 : 32; }  // the codes follow the
 
 struct Acts16 {
   std::vector<int8_t> q;  // [N][K]
+  std::vector<uint8_t> qu;  // [N][K] q + 128 (q ^ 0x80), for Q8_0 on vpdpbusd: a broadcast straight from memory
   std::vector<float> d;  // [N][K / B]: the scale of each block of B (32, or 256 for K-quants)
   std::vector<float> s;  // B = 32: [N][K / 32] the block's scale * the sum of its codes
   std::vector<int32_t> bs;  // B = 256: [N][K / 32] the sum of each 32 codes
   std::vector<int32_t> b16;  // B = 256: [N][K / 16] 32 times the sum of each 16 codes (Q6_K's offset)
 };
 
-void quantize16(const float* x, int64_t N, int64_t K, int B, Acts16& a) {
+void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy, Acts16& a) {
   const int64_t nb = K / B, n32 = K / 32;
   a.q.resize(N * K);
+  if (unsigned_copy) a.qu.resize(N * K);
   a.d.resize(N * nb);
   if (B == 32) a.s.resize(N * nb);
   else a.bs.resize(N * n32), a.b16.resize(N * n32 * 2);
@@ -56,6 +59,8 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, Acts16& a) {
     for (int64_t n = lo; n < hi; n++) {
       int8_t* q = a.q.data() + n * K;
       quantize_blocks(x + n * K, K, B, q, a.d.data() + n * nb);
+      if (unsigned_copy)
+        for (int64_t k = 0; k < K; k++) a.qu[n * K + k] = static_cast<uint8_t>(q[k]) ^ 0x80;
       for (int64_t b = 0; b < n32; b++) {
         int s = 0;
         for (int j = 0; j < 32; j++) s += q[b * 32 + j];
@@ -156,8 +161,12 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
   const int64_t lane = half * L;  // first output of this vector within the group
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* rec = recs + b * RB;
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB + 64 * (RB / 128)), _MM_HINT_T0);
+    if (R >= 4) {  // compute-bound: every line of the record after next-but-two, or the stream stalls it
+      for (int64_t p = 0; p < RB; p += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB + p), _MM_HINT_T0);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB + 64 * (RB / 128)), _MM_HINT_T0);
+    }
     VI u[8], w[8];  // per step: the unsigned operand (codes, or |w|); Q8_0: the signed codes
     VI wsum128 = v_bcast(0);  // Q8_0 with VNNI: 128 * each output's code sum (see below)
     if (T == Q8_0) {
@@ -190,8 +199,9 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
           s1 = v_dot(s1, u[j + 1], v_bcast(dword(xq + 4 * j + 4)));
         } else {
 #ifdef Q8_UNSIGNED_X  // sum (x + 128) w - 128 sum w: one instruction a step, no sign fix-up per row
-          s0 = v_dot(s0, v_bcast(static_cast<int32_t>(dword(xq + 4 * j) ^ 0x80808080)), w[j]);
-          s1 = v_dot(s1, v_bcast(static_cast<int32_t>(dword(xq + 4 * j + 4) ^ 0x80808080)), w[j + 1]);
+          const int8_t* xu = reinterpret_cast<const int8_t*>(a.qu.data()) + (n0 + r) * K + 32 * b;
+          s0 = v_dot(s0, v_bcast(dword(xu + 4 * j)), w[j]);
+          s1 = v_dot(s1, v_bcast(dword(xu + 4 * j + 4)), w[j + 1]);
 #else  // |w| times x with w's sign (|products| fit the 16-bit pair sums of vpmaddubsw)
           s0 = v_dot(s0, u[j], v_sign8(v_bcast(dword(xq + 4 * j)), w[j]));
           s1 = v_dot(s1, u[j + 1], v_sign8(v_bcast(dword(xq + 4 * j + 4)), w[j + 1]));
@@ -498,7 +508,12 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
   const auto xs = x.reshape({-1, K}).contiguous();
   const int64_t N = xs.size(0), nb = K / E, O = gstart.back() * G;
   Acts16 acts;
-  quantize16(xs.data_ptr<float>(), N, K, static_cast<int>(E), acts);
+#ifdef Q8_UNSIGNED_X
+  const bool q8 = std::find(types.begin(), types.end(), int64_t{Q8_0}) != types.end();
+#else
+  const bool q8 = false;
+#endif
+  quantize16(xs.data_ptr<float>(), N, K, static_cast<int>(E), q8, acts);
   auto y = torch::empty({N, O}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, gstart.back(), 1, [&](int64_t lo, int64_t hi) {
