@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench.load import Result, markdown, percentile, soak_plan
+from specdec.bench.load import soak_plan
+from specdec.bench.load_report import Result, markdown, percentile, ratios
 from specdec.cli.commands import build_parser
 from specdec.errors import SpecdecError
 from tests.helpers import tiny_model, word_tokenizer
@@ -50,19 +51,39 @@ def test_percentiles_and_the_soak_plan():
     assert {p for _, p in plan} == set(range(7))
 
 
+def result(method, limit, tps, p50, rnd):
+    return Result(method, limit, 8, 8, 0, tps, p50, p50, p50, float(limit), 1.0, 1.0, round=rnd)
+
+
+def test_ratios_pair_each_method_with_the_first_in_the_same_round_and_limit():
+    rs = [result("vanilla", 4, 100.0, 10.0, 1), result("auto", 4, 130.0, 8.0, 1),
+          result("vanilla", 4, 50.0, 20.0, 2), result("auto", 4, 75.0, 12.0, 2),
+          result("vanilla", 8, 200.0, 5.0, 1), result("auto", 8, 220.0, 5.0, 1)]
+    got = ratios(rs)
+    assert [(lim, m) for lim, m, _, _ in got] == [(4, "auto"), (8, "auto")]
+    assert got[0][2] == pytest.approx([1.3, 1.5]) and got[0][3] == pytest.approx((0.8 + 0.6) / 2)
+    assert got[1][2] == pytest.approx([1.1]) and got[1][3] == pytest.approx(1.0)
+    md = markdown(rs).splitlines()
+    assert md[0].startswith("| round | method |") and md[2].startswith("| 1 | vanilla | 4 |")
+    assert "| 4 | auto | 1.30, 1.50 | 1.40 | 0.70 |" in md
+    assert ratios(rs[:1]) == [] and len(markdown(rs[:1]).splitlines()) == 3  # no pair: no ratio table
+
+
 @pytest.mark.slow
 def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path):
     r, results = bench(tiny_dir, tmp_path / "out", "--methods", "vanilla,pld", "--limits", "1,3",
                        "--clients", "4", "--requests", "8", "--max-tokens", "64")
     assert r.returncode == 0, r.stderr
-    assert [(x["method"], x["max_batch"]) for x in results] == [("vanilla", 1), ("vanilla", 3), ("pld", 1), ("pld", 3)]
+    # at each limit the methods in turn, so each pair ran on the same machine
+    assert [(x["method"], x["max_batch"]) for x in results] == [("vanilla", 1), ("pld", 1), ("vanilla", 3), ("pld", 3)]
     for x in results:
         assert x["completed"] == x["requests"] == 8 and x["errors"] == 0
         assert x["tokens_per_s"] > 0 and x["p50_latency_s"] <= x["p99_latency_s"] and x["p50_ttft_s"] > 0
         assert x["rss_before_mb"] > 0 and x["rss_after_mb"] > 0
         assert 1 <= x["mean_batch"] <= x["max_batch"]
     lines = (tmp_path / "out" / "load.md").read_text().splitlines()
-    assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 6
+    assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 11
+    assert lines[9].startswith("| 1 | pld | ") and lines[10].startswith("| 3 | pld | ")  # pld over vanilla per limit
     assert r.stdout.splitlines() == lines
     assert markdown([Result(**x) for x in results]).splitlines() == lines
 

@@ -2,8 +2,10 @@
 server as a subprocess, then concurrent streaming clients (the official `openai` async client) send
 MT-bench first turns; reported: total tokens/s, p50/p99 request latency, p50 time to first token, the
 mean batch size (sampled from /metrics while requests run), errors, and the server's RSS before and
-after. `--soak`: many short greedy requests, some clients leaving mid-stream and some bodies malformed;
-every well-formed answer must equal the same request's answer alone, and the server must stay up."""
+after. At each limit the methods run in turn (`--repeat`: several rounds of that), and the table adds each
+method's tok/s over the first method's, paired within a round. `--soak`: many short greedy requests,
+some clients leaving mid-stream and some bodies malformed; every well-formed answer must equal the same
+request's answer alone, and the server must stay up."""
 
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdec.bench.data import load_questions
+from specdec.bench.load_report import Result, markdown, percentile
 from specdec.bench.outdir import check_out_dir
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
@@ -44,34 +47,6 @@ class Outcome:
     tokens: int = 0
     text: str = ""
     detail: str = ""
-
-
-@dataclass
-class Result:
-    method: str
-    max_batch: int
-    requests: int
-    completed: int
-    errors: int
-    tokens_per_s: float
-    p50_latency_s: float | None
-    p99_latency_s: float | None
-    p50_ttft_s: float | None
-    mean_batch: float | None
-    rss_before_mb: float
-    rss_after_mb: float
-    soak: dict = field(default_factory=dict)
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation; None for no values."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def rss_mb(pid: int) -> float:
@@ -242,8 +217,8 @@ def soak_plan(n: int, clients: int, prompts: int, left: float, malformed: float,
     return plan
 
 
-def run_one(args, method: str, limit: int, prompts: list[str], out: Path) -> Result:
-    log = out / f"server-{method.replace(':', '_')}-L{limit}.log"
+def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: int = 1) -> Result:
+    log = out / f"server-{method.replace(':', '_')}-L{limit}{f'-r{rnd}' if rnd > 1 else ''}.log"
     server = ServerProcess(args.model, method, limit, shlex.split(args.server_args), log, args.start_timeout)
     try:
         model = "smollm2" if args.model is None else args.model
@@ -272,7 +247,7 @@ def run_one(args, method: str, limit: int, prompts: list[str], out: Path) -> Res
         return Result(method, limit, len(plan), len(ok), len(errors), sum(o.tokens for o in ok) / wall,
                       percentile([o.latency for o in ok], 0.5), percentile([o.latency for o in ok], 0.99),
                       percentile([o.ttft for o in ok if o.ttft is not None], 0.5),
-                      statistics.fmean(samples) if samples else None, round(before, 1), round(after, 1), soak)
+                      statistics.fmean(samples) if samples else None, round(before, 1), round(after, 1), soak, rnd)
     finally:
         server.stop()
 
@@ -283,27 +258,6 @@ def healthy(url: str, timeout: float = 5.0) -> bool:
             return r.status == 200
     except OSError:  # refused, reset, timed out, or an HTTP error status
         return False
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
-
-
-def markdown(results: list[Result]) -> str:
-    soak = any(r.soak for r in results)
-    head = ["method", "max batch", "requests", "completed", "errors", "tok/s", "p50 latency s", "p99 latency s",
-            "p50 TTFT s", "mean batch", "RSS before MB", "RSS after MB"]
-    head += ["left", "malformed rejected", "mismatched", "server up"] if soak else []
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        cells = [r.method, str(r.max_batch), str(r.requests), str(r.completed), str(r.errors), f"{r.tokens_per_s:.1f}",
-                 _fmt(r.p50_latency_s, ".2f"), _fmt(r.p99_latency_s, ".2f"), _fmt(r.p50_ttft_s, ".3f"),
-                 _fmt(r.mean_batch, ".2f"), f"{r.rss_before_mb:.0f}", f"{r.rss_after_mb:.0f}"]
-        if soak:
-            s = r.soak
-            cells += [str(s["left"]), str(s["malformed_rejected"]), str(s["mismatched"]), str(s["server_alive"])]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
 
 
 def add_parser(bs) -> None:
@@ -324,6 +278,9 @@ def add_parser(bs) -> None:
     s.add_argument("--malformed", type=arg_type(float, ge=0, le=1), default=0.05,
                    help="soak: share of requests with a malformed body (default 0.05)")
     s.add_argument("--seed", type=arg_type(int, ge=0), default=0, help="soak: who leaves, which bodies are malformed")
+    s.add_argument("--repeat", type=arg_type(int, ge=1), default=1,
+                   help="rounds (default 1); each runs every limit with the methods in turn, and the table adds "
+                   "each method's tok/s over the first method's, per round and the median")
     s.add_argument("--start-timeout", type=arg_type(float, gt=0), default=600.0, help="seconds for the server to start")
     s.add_argument("--out", dest="load_out", default=None, help="results dir, empty or new: load.json, load.md and "
                    "the servers' logs (default bench-results/serve-<time>)")
@@ -363,14 +320,15 @@ def cmd_load(args) -> int:
     check_out_dir(out, overwrite=False)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for method in methods:
-        for limit in limits:
-            print(f"specdec bench serve: {method}, --max-batch {limit}: {args.requests} requests from {args.clients} "
-                  f"clients, {args.max_tokens} tokens each{' (soak)' if soak else ''}", file=sys.stderr)
-            results.append(run_one(args, method, limit, prompts, out))
-            (out / "load.json").write_text(json.dumps({"command": "specdec " + shlex.join(sys.argv[1:]),
-                                                       "cpu_count": os.cpu_count(),
-                                                       "results": [asdict(r) for r in results]}, indent=1))
+    runs = [(k, limit, method) for k in range(1, args.repeat + 1) for limit in limits for method in methods]
+    for k, limit, method in runs:  # at each limit the methods in turn: they see the same machine
+        print(f"specdec bench serve: {method}, --max-batch {limit}: {args.requests} requests from {args.clients} "
+              f"clients, {args.max_tokens} tokens each{' (soak)' if soak else ''}"
+              f"{f' (round {k} of {args.repeat})' if args.repeat > 1 else ''}", file=sys.stderr)
+        results.append(run_one(args, method, limit, prompts, out, k))
+        (out / "load.json").write_text(json.dumps({"command": "specdec " + shlex.join(sys.argv[1:]),
+                                                   "cpu_count": os.cpu_count(),
+                                                   "results": [asdict(r) for r in results]}, indent=1))
     md = markdown(results)
     (out / "load.md").write_text(md)
     sys.stdout.write(md)
