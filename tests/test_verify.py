@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.sampling import Coupling, SamplingParams, probs_from_logits, sample
+from specdec.sampling import Coupling, SamplingParams, argmax_rows, probs_from_logits, sample
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 from tests.helpers import chi2_pvalue
@@ -245,3 +245,14 @@ def test_the_coupled_draw_is_the_gumbel_max_of_the_noise_drafters_rank_by():
         x = c.pick(p, i)
         assert x == int((torch.log(p.double()) + c.gumbel(i)).argmax()) and p[x] > 0
     assert torch.equal(c.gumbel(3), -torch.log(c.exponential(3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_argmax_rows_is_torchs_argmax_ties_nan_and_strides_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (7, 500), generator=g).to(dtype)  # few distinct values: many tied maxima
+    x[2, 17] = x[2, 300] = float("nan")
+    x[5] = 1.0  # all equal: the first
+    for rows in (x, x[1:6:2], x[:, ::3], x[4], x[:1]):
+        assert argmax_rows(rows) == rows.argmax(-1).tolist()
+    assert argmax_rows(x)[2] == 17 and argmax_rows(x)[5] == 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import Coupling, SamplingParams, probs_from_logits, sample
+from specdec.sampling import Coupling, SamplingParams, argmax_rows, probs_from_logits, sample
 from specdec.tree import DraftTree
 
 
@@ -65,7 +65,7 @@ def greedy_walk(tree: DraftTree, want: Callable[[int, int], int | None]) -> tupl
 
 
 def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    best = logits.argmax(-1).tolist()
+    best = argmax_rows(logits)
     path, row = greedy_walk(tree, lambda r, _: best[r])
     toks = tree.tokens.tolist()
     return Verdict(path, [toks[i] for i in path] + [best[row]], best[row])

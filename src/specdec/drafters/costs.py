@@ -91,8 +91,8 @@ class Costs:
         share t(n) / n, and each row it adds what that row adds to the forward, t(n + k) - t(n); drafting stays
         whole (each drafts alone). Then a draft pays exactly when it raises the batch's tokens per second.
         Why: on a CPU a row costs nearly as much past a few rows (SmolLM2, 2 cores, packed forwards of four
-        sequences: t(4) 9.7 ms, t(8) 14.6), so in a batch of 4 a row costs 10-50% of a sequence's step, where
-        alone it cost ~10%."""
+        sequences: t(4) 9.9 ms, t(8) 11.9, t(16) 18.5), so in a batch of 4 a row costs 20-35% of a sequence's
+        step, where alone it cost ~7%."""
         if n <= 1:
             return self
         base = self.target(n)

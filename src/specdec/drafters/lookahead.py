@@ -24,6 +24,7 @@ from pydantic import model_validator
 from specdec.drafters.base import DecodeContext, Drafter, SideRows
 from specdec.drafters.registry import Method, Options, option, register
 from specdec.errors import SpecdecError
+from specdec.sampling import argmax_rows
 from specdec.tree import DraftTree
 
 MAX_ROWS = 64  # the rows of a forward whose bits the lean runner keeps exact (target/lean.py EXACT_ROWS)
@@ -75,7 +76,7 @@ class LookaheadDrafter(Drafter):
     def side_logits(self, logits: torch.Tensor) -> None:
         if self.sent != len(self.levels):
             return
-        top = logits[-self.window:].argmax(-1).tolist()
+        top = argmax_rows(logits[-self.window:])
         if len(self.levels) < self.ngram_size - 1:  # still filling the window
             self.levels.append(top)
             return
