@@ -105,7 +105,8 @@ class Trainer:
         done = finished_run(cfg, self.result)
         if done is not None:  # nothing to do: a re-run of a finished run only reports it
             return self.finished(*done)
-        if self.acc is None:
+        own = self.acc is None
+        if own:
             self.acc = Accelerator(cpu=not torch.cuda.is_available())
         acc = self.acc
         self.setup()
@@ -136,6 +137,9 @@ class Trainer:
                    "data_tokens": self.data.n_tokens}
         summary |= self.finish(acc.unwrap_model(module).head, step, seconds)
         acc.wait_for_everyone()
+        if own and acc.num_processes > 1:
+            # a process that exits with its gloo group alive can abort in the group's threads' teardown
+            acc.end_training()
         return summary
 
     def steps(self, run: Run) -> tuple[int, list[dict], float]:
