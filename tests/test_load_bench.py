@@ -81,6 +81,10 @@ def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path):
         assert x["tokens_per_s"] > 0 and x["p50_latency_s"] <= x["p99_latency_s"] and x["p50_ttft_s"] > 0
         assert x["rss_before_mb"] > 0 and x["rss_after_mb"] > 0
         assert 1 <= x["mean_batch"] <= x["max_batch"]
+        if x["method"] == "vanilla":  # no drafts: no acceptance to report
+            assert x["mean_acceptance_length"] is None and x["acceptance_rate"] is None
+        else:  # repetitive prompts: some of prompt lookup's drafts are accepted
+            assert 0 < x["acceptance_rate"] <= 1 and x["mean_acceptance_length"] > 1
     lines = (tmp_path / "out" / "load.md").read_text().splitlines()
     assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 11
     assert lines[9].startswith("| 1 | pld | ") and lines[10].startswith("| 3 | pld | ")  # pld over vanilla per limit

@@ -228,6 +228,46 @@ def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd,
 
 
 @needs_kernel
+def test_packed_sequences_get_the_bits_of_their_own_rope_and_attention_calls():
+    """rope_store_many and attend_many over sequences of 1, 8 and 64 rows (a chain, a tree, an arbitrary
+    mask; different cache lengths), each in layer 2 of its own cache: every sequence's q, cache writes and
+    attention output equal its own rope_store and attend calls, to the bit."""
+    ops = stream.kernel()
+    g = torch.Generator().manual_seed(7)
+    nh, nkv, hd, layers = 6, 2, 64, 3
+    sizes, starts = [1, 8, 64], [40, 301, 5]
+    masks = [None]
+    tree = torch.zeros(8, 309, dtype=torch.bool)
+    tree[:, :301] = True
+    tree[torch.arange(8), 301 + torch.arange(8)] = True
+    tree[1:, 301] = True  # every row below the root
+    masks.append(tree)
+    arbitrary = torch.rand(64, 69, generator=g) < 0.5
+    arbitrary[torch.arange(64), 5 + torch.arange(64)] = True
+    masks.append(arbitrary)
+    qkv = torch.randn(sum(sizes), (nh + 2 * nkv) * hd, generator=g)
+    ang = torch.rand(sum(sizes), hd // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1), torch.cat([-ang.sin(), ang.sin()], 1)
+    ks = [torch.randn(layers, 1, nkv, 400, hd, generator=g) for _ in sizes]
+    vs = [torch.randn(layers, 1, nkv, 400, hd, generator=g) for _ in sizes]
+    alone = [(k[2, 0].clone(), v[2, 0].clone()) for k, v in zip(ks, vs)]
+    other_layers = [k[:2].clone() for k in ks]
+    q = ops.rope_store_many(qkv, cos, sin, ks, vs, 2, starts, sizes, nh, nkv)
+    out = ops.attend_many(q, ks, vs, 2, starts, sizes, masks)
+    r = 0
+    for s, ((kc, vc), n, start, mask) in enumerate(zip(alone, sizes, starts, masks)):
+        rows = slice(r, r + n)
+        q1 = ops.rope_store(qkv[rows], cos[rows], sin[rows], kc, vc, start, nh, nkv)
+        assert torch.equal(q[rows], q1), s
+        assert torch.equal(ks[s][2, 0], kc) and torch.equal(vs[s][2, 0], vc), s
+        assert torch.equal(out[rows], ops.attend(q1, kc, vc, start, mask)), s
+        assert torch.equal(ks[s][:2], other_layers[s]), s  # only the given layer is written
+        r += n
+    with pytest.raises(RuntimeError, match="one cache, start, size and mask per sequence"):
+        ops.attend_many(q, ks, vs, 2, starts, sizes, masks[:2])
+
+
+@needs_kernel
 def test_fused_elementwise_ops_match_torch():
     ops = stream.kernel()
     g = torch.Generator().manual_seed(1)

@@ -1,9 +1,10 @@
 """`specdec bench serve`: `specdec serve` under load. For each method and --max-batch limit it starts the
 server as a subprocess, then concurrent streaming clients (the official `openai` async client) send
 MT-bench first turns; reported: total tokens/s, p50/p99 request latency, p50 time to first token, the
-mean batch size (sampled from /metrics while requests run), errors, and the server's RSS before and
-after. At each limit the methods run in turn (`--repeat`: several rounds of that), and the table adds each
-method's tok/s over the first method's, paired within a round. `--soak`: many short greedy requests,
+mean batch size (sampled from /metrics while requests run), the drafts' mean acceptance length and rate
+(the server's counters over the run), errors, and the server's RSS before and after. At each limit the
+methods run in turn (`--repeat`: several rounds of that), and the table adds each method's tok/s over the
+first method's, paired within a round. `--soak`: many short greedy requests,
 some clients leaving mid-stream and some bodies malformed; every well-formed answer must equal the same
 request's answer alone, and the server must stay up."""
 
@@ -228,9 +229,9 @@ def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: i
             plan = [("ok", i % len(prompts)) for i in range(args.requests)]
         # one untimed request: the first forward's one-time costs (kernels, allocations) are not load
         reference(server.url, model, prompts[0], 4)
-        before = server.rss()
+        before, drafts0 = server.rss(), draft_counters(server.url)
         outcomes, wall, samples = asyncio.run(drive(server.url, model, prompts, plan, args.clients, args.max_tokens))
-        after = server.rss()
+        after, (drafts, drafted, accepted) = server.rss(), (b - a for a, b in zip(drafts0, draft_counters(server.url)))
         ok = [o for o in outcomes if o.kind == "ok"]
         soak = {}
         if args.soak:
@@ -247,9 +248,19 @@ def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: i
         return Result(method, limit, len(plan), len(ok), len(errors), sum(o.tokens for o in ok) / wall,
                       percentile([o.latency for o in ok], 0.5), percentile([o.latency for o in ok], 0.99),
                       percentile([o.ttft for o in ok if o.ttft is not None], 0.5),
-                      statistics.fmean(samples) if samples else None, round(before, 1), round(after, 1), soak, rnd)
+                      statistics.fmean(samples) if samples else None, round(before, 1), round(after, 1), soak, rnd,
+                      1 + accepted / drafts if drafts else None, accepted / drafted if drafted else None)
     finally:
         server.stop()
+
+
+def draft_counters(url: str) -> tuple[float, float, float]:
+    """The server's (drafts, draft tokens, accepted tokens) counters so far."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return tuple(float(values[f"specdec:spec_decode_num_{k}_total"]) for k in ("drafts", "draft_tokens",
+                                                                                 "accepted_tokens"))
 
 
 def healthy(url: str, timeout: float = 5.0) -> bool:

@@ -23,6 +23,10 @@ class Result:
     rss_after_mb: float
     soak: dict = field(default_factory=dict)
     round: int = 1  # --repeat: which round (each runs every limit, the methods in turn at each)
+    # the run's drafts, from the server's counters: 1 + accepted / drafts (vLLM's mean acceptance length),
+    # and accepted / drafted tokens; None when it drafted nothing
+    mean_acceptance_length: float | None = None
+    acceptance_rate: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -63,14 +67,16 @@ def markdown(results: list[Result]) -> str:
     soak = any(r.soak for r in results)
     rounds = max(r.round for r in results) > 1
     head = ["round"] * rounds + ["method", "max batch", "requests", "completed", "errors", "tok/s", "p50 latency s",
-                                 "p99 latency s", "p50 TTFT s", "mean batch", "RSS before MB", "RSS after MB"]
+                                 "p99 latency s", "p50 TTFT s", "mean batch", "acceptance length", "acceptance rate",
+                                 "RSS before MB", "RSS after MB"]
     head += ["left", "malformed rejected", "mismatched", "server up"] if soak else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [str(r.round)] * rounds + [
             r.method, str(r.max_batch), str(r.requests), str(r.completed), str(r.errors), f"{r.tokens_per_s:.1f}",
             _fmt(r.p50_latency_s, ".2f"), _fmt(r.p99_latency_s, ".2f"), _fmt(r.p50_ttft_s, ".3f"),
-            _fmt(r.mean_batch, ".2f"), f"{r.rss_before_mb:.0f}", f"{r.rss_after_mb:.0f}"]
+            _fmt(r.mean_batch, ".2f"), _fmt(r.mean_acceptance_length, ".2f"), _fmt(r.acceptance_rate, ".2f"),
+            f"{r.rss_before_mb:.0f}", f"{r.rss_after_mb:.0f}"]
         if soak:
             s = r.soak
             cells += [str(s["left"]), str(s["malformed_rejected"]), str(s["mismatched"]), str(s["server_alive"])]

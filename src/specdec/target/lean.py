@@ -17,7 +17,7 @@ from specdec.target import stream
 from specdec.target.base import ForwardOut, Part, Runner
 from specdec.target.gguf import QuantTensor
 from specdec.target.kv import KVCache
-from specdec.target.llama import Block, Rope, chain_attention, visible_columns
+from specdec.target.llama import Block, PackedRows, Rope, chain_attention, visible_columns
 from specdec.target.packed import Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -190,6 +190,7 @@ class LeanRunner(Runner):
         tokens = seqs[0][1] if len(seqs) == 1 else torch.cat([t for _, t, _, _ in seqs])
         h = (self.embed.rows(tokens)[None] if isinstance(self.embed, QuantTensor)
              else F.embedding(tokens[None], self.embed))
+        packed = _packed(plans, sizes) if len(seqs) > 1 and self.fused else None
         aux = []
         for i, (layer, w) in enumerate(zip(self.layers, self.windows)):
             if i in aux_layers:
@@ -198,6 +199,8 @@ class LeanRunner(Runner):
             if len(seqs) == 1:
                 p = plans[0]
                 a = layer.attend(qkv, p.cos, p.sin, p.kv, p.start, *p.masks[w])
+            elif packed is not None:
+                a = layer.attend_many(qkv, packed, w)
             else:
                 parts = qkv.split(sizes, dim=1)
                 a = torch.cat([layer.attend(x, p.cos, p.sin, p.kv, p.start, *p.masks[w])
@@ -252,3 +255,16 @@ class _Plan:
     cos: torch.Tensor
     sin: torch.Tensor
     masks: dict  # sliding window (None: none) -> (mask, causal, rows) for Block.attend
+
+
+def _packed(plans: list[_Plan], sizes: list[int]) -> PackedRows | None:
+    """Several sequences' attention inputs for one fused call per layer (Block.attend_many), when every
+    sequence's rows would take the fused kernels alone (a long prefill takes SDPA)."""
+    windows = plans[0].masks.keys()
+    if not all(rows is not None or n == 1 for p, n in zip(plans, sizes) for _, _, rows in p.masks.values()):
+        return None
+    return PackedRows(torch.cat([p.cos.reshape(n, -1) for p, n in zip(plans, sizes)]),
+                      torch.cat([p.sin.reshape(n, -1) for p, n in zip(plans, sizes)]),
+                      [p.kv.k for p in plans], [p.kv.v for p in plans], [p.start for p in plans], sizes,
+                      {w: [None if p.masks[w][0] is None else p.masks[w][0].reshape(n, -1)
+                           for p, n in zip(plans, sizes)] for w in windows})

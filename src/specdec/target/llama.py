@@ -8,6 +8,8 @@ pre-packed GEMM each, RoPE tables are precomputed, and K/V go into a preallocate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,6 +88,19 @@ def chain_attention(start: int, n: int, device: torch.device) -> tuple[torch.Ten
     return mask, False
 
 
+@dataclass
+class PackedRows:
+    """Several sequences' new rows in one forward, for Block.attend_many: their RoPE tables (rows packed
+    like the sequences'), caches, first new columns, row counts, and masks per sliding window."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    ks: list[torch.Tensor]
+    vs: list[torch.Tensor]
+    starts: list[int]
+    sizes: list[int]
+    masks: dict  # window -> one [n, end] bool mask or None (a chain) per sequence
+
+
 class Block:
     """One HF decoder layer's weights, fused (qkv, gate_up) and pre-packed. Optional q/k/v biases (Qwen2);
     no input norm when the layer has nn.Identity there (EAGLE's first head layer)."""
@@ -126,7 +141,8 @@ class Block:
         return self.finish(self.attend(self.project(h), cos, sin, kv, start, mask, causal, rows), h)
 
     # The three phases of a layer, apart so that a packed forward (lean.LeanRunner.forward_many) runs
-    # project and finish once on several sequences' rows and attend per sequence over its own cache.
+    # project and finish once on several sequences' rows, and each sequence attends over its own cache
+    # (attend_many: all of them in one call per layer on the fused kernels).
     # One sequence (B = 1) on the fused kernels: the same computation in ~8 calls instead of ~25.
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
@@ -136,6 +152,15 @@ class Block:
             return self.qkv(x)[None]
         x = h if self.in_norm is None else F.rms_norm(h, self.norm_shape, self.in_norm, self.eps)
         return self.qkv(x)
+
+    def attend_many(self, qkv: torch.Tensor, rows: PackedRows, window: int | None) -> torch.Tensor:
+        """attend for several sequences' rows packed in qkv [1, R, ...] on the fused kernels: one call for
+        RoPE and the cache writes, one for attention, each sequence over its own cache (the bits of a call
+        per sequence)."""
+        ops, li = self.fused, self.index
+        q = ops.rope_store_many(qkv[0], rows.cos, rows.sin, rows.ks, rows.vs, li, rows.starts, rows.sizes,
+                                self.n_heads, self.n_kv)
+        return ops.attend_many(q, rows.ks, rows.vs, li, rows.starts, rows.sizes, rows.masks[window])[None]
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
                mask: torch.Tensor | None, causal: bool, rows: list | bool | None) -> torch.Tensor:

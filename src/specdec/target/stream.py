@@ -186,6 +186,28 @@ def _check_rope_attend(mod, g: torch.Generator) -> None:
                                           vc[None, :, :start + n], attn_mask=tree, enable_gqa=True)
     _agree("attend", mod.attend(q, kc, vc, start, tree), want[0].transpose(0, 1).reshape(n, nh * hd),
            [mod.attend(q[i:i + 1], kc, vc, start + i, tree[i:i + 1]) for i in range(n)])
+    _check_many(mod, g, nh, nkv, hd, tree)
+
+
+def _check_many(mod, g: torch.Generator, nh: int, nkv: int, hd: int, tree: torch.Tensor) -> None:
+    """rope_store_many and attend_many on two sequences in layer 1 of 2-layer caches (a tree of rows, then
+    a chain of 2 after 6 cached): each sequence's bits what its own rope_store and attend calls give."""
+    sizes, starts, masks = [tree.shape[0], 2], [tree.shape[1] - tree.shape[0], 6], [tree, None]
+    qkv = torch.randn(sum(sizes), (nh + 2 * nkv) * hd, generator=g)
+    ang = torch.rand(sum(sizes), hd // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1), torch.cat([-ang.sin(), ang.sin()], 1)
+    ks, vs = ([torch.randn(2, 1, nkv, 10, hd, generator=g) for _ in sizes] for _ in "kv")
+    alone = [(k[1, 0].clone(), v[1, 0].clone()) for k, v in zip(ks, vs)]
+    got = mod.attend_many(mod.rope_store_many(qkv, cos, sin, ks, vs, 1, starts, sizes, nh, nkv), ks, vs, 1, starts,
+                          sizes, masks)
+    want, r = [], 0
+    for (kc, vc), n, start, mask in zip(alone, sizes, starts, masks):
+        q = mod.rope_store(qkv[r:r + n], cos[r:r + n], sin[r:r + n], kc, vc, start, nh, nkv)
+        want.append(mod.attend(q, kc, vc, start, mask))
+        r += n
+    same_cache = all(torch.equal(k[1, 0], a) and torch.equal(v[1, 0], b) for k, v, (a, b) in zip(ks, vs, alone))
+    if not (torch.equal(got, torch.cat(want)) and same_cache):
+        raise RuntimeError("self-check failed: attend_many or rope_store_many differs from a call per sequence")
 
 
 def _agree(op: str, got: torch.Tensor, want: torch.Tensor, rows: list[torch.Tensor]) -> None:

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -102,25 +103,16 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   return y;
 }
 
-// qkv [n, (nh + 2 nkv) * hd]; cos, sin [n, hd] (sin with rotate_half's sign folded in, as llama.Rope).
-// Rotates q and k (x * cos + swap_halves(x) * sin, HF's order of operations), writes k and v to cache
-// rows start..start+n of kc, vc [nkv, capacity, hd]; returns q [n, nh * hd].
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv) {
-  check_rows(qkv, "qkv");
-  check_rows(cos, "cos");
-  check_rows(sin, "sin");
-  const int64_t n = qkv.size(0), hd = cos.size(1), half = hd / 2;
-  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * hd && cos.size(0) == n && sin.size(0) == n && hd % 2 == 0);
-  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 &&
-              kc.size(1) >= start + n && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
-              vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat);
-  auto q = torch::empty({n, nh * hd}, qkv.options());
-  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *qp = q.data_ptr<float>();
-  const int64_t hs = kc.stride(0), rs = kc.stride(1);
+namespace {
+
+// Rotates q and k of rows qkv[0 .. n) (x * cos + swap_halves(x) * sin, HF's order of operations), writes
+// k and v to cache rows start.. of kc/vc (kv head h at + h * hs, row at + row * rs), q to qp [n, nh * hd].
+void rope_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t r0, int64_t n,
+               float* kp, float* vp, int64_t hs, int64_t rs, int64_t start, int64_t nh, int64_t nkv, float* qp) {
+  const int64_t hd = cos.size(1), half = hd / 2;
   for (int64_t i = 0; i < n; i++) {
-    const float* row = qkv.data_ptr<float>() + i * qkv.stride(0);
-    const float *c = cos.data_ptr<float>() + i * cos.stride(0), *s = sin.data_ptr<float>() + i * sin.stride(0);
+    const float* row = qkv.data_ptr<float>() + (r0 + i) * qkv.stride(0);
+    const float *c = cos.data_ptr<float>() + (r0 + i) * cos.stride(0), *s = sin.data_ptr<float>() + (r0 + i) * sin.stride(0);
     for (int64_t h = 0; h < nh + nkv; h++) {
       const float* x = row + h * hd;
       float* out = h < nh ? qp + i * nh * hd + h * hd : kp + (h - nh) * hs + (start + i) * rs;
@@ -131,6 +123,62 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
     }
     for (int64_t h = 0; h < nkv; h++)
       std::memcpy(vp + h * hs + (start + i) * rs, row + (nh + nkv + h) * hd, sizeof(float) * hd);
+  }
+}
+
+void check_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh, int64_t nkv) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t n = qkv.size(0), hd = cos.size(1);
+  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * hd && cos.size(0) == n && sin.size(0) == n && hd % 2 == 0,
+              "rope_store: qkv, cos and sin do not match");
+}
+
+void check_cache(const torch::Tensor& kc, const torch::Tensor& vc, int64_t nkv, int64_t hd, int64_t end) {
+  TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 &&
+              kc.size(1) >= end && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
+              vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat,
+              "the K/V cache must be fp32 [kv heads, capacity, head_dim], K and V alike, with room for the rows");
+}
+
+}  // namespace
+
+// qkv [n, (nh + 2 nkv) * hd]; cos, sin [n, hd] (sin with rotate_half's sign folded in, as llama.Rope).
+// Rotates q and k, writes k and v to cache rows start..start+n of kc, vc [nkv, capacity, hd]; returns
+// q [n, nh * hd].
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv) {
+  check_rope(qkv, cos, sin, nh, nkv);
+  const int64_t n = qkv.size(0), hd = cos.size(1);
+  check_cache(kc, vc, nkv, hd, start + n);
+  auto q = torch::empty({n, nh * hd}, qkv.options());
+  rope_rows(qkv, cos, sin, 0, n, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1), start, nh,
+            nkv, q.data_ptr<float>());
+  return q;
+}
+
+// rope_store for several sequences' rows packed in qkv, cos, sin (sequence s's sizes[s] rows after those of
+// the sequences before it), each into layer `layer` of its own cache ks[s], vs[s] [layers, 1, nkv,
+// capacity, hd] at starts[s]: the q rows, packed the same way.
+torch::Tensor rope_store_many(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs, int64_t layer,
+                              const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t nh,
+                              int64_t nkv) {
+  check_rope(qkv, cos, sin, nh, nkv);
+  const size_t S = sizes.size();
+  TORCH_CHECK(ks.size() == S && vs.size() == S && starts.size() == S &&
+              std::accumulate(sizes.begin(), sizes.end(), int64_t{0}) == qkv.size(0),
+              "rope_store_many: one cache, start and size per sequence, and every sequence's rows");
+  const int64_t hd = cos.size(1);
+  auto q = torch::empty({qkv.size(0), nh * hd}, qkv.options());
+  int64_t r0 = 0;
+  for (size_t s = 0; s < S; s++) {
+    const auto kc = ks[s].select(0, layer).select(0, 0), vc = vs[s].select(0, layer).select(0, 0);
+    check_cache(kc, vc, nkv, hd, starts[s] + sizes[s]);
+    rope_rows(qkv, cos, sin, r0, sizes[s], kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1),
+              starts[s], nh, nkv, q.data_ptr<float>() + r0 * nh * hd);
+    r0 += sizes[s];
   }
   return q;
 }
@@ -251,71 +299,155 @@ void attend_group(Pair* pairs, int64_t P, int64_t shared, const float* kh, const
 
 }  // namespace
 
+namespace {
+
+// One sequence's rows of an attention call: where its queries, outputs and cache are, and the columns each
+// row sees (a leading run 0 .. lead - 1, then the rest: a tree row's cache, then its ancestors).
+struct Rows {
+  const float* q;  // row i, head h at q + i * qs + h * hd
+  int64_t qs;
+  float* out;  // row i at out + i * nh * hd
+  const float *kp, *vp;
+  int64_t hs, rs, n, end;
+  std::vector<int64_t> lead, count;
+  std::vector<std::vector<int32_t>> tail;
+};
+
+// q [n, nh * hd]; kc, vc [nkv, capacity, hd]; row i sees the cache columns where mask[i] is true (mask
+// [n, end] bool), or with no mask columns 0..start+i (a chain).
+Rows plan_rows(const float* q, int64_t qs, float* out, int64_t n, int64_t nh, const torch::Tensor& kc,
+               const torch::Tensor& vc, int64_t start, const c10::optional<torch::Tensor>& mask) {
+  const int64_t hd = kc.size(2);
+  TORCH_CHECK(kc.dim() == 3 && (hd == 16 || hd == 32 || hd == 64 || hd == 128) && nh % kc.size(0) == 0 &&
+              kc.stride(2) == 1 && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
+              vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat,
+              "attend: head_dim must be 16, 32, 64 or 128, and K and V caches alike");
+  Rows r{q, qs, out, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1), n, start + n,
+         std::vector<int64_t>(n), std::vector<int64_t>(n), std::vector<std::vector<int32_t>>(n)};
+  const bool* mp = nullptr;
+  int64_t ms = 0;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == n &&
+                mask->stride(1) == 1, "mask must be bool [n, end] with contiguous rows");
+    r.end = mask->size(1);
+    mp = mask->data_ptr<bool>();
+    ms = mask->stride(0);
+  }
+  TORCH_CHECK(kc.size(1) >= r.end, "the cache is shorter than the mask");
+  for (int64_t i = 0; i < n; i++) {
+    if (!mp) {
+      r.lead[i] = r.count[i] = start + i + 1;
+      continue;
+    }
+    const bool* row = mp + i * ms;
+    int64_t j = 0;
+    while (j < r.end && row[j]) j++;
+    r.lead[i] = j;
+    for (; j < r.end; j++)
+      if (row[j]) r.tail[i].push_back(int32_t(j));
+    r.count[i] = r.lead[i] + int64_t(r.tail[i].size());
+  }
+  return r;
+}
+
+constexpr int64_t PMAX = 64;  // pairs attended together
+
+// Tasks lo .. hi of a sequence's n * nh, ordered (kv head, row, head of its group): consecutive tasks share
+// K and V, and up to PMAX of one kv head are attended together. Buffers sized for m8max columns.
+void attend_tasks(const Rows& r, int64_t nh, int64_t group, int64_t hd, int64_t lo, int64_t hi, int64_t m8max,
+                  float* part, float* p, float* obuf, int32_t* cols) {
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const int64_t n = r.n;
+  Pair pairs[PMAX];
+  for (int64_t t = lo; t < hi;) {
+    const int64_t g = t / (n * group);
+    const int64_t stop = std::min({hi, (g + 1) * n * group, t + PMAX});
+    int64_t P = 0, shared = r.end;
+    for (; t < stop; t++, P++) {
+      const int64_t x = t % (n * group), i = x / group, h = g * group + x % group;
+      pairs[P] = Pair{r.q + i * r.qs + h * hd, r.out + i * nh * hd + h * hd, r.lead[i], r.count[i], r.tail[i].data(),
+                      p + P * m8max, 0.0f};
+      shared = std::min(shared, r.lead[i]);
+    }
+    const float *kh = r.kp + g * r.hs, *vh = r.vp + g * r.hs;
+    switch (hd) {
+      case 16: attend_group<2>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
+      case 32: attend_group<4>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
+      case 64: attend_group<8>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
+      default: attend_group<16>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
+    }
+  }
+}
+
+// Every sequence's tasks in one parallel loop: task u belongs to the sequence s with first[s] <= u < first[s + 1].
+void attend_all(const std::vector<Rows>& seqs, int64_t nh, int64_t group, int64_t hd) {
+  std::vector<int64_t> first(seqs.size() + 1, 0);
+  int64_t m8max = L, work = 0;
+  for (size_t s = 0; s < seqs.size(); s++) {
+    first[s + 1] = first[s] + seqs[s].n * nh;
+    m8max = std::max(m8max, (seqs[s].end + L - 1) / L * L);
+    work += seqs[s].n * nh * seqs[s].end;
+  }
+  const int64_t tasks = first.back();
+  const int64_t grain = std::max<int64_t>(1, tasks * 32768 / std::max<int64_t>(1, work * hd));
+  at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> part((m8max + L) * L), p(PMAX * m8max), obuf(PMAX * hd);
+    std::vector<int32_t> cols(m8max);
+    size_t s = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    for (; lo < hi; s++) {
+      const int64_t e = std::min(hi, first[s + 1]);
+      attend_tasks(seqs[s], nh, group, hd, lo - first[s], e - first[s], m8max, part.data(), p.data(), obuf.data(),
+                   cols.data());
+      lo = e;
+    }
+  });
+}
+
+}  // namespace
+
 // q [n, nh * hd]; kc, vc [nkv, capacity, hd]; row i sees the cache columns where mask[i] is true (mask
 // [n, end] bool), or with no mask columns 0..start+i (a chain). softmax(q k^T / sqrt(hd)) v per head,
 // over those columns in order -> [n, nh * hd].
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
                      const c10::optional<torch::Tensor>& mask) {
   check_rows(q, "q");
-  const int64_t n = q.size(0), nkv = kc.size(0), hd = kc.size(2), nh = q.size(1) / hd, group = nh / nkv;
-  TORCH_CHECK((hd == 16 || hd == 32 || hd == 64 || hd == 128) && nh * hd == q.size(1) && nh % nkv == 0 &&
-              kc.stride(2) == 1 && vc.strides() == kc.strides(), "attend: head_dim must be 16, 32, 64 or 128");
-  const bool* mp = nullptr;
-  int64_t end = start + n, ms = 0;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == n &&
-                mask->stride(1) == 1, "mask must be bool [n, end] with contiguous rows");
-    end = mask->size(1);
-    mp = mask->data_ptr<bool>();
-    ms = mask->stride(0);
-  }
-  TORCH_CHECK(kc.size(1) >= end, "the cache is shorter than the mask");
-  // each row's columns: a leading run 0 .. lead - 1, then the rest (a tree row: the cache, then its ancestors)
-  std::vector<int64_t> lead(n), count(n);
-  std::vector<std::vector<int32_t>> tail(n);
-  for (int64_t i = 0; i < n; i++) {
-    if (!mp) {
-      lead[i] = count[i] = start + i + 1;
-      continue;
-    }
-    const bool* row = mp + i * ms;
-    int64_t j = 0;
-    while (j < end && row[j]) j++;
-    lead[i] = j;
-    for (; j < end; j++)
-      if (row[j]) tail[i].push_back(int32_t(j));
-    count[i] = lead[i] + int64_t(tail[i].size());
-  }
+  const int64_t n = q.size(0), hd = kc.size(2), nh = q.size(1) / hd;
+  TORCH_CHECK(nh * hd == q.size(1), "attend: q's width is not a whole number of heads");
   auto out = torch::empty({n, nh * hd}, q.options());
-  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-  const int64_t hs = kc.stride(0), rs = kc.stride(1);
-  const float scale = 1.0f / std::sqrt(float(hd));
-  const int64_t m8max = (end + L - 1) / L * L;
-  // tasks ordered (kv head, row, head of its group): a thread's consecutive tasks share K and V
-  const int64_t grain = std::max<int64_t>(1, 32768 / (end * hd));
-  at::parallel_for(0, n * nh, grain, [&](int64_t lo, int64_t hi) {
-    constexpr int64_t PMAX = 64;
-    std::vector<float> part((m8max + L) * L), p(PMAX * m8max), obuf(PMAX * hd);
-    std::vector<int32_t> cols(m8max);
-    Pair pairs[PMAX];
-    for (int64_t t = lo; t < hi;) {
-      const int64_t g = t / (n * group);
-      const int64_t stop = std::min({hi, (g + 1) * n * group, t + PMAX});
-      int64_t P = 0, shared = end;
-      for (; t < stop; t++, P++) {
-        const int64_t r = t % (n * group), i = r / group, h = g * group + r % group;
-        pairs[P] = Pair{q.data_ptr<float>() + i * q.stride(0) + h * hd, out.data_ptr<float>() + i * nh * hd + h * hd,
-                        lead[i], count[i], tail[i].data(), p.data() + P * m8max, 0.0f};
-        shared = std::min(shared, lead[i]);
-      }
-      const float *kh = kp + g * hs, *vh = vp + g * hs;
-      switch (hd) {
-        case 16: attend_group<2>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
-        case 32: attend_group<4>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
-        case 64: attend_group<8>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
-        default: attend_group<16>(pairs, P, shared, kh, vh, rs, scale, part.data(), cols.data(), obuf.data()); break;
-      }
-    }
-  });
+  std::vector<Rows> seqs;
+  seqs.push_back(plan_rows(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), n, nh, kc, vc, start, mask));
+  attend_all(seqs, nh, nh / kc.size(0), hd);
+  return out;
+}
+
+// Several sequences' attention in one call: q [sum(sizes), nh * hd] holds sequence s's rows after those of
+// the sequences before it; each attends over layer `layer` of its own cache ks[s], vs[s] [layers, 1, nkv,
+// capacity, hd] as attend(its rows, that layer's kc, vc, starts[s], masks[s]) would, to the bit (a row's operations do not depend on what shares the call),
+// in one parallel loop instead of one per sequence.
+torch::Tensor attend_many(const torch::Tensor& q, const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                          int64_t layer, const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                          const std::vector<c10::optional<torch::Tensor>>& masks) {
+  check_rows(q, "q");
+  const size_t S = sizes.size();
+  TORCH_CHECK(S > 0 && ks.size() == S && vs.size() == S && starts.size() == S && masks.size() == S,
+              "attend_many: one cache, start, size and mask per sequence");
+  std::vector<torch::Tensor> kcs, vcs;
+  for (size_t s = 0; s < S; s++) {
+    kcs.push_back(ks[s].select(0, layer).select(0, 0));
+    vcs.push_back(vs[s].select(0, layer).select(0, 0));
+  }
+  const int64_t hd = kcs[0].size(2), nh = q.size(1) / hd, nkv = kcs[0].size(0);
+  TORCH_CHECK(nh * hd == q.size(1) && std::accumulate(sizes.begin(), sizes.end(), int64_t{0}) == q.size(0),
+              "attend_many: q must hold every sequence's rows, whole heads");
+  auto out = torch::empty({q.size(0), nh * hd}, q.options());
+  std::vector<Rows> seqs;
+  int64_t row = 0;
+  for (size_t s = 0; s < S; s++) {
+    TORCH_CHECK(kcs[s].size(2) == hd && kcs[s].size(0) == nkv, "attend_many: the caches' shapes differ");
+    seqs.push_back(plan_rows(q.data_ptr<float>() + row * q.stride(0), q.stride(0),
+                             out.data_ptr<float>() + row * nh * hd, sizes[s], nh, kcs[s], vcs[s], starts[s], masks[s]));
+    row += sizes[s];
+  }
+  attend_all(seqs, nh, nh / nkv, hd);
   return out;
 }

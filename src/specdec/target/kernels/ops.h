@@ -12,6 +12,13 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
                          torch::Tensor kc, torch::Tensor vc, int64_t start, int64_t nh, int64_t nkv);
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
                      const c10::optional<torch::Tensor>& mask);
+torch::Tensor rope_store_many(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs, int64_t layer,
+                              const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t nh,
+                              int64_t nkv);
+torch::Tensor attend_many(const torch::Tensor& q, const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                          int64_t layer, const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+                          const std::vector<c10::optional<torch::Tensor>>& masks);
 
 // quant.cpp
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
