@@ -4,9 +4,9 @@ MT-bench first turns; reported: total tokens/s, p50/p99 request latency, p50 tim
 mean batch size (sampled from /metrics while requests run), the drafts' mean acceptance length and rate
 (the server's counters over the run), errors, and the server's RSS before and after. At each limit the
 methods run in turn (`--repeat`: several rounds of that), and the table adds each method's tok/s over the
-first method's, paired within a round. `--soak`: many short greedy requests,
-some clients leaving mid-stream and some bodies malformed; every well-formed answer must equal the same
-request's answer alone, and the server must stay up."""
+first method's, paired within a round. `--soak`: many short greedy requests, some clients leaving
+mid-stream and some bodies malformed; every well-formed answer must equal the same request's answer alone,
+and the server must stay up."""
 
 from __future__ import annotations
 
