@@ -31,8 +31,8 @@ FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 ARCHS = ("llama", "qwen2", "mistral")
 
 
-# Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: re-laid 16 rows at a time for the kernel (kernels/interleaved.cpp)
-X16_TYPES = (2, 3, 8, 12, 14)
+# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: re-laid 16 rows at a time for the kernel (kernels/interleaved.cpp)
+X16_TYPES = (2, 3, 6, 8, 12, 14)
 
 
 class QuantTensor:

@@ -1,4 +1,4 @@
-// Linears on 32-block weights (Q4_0, Q4_1, Q8_0) re-laid 16 output rows at a time ("x16").
+// Linears on 32-block weights (Q4_0, Q4_1, Q5_0, Q8_0) and K-quants (Q4_K, Q6_K) re-laid 16 output rows at a time ("x16").
 //
 // Why: a one-row forward spends its time on each block's float steps, not on bytes. In the file's layout
 // a 32-block of one output is a dot product of its own: eight integer lanes of four codes, then
@@ -9,9 +9,12 @@
 //
 // Layout: per group of 16 rows and block b, one record of 16x the block's bytes (the tensor keeps its size):
 //   Q4_0 [d fp16 x16][codes 256 B]  Q4_1 [d fp16 x16][m fp16 x16][codes 256 B]  Q8_0 [d fp16 x16][codes 512 B]
+//   Q5_0 [d fp16 x16][fifth bits 4 B x16][codes 256 B]
 // Q4 codes: byte 64h + 4o + i is the file's qs byte 4h + i of output o, so its low nibble is element 4h + i
 // and its high nibble element 16 + 4h + i: vector h, masked, is step h; shifted, step h + 4. Q8_0 codes:
-// byte 64j + 4o + i is element 4j + i of output o (step j).
+// byte 64j + 4o + i is element 4j + i of output o (step j). Q5_0's fifth bits, transposed so that one
+// vector serves all eight steps: byte 32 + 4o + i, bit j is the fifth bit of element 4j + i (step j, byte i),
+// moved to bit 4 of each byte by one 16-bit shift and a mask; its codes (0..31) take an offset of -16 d.
 //
 // Numerics (every build, every N): per activation row n, output o and block b, the integer S = sum of the
 // 32 code products (exact, in any order); then acc_o = fma(float(S), d_o,b * x_n,b, acc_o) and, for the
@@ -30,14 +33,15 @@
 
 namespace {
 
-enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 constexpr int G = 16;  // outputs per group
 
 int64_t block_bytes16(int t) {
-  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q8_0 ? 34 : t == Q4_K ? 144 : t == Q6_K ? 210 : 0;
+  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q8_0 ? 34 : t == Q4_K ? 144 : t == Q6_K ? 210 : 0;
 }
 int64_t block_elems16(int t) { return t >= Q4_K ? 256 : 32; }
-int64_t codes_at(int t) { return t == Q4_1 ? 64 : 32; }  // the codes follow the fp16 scales (and offsets)
+// the codes follow the fp16 scales (and Q4_1's offsets, Q5_0's fifth bits)
+int64_t codes_at(int t) { return t == Q4_1 ? 64 : t == Q5_0 ? 96 : 32; }
 
 struct Acts16 {
   std::vector<int8_t> q;  // [N][K]
@@ -154,8 +158,8 @@ inline void f_store(float* p, VF v) { MM(storeu_ps)(p, v); }
 template <int T, int R>
 void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
                 int64_t ystride) {
-  constexpr int64_t RB = (T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34) * G;
-  constexpr int64_t C = T == Q4_1 ? 64 : 32;
+  constexpr int64_t RB = (T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 34) * G;
+  constexpr int64_t C = T == Q4_1 ? 64 : T == Q5_0 ? 96 : 32;
   VF acc[R], off[R];
   for (int r = 0; r < R; r++) acc[r] = off[r] = f_zero();
   const int64_t lane = half * L;  // first output of this vector within the group
@@ -187,9 +191,17 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
         u[h] = v_mask4(p);
         u[h + 4] = v_high4(p);
       }
+      if (T == Q5_0) {  // step j's fifth bits are bit j of each byte: to bit 4 (shifts stay inside bytes)
+        const VI hb = v_load(rec + 32 + 4 * lane);
+        for (int j = 0; j < 8; j++)
+          u[j] = v_or(u[j], v_and8(j < 4 ? v_shl16(hb, 4 - j) : v_shr16(hb, j - 4), 0x10));
+      }
     }
     const VF dw = v_scales(rec + 2 * lane);
-    const VF mo = T == Q4_1 ? v_scales(rec + 32 + 2 * lane) : T == Q4_0 ? f_mul(dw, f_set(-8.f)) : f_zero();
+    const VF mo = T == Q4_1  ? v_scales(rec + 32 + 2 * lane)
+                  : T == Q4_0 ? f_mul(dw, f_set(-8.f))
+                  : T == Q5_0 ? f_mul(dw, f_set(-16.f))
+                              : f_zero();
     for (int r = 0; r < R; r++) {
       const int8_t* xq = a.q.data() + (n0 + r) * K + 32 * b;
       VI s0 = v_bcast(0), s1 = v_bcast(0);
@@ -373,11 +385,11 @@ void group(const uint8_t* recs, int64_t nb, const Acts16& a, int64_t K, int64_t 
 
 }  // namespace
 
-bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q4_K || t == Q6_K; }
+bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q8_0 || t == Q4_K || t == Q6_K; }
 
 torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
   const int t = static_cast<int>(type);
-  TORCH_CHECK(x16_type(t), "x16 re-layout reads Q4_0, Q4_1 and Q8_0, not type ", t);
+  TORCH_CHECK(x16_type(t), "x16 re-layout reads Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K, not type ", t);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) % G == 0,
               "x16 re-layout needs uint8 rows, a multiple of 16 of them");
   const int64_t bb = block_bytes16(t), nb = w.size(1) / bb, O = w.size(0);
@@ -413,7 +425,16 @@ torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
           }
           std::memcpy(rec + 2 * o, blk, 2);  // d
           if (t == Q4_1) std::memcpy(rec + 32 + 2 * o, blk + 2, 2);  // m
-          const uint8_t* qs = blk + (t == Q4_1 ? 4 : 2);
+          if (t == Q5_0) {  // qh (bit e: element e's fifth bit) transposed: byte i, bit j <- bit 4j + i
+            uint32_t qh;
+            std::memcpy(&qh, blk + 2, 4);
+            for (int i = 0; i < 4; i++) {
+              uint8_t byte = 0;
+              for (int j = 0; j < 8; j++) byte |= ((qh >> (4 * j + i)) & 1u) << j;
+              rec[32 + 4 * o + i] = byte;
+            }
+          }
+          const uint8_t* qs = blk + (t == Q4_1 ? 4 : t == Q5_0 ? 6 : 2);
           const int steps = t == Q8_0 ? 8 : 4;
           for (int j = 0; j < steps; j++) std::memcpy(rec + C + 64 * j + 4 * o, qs + 4 * j, 4);
         }
@@ -475,6 +496,12 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
           float c;
           if (t == Q8_0) {
             c = static_cast<float>(static_cast<int8_t>(rec[C + 64 * (k / 4) + 4 * o + k % 4]));
+          } else if (t == Q5_0) {  // as ggml: (code - 16) * d
+            const int j = k % 16;
+            const uint8_t byte = rec[C + 64 * (j / 4) + 4 * o + j % 4];
+            const int fifth = (rec[32 + 4 * o + k % 4] >> (k / 4)) & 1;
+            y[b * 32 + k] = static_cast<float>((k < 16 ? byte & 0x0F : byte >> 4) + 16 * fifth - 16) * d;
+            continue;
           } else {
             const int j = k % 16;
             const uint8_t byte = rec[C + 64 * (j / 4) + 4 * o + j % 4];
@@ -499,7 +526,7 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
   std::vector<int64_t> gstart(ws.size() + 1, 0);  // first group of each segment
   for (size_t i = 0; i < ws.size(); i++) {
     const int t = static_cast<int>(types[i]);
-    TORCH_CHECK(x16_type(t) && block_elems16(t) == E, "x16 weights of one call are Q4_0, Q4_1, Q8_0, or Q4_K");
+    TORCH_CHECK(x16_type(t) && block_elems16(t) == E, "x16 weights of one call share a block size");
     TORCH_CHECK(ws[i].scalar_type() == torch::kUInt8 && ws[i].is_contiguous() && ws[i].dim() == 2 &&
                     ws[i].size(0) % G == 0 && ws[i].size(1) == K / E * block_bytes16(t),
                 "weights do not match x");
@@ -526,6 +553,7 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
       switch (static_cast<int>(types[seg])) {
         case Q4_0: group<Q4_0>(recs, nb, acts, K, N, yo, O); break;
         case Q4_1: group<Q4_1>(recs, nb, acts, K, N, yo, O); break;
+        case Q5_0: group<Q5_0>(recs, nb, acts, K, N, yo, O); break;
         case Q4_K: group_k<Q4_K>(recs, nb, acts, K, N, yo, O); break;
         case Q6_K: group_k<Q6_K>(recs, nb, acts, K, N, yo, O); break;
         default: group<Q8_0>(recs, nb, acts, K, N, yo, O); break;
