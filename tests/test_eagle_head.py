@@ -8,7 +8,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.heads.runner import HeadRunner
-from specdec.training.shards import build_draft_vocab
+from specdec.vocab import frequent_ids
 from tests.helpers import VARIANTS, make_head, tiny_model
 
 
@@ -104,8 +104,8 @@ def test_reduced_vocab_maps_draft_ids_to_target_ids(tiny, tmp_path):
     small = load_head(tmp_path / "small", 64, 97, target_lm_head=tiny.lm_head.weight)
     torch.testing.assert_close(small.lm_head.weight, head.lm_head.weight)
     torch.testing.assert_close(small.fc.weight, head.fc.weight, atol=1e-3, rtol=1e-3)
-    assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3).tolist() == [0, 2, 3]
-    assert build_draft_vocab(torch.tensor([5, 0, 9, 9, 1]), 3, always={1}).tolist() == [1, 2, 3]
+    assert frequent_ids(torch.tensor([5, 0, 9, 9, 1]), 3).tolist() == [0, 2, 3]
+    assert frequent_ids(torch.tensor([5, 0, 9, 9, 1]), 3, always={1}).tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -56,15 +56,18 @@ def act_quantized(x: np.ndarray, block: int) -> np.ndarray:
 @pytest.mark.parametrize("rows", [40, 48])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_format_matches_its_dequantized_reference(fmt, rows):
-    """40 rows: the file's layout; 48: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K re-laid for the x16 kernel, every value kept."""
+    """40 rows: the file's layout; 48: the x16 formats (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) re-laid, values kept."""
     k = 512 if fmt in K_QUANTS else 352  # 11 blocks of 32: not a whole group of 8
     w, ref_w = qtensor(fmt, rows, k)
+    blocks = w.data.clone()
     assert np.array_equal(w.dequantize().numpy(), ref_w.astype(np.float32))  # the gguf package's own decoding
     x = np.random.default_rng(1).standard_normal((9, k)).astype(np.float32)
     x[4] *= 1000  # an outlier row must not coarsen the other rows' quantization
     lin = QuantWeight([w], None)
     assert w.x16 == (rows == 48 and int(GGMLQuantizationType[fmt]) in X16_TYPES)
     assert np.array_equal(w.dequantize().numpy(), ref_w.astype(np.float32))  # re-laid: the same values
+    ids = torch.tensor([0, 5, 17, 18, rows - 1])
+    assert torch.equal(w.take_rows(ids).data, blocks[ids])  # rows taken back out: the file's bytes
     y = lin(torch.from_numpy(x)).numpy()
     ref = act_quantized(x, w.family).astype(np.float64) @ ref_w.T
     assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5

@@ -26,6 +26,7 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import menu_from_tuning
 from specdec.drafters.costs import load_costs
+from specdec.drafters.draft_model import DRAFT_VOCAB
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
 from specdec.drafters.headless import build_headless
 from specdec.drafters.registry import Method, Target, option, register
@@ -43,6 +44,8 @@ class AutoOptions(Eagle2Options):
                             "false: the static tuned tree (explicit depth/topk/tree_size also pin it)")
     recalibrate: bool = option(False, "re-measure this machine's costs (else cached per machine, threads, torch, "
                                "target and head)")
+    draft_vocab: int = option(DRAFT_VOCAB, "with draft=: the draft model's LM head scores only this many of the most "
+                              "frequent token ids; 0: the whole vocabulary", ge=0)
     children: Literal["topk", "sample"] | None = option(
         None, "at T > 0: children drawn from the draft (sized from the head's sampled acceptance table, "
               "`specdec tune`) or top-k children; default: sample where the table exists (adaptive), else topk",
@@ -63,7 +66,7 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         if given:
             raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
                                "pass head=DIR, or drop them")
-        return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate)
+        return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate, opts.draft_vocab)
     runner, head_dir = head_runner(target, opts, "auto")
     tuned = load_tuning(head_dir, auto=True) or {}
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))

@@ -251,7 +251,8 @@ def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafte
     key = {**cost_key(runner, None, menu, ngram.tree_size if ngram is not None else 0), "drafter": "ngram",
            "draft": None if draft is None else [str(getattr(dcfg, "_name_or_path", "")),
                                                 getattr(dcfg, "hidden_size", 0), getattr(dcfg, "num_hidden_layers", 0),
-                                                str(draft.runner.dtype), draft.runner.weights]}
+                                                str(draft.runner.dtype), draft.runner.weights,
+                                                draft.runner.vocab_size]}
     return cached_costs(key, lambda: measure_plain_costs(runner, ngram, draft, menu), recalibrate)
 
 

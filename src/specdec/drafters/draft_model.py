@@ -15,6 +15,7 @@ from specdec.sampling import probs_from_logits, sample, tempered_log_probs
 from specdec.target.base import Runner
 from specdec.target.loading import Runtime, build_runner, check_same_vocab
 from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
+from specdec.vocab import draft_vocab
 
 
 class DraftModelDrafter(TreeDrafter):
@@ -57,8 +58,14 @@ class DraftModelDrafter(TreeDrafter):
         return self._pad(out.logits[-1])
 
     def _pad(self, logits: torch.Tensor) -> torch.Tensor:
-        # some pairs pad their embedding tables differently; extra rows are never-used ids
+        """The draft's logits over the target's ids: a reduced vocabulary's columns put back (the rest -inf)."""
         v = self.target_vocab
+        ids = self.runner.head_ids
+        if ids is not None:
+            full = logits.new_full((*logits.shape[:-1], max(v, int(ids[-1]) + 1)), float("-inf"))
+            full[..., ids] = logits
+            logits = full
+        # some pairs pad their embedding tables differently; extra rows are never-used ids
         if logits.shape[-1] == v:
             return logits
         if logits.shape[-1] > v:
@@ -129,29 +136,44 @@ def _depth(node: int, parents: list[int]) -> int:
 
 # ---- registration ----
 
-class ChainOptions(Options):
+DRAFT_VOCAB = 32768  # ids a draft model scores by default: see docs/benchmarks.md for the coverage measured
+
+
+class DraftVocabOptions(Options):
+    draft_vocab: int = option(DRAFT_VOCAB, "the draft model's LM head scores only this many of the most frequent "
+                              "token ids (FR-Spec; the target still verifies every draft); 0: the whole vocabulary",
+                              ge=0)
+
+
+class ChainOptions(DraftVocabOptions):
     chain_len: int = option(4, "tokens drafted per step", ge=1, aliases=("gamma",))
 
 
-class TreeOptions(Options):
+class TreeOptions(DraftVocabOptions):
     depth: int = option(4, "draft steps from the root", ge=1, aliases=("gamma",))
     topk: int = option(4, "children per expanded node", ge=1)
     tree_size: int = option(8, "nodes kept in the tree", ge=1, aliases=("tree_tokens", "total_tokens"))
 
 
-def draft_runner(target: Target) -> Runner:
+def draft_runner(target: Target, vocab: int = 0) -> Runner:
+    """The draft model's runner; vocab > 0: its LM head over that many of the most frequent ids (vocab.py)."""
     if target.draft_model is None:
         raise SpecdecError("a draft-model method needs a draft model: pass draft=<HF dir or .gguf>")
     if target.tokenizer is not None and target.draft_tokenizer is not None:
         check_same_vocab(target.tokenizer, target.draft_tokenizer)
     rt = target.runtime or Runtime()
-    return build_runner(target.draft_model, rt.model_copy(update={"weights": None}))  # the draft's own dtype
+    runner = build_runner(target.draft_model, rt.model_copy(update={"weights": None}))  # the draft's own dtype
+    ids = draft_vocab(target.draft_tokenizer or target.tokenizer, runner.vocab_size, vocab)
+    if ids is not None:
+        runner.restrict_head(ids)
+    return runner
 
 
 register(Method("sps", "a draft LM with the same tokenizer: a sampled chain (Leviathan et al.; Chen et al.)",
-                ChainOptions, lambda t, o: DraftModelDrafter(draft_runner(t), t.runner.vocab_size, o.chain_len),
+                ChainOptions,
+                lambda t, o: DraftModelDrafter(draft_runner(t, o.draft_vocab), t.runner.vocab_size, o.chain_len),
                 needs_draft=True))
 register(Method("sps-tree", "a draft LM with the same tokenizer: an EAGLE-2-style dynamic top-k tree", TreeOptions,
-                lambda t, o: DraftModelDrafter(draft_runner(t), t.runner.vocab_size,
+                lambda t, o: DraftModelDrafter(draft_runner(t, o.draft_vocab), t.runner.vocab_size,
                                                tree=TreeBudget(o.depth, o.topk, o.tree_size)),
                 needs_draft=True))

@@ -31,7 +31,7 @@ from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs, load_plain_costs
-from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
+from specdec.drafters.draft_model import DRAFT_VOCAB, DraftModelDrafter, draft_runner
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
 from specdec.drafters.registry import Target
 from specdec.tree import DraftTree, TreeBudget
@@ -216,8 +216,10 @@ def draft_menu() -> list[tuple[TreeBudget, float]]:
     return [(TreeBudget(k, 1, k), sum(DRAFT_ALPHA ** i for i in range(1, k + 1))) for k in DRAFT_CHAINS]
 
 
-def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool) -> Drafter:
-    """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none)."""
+def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool,
+                   draft_vocab: int = DRAFT_VOCAB) -> Drafter:
+    """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none);
+    draft_vocab: the ids a draft model scores (0: all)."""
     nodes = NODES if lookup is None else lookup
     if not adaptive:  # the static choice: method `ngram` as registered (lookup: its nodes)
         o = NgramOptions()
@@ -225,7 +227,7 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
     ngram = NgramDrafter(nodes, TOPK, min_value=MIN_VALUE) if nodes else None
     draft = None
     if target.draft_model is not None:
-        draft = DraftModelDrafter(draft_runner(target), target.runner.vocab_size)
+        draft = DraftModelDrafter(draft_runner(target, draft_vocab), target.runner.vocab_size)
     if ngram is None and draft is None:
         return NoDrafter()
     menu = draft_menu() if draft is not None else []

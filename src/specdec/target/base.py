@@ -101,6 +101,13 @@ class Runner(Cached, ABC):
             return self.weights
         return Q8
 
+    head_ids: torch.Tensor | None = None  # the token ids its logits' columns are (None: every id, in order)
+
+    def restrict_head(self, ids: torch.Tensor) -> bool:
+        """Score only these token ids from now on: logits [n, len(ids)], column j for token ids[j] (a draft's
+        reduced vocabulary, vocab.py). False where this runner cannot: it then scores every id."""
+        return False
+
     def fork(self) -> Runner | None:
         """A runner over the same weights with an empty cache of its own: one sequence of a batch
         (forward_many). None: this runner cannot (its sequences then decode one at a time)."""

@@ -76,6 +76,11 @@ class QuantTensor:
         """The whole matrix in fp32 (heads that need the float embedding; tests)."""
         return self.rows(torch.arange(self.shape[0]))
 
+    def take_rows(self, ids: torch.Tensor) -> QuantTensor:
+        """A new matrix of these rows, in the file's layout (a draft's LM head over a reduced vocabulary)."""
+        data = stream.kernel().unpack16(self.data, self.qtype) if self.x16 else self.data
+        return QuantTensor(data[ids.reshape(-1).cpu()].contiguous(), self.qtype, self.shape[1])
+
     def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
         """The rows in this order, in place (the bytes stay where the loader put them)."""
         if self.x16:

@@ -65,7 +65,8 @@ class LeanRunner(Runner):
         self.n_heads, self.n_kv, self.head_dim = self.layers[0].n_heads, self.layers[0].n_kv, self.layers[0].head_dim
         self.norm = base.norm.weight.detach()
         head = model.get_output_embeddings()
-        self.lm_head = Linear(head.weight, getattr(head, "bias", None), pack, weights, exact)
+        self._head = (head.weight, getattr(head, "bias", None), (pack, weights, exact))  # restrict_head's source
+        self.lm_head = Linear(head.weight, self._head[1], pack, weights, exact)
         linears = [self.lm_head] + [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
         # the fused kernels attend row by row at no extra cost: exact rows at every precision there
         self.fused = self.layers[0].fused if all(b.fused is not None for b in self.layers) else None
@@ -92,7 +93,15 @@ class LeanRunner(Runner):
         return path + "+gemv" if self.decode_kernel == "gemv" else path
 
     def shared_lm_head(self, weights: str) -> Linear | None:
-        return self.lm_head if weights == self.weights else None
+        return self.lm_head if weights == self.weights and self.head_ids is None else None
+
+    def restrict_head(self, ids: torch.Tensor) -> bool:
+        weight, bias, args = self._head
+        ids = ids.to(torch.long).cpu()
+        rows = weight.take_rows(ids) if isinstance(weight, QuantTensor) else weight.detach()[ids.to(weight.device)]
+        self.lm_head = Linear(rows, None if bias is None else bias[ids.to(bias.device)], *args)
+        self.head_ids, self.vocab_size = ids.to(self.device), ids.numel()
+        return True
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs

@@ -27,8 +27,8 @@ from specdec.training.config import LoopConfig, knob, recipe
 from specdec.training.loop import finished_run, global_sum, lr_lambda
 from specdec.training.medusa_joint import JointTraining
 from specdec.training.medusa_objective import MedusaObjective, head_accuracies, heads_record, held_in
-from specdec.training.shards import build_draft_vocab
 from specdec.training.trainer import Trainer
+from specdec.vocab import frequent_ids
 
 __all__ = ["MedusaTrainConfig", "train_medusa", "head_accuracies", "held_in", "MedusaObjective"]
 
@@ -144,7 +144,7 @@ class MedusaTrainer(Trainer):
         if cfg.draft_vocab:
             eos = getattr(self.target.config, "eos_token_id", None)
             always = set([eos] if isinstance(eos, int) else (eos or []))
-            draft_ids = build_draft_vocab(self.data.token_counts(vocab), cfg.draft_vocab, always)
+            draft_ids = frequent_ids(self.data.token_counts(vocab), cfg.draft_vocab, always)
         heads.init_lm_heads(lm_cpu, draft_ids)
         return heads
 

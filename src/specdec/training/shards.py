@@ -266,10 +266,3 @@ def global_batch(n: int, batch_size: int, seed: int, step: int) -> list[int]:
     perm = torch.randperm(n, generator=g)
     return perm[pos * batch_size:(pos + 1) * batch_size].tolist()
 
-
-def build_draft_vocab(counts: torch.Tensor, size: int, always: set[int] = frozenset()) -> torch.Tensor:
-    """The `size` most frequent tokens (ties -> lower id) plus `always`; sorted target ids."""
-    size = min(size, counts.numel())
-    order = sorted(range(counts.numel()), key=lambda i: (-int(counts[i]), i))
-    keep = list(dict.fromkeys([t for t in always if t < counts.numel()] + order))[:size]
-    return torch.tensor(sorted(keep), dtype=torch.long)

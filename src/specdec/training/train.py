@@ -27,8 +27,8 @@ from specdec.heads.fspad import CONNECTORS
 from specdec.training.config import LoopConfig, knob, recipe
 from specdec.training.loop import finished_run, global_sum, lr_lambda
 from specdec.training.objective import Objective, unrolled, unrolled_mask
-from specdec.training.shards import build_draft_vocab
 from specdec.training.trainer import Trainer
+from specdec.vocab import frequent_ids
 
 # the heads (and with them transformers) are imported inside functions: the CLI parser imports this module
 __all__ = ["TrainConfig", "train_eagle", "finished_head", "lr_lambda", "unrolled", "unrolled_mask"]
@@ -127,7 +127,7 @@ class EagleTrainer(Trainer):
             if cfg.draft_vocab:
                 eos = getattr(target.config, "eos_token_id", None)
                 always = set([eos] if isinstance(eos, int) else (eos or []))
-                head.set_draft_vocab(build_draft_vocab(data.token_counts(vocab), cfg.draft_vocab, always),
+                head.set_draft_vocab(frequent_ids(data.token_counts(vocab), cfg.draft_vocab, always),
                                      self.target_lm)
             return head
         # the warm start fixes the draft vocabulary too (its rows may come from the target)

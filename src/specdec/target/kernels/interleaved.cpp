@@ -387,7 +387,8 @@ void group(const uint8_t* recs, int64_t nb, const Acts16& a, int64_t K, int64_t 
 
 bool x16_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q8_0 || t == Q4_K || t == Q6_K; }
 
-torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
+// The x16 re-layout (inverse: back to the file's rows): a permutation of bytes, and of Q5_0's fifth bits.
+torch::Tensor relay16(const torch::Tensor& w, int64_t type, bool inverse) {
   const int t = static_cast<int>(type);
   TORCH_CHECK(x16_type(t), "x16 re-layout reads Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K, not type ", t);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) % G == 0,
@@ -401,47 +402,65 @@ torch::Tensor repack16(const torch::Tensor& w, int64_t type) {
   at::parallel_for(0, O / G, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; g++)
       for (int64_t b = 0; b < nb; b++) {
-        uint8_t* rec = dst + (g * nb + b) * G * bb;
+        const int64_t at = (g * nb + b) * G * bb;
         for (int o = 0; o < G; o++) {
-          const uint8_t* blk = src + (g * G + o) * w.size(1) + b * bb;
+          const int64_t row = (g * G + o) * w.size(1) + b * bb;
+          // (record, block) of this output: read one, write the other
+          const uint8_t* rec_in = src + at;
+          uint8_t* rec_out = dst + at;
+          const uint8_t* blk_in = src + row;
+          uint8_t* blk_out = dst + row;
+          const auto mv = [&](int64_t r, int64_t k, int64_t n) {  // record byte r <-> block byte k
+            if (inverse) std::memcpy(blk_out + k, rec_in + r, n);
+            else std::memcpy(rec_out + r, blk_in + k, n);
+          };
           if (t == Q4_K) {  // d, dmin, the scales' three dwords, then the codes (see group_rows_q4k)
-            std::memcpy(rec + 2 * o, blk, 2);
-            std::memcpy(rec + 32 + 2 * o, blk + 2, 2);
-            for (int u = 0; u < 3; u++) std::memcpy(rec + 64 * (u + 1) + 4 * o, blk + 4 + 4 * u, 4);
-            for (int q = 0; q < 32; q++) std::memcpy(rec + 256 + 64 * q + 4 * o, blk + 16 + 4 * q, 4);
+            mv(2 * o, 0, 2);
+            mv(32 + 2 * o, 2, 2);
+            for (int u = 0; u < 3; u++) mv(64 * (u + 1) + 4 * o, 4 + 4 * u, 4);
+            for (int q = 0; q < 32; q++) mv(256 + 64 * q + 4 * o, 16 + 4 * q, 4);
             continue;
           }
           if (t == Q6_K) {  // d, the scales, then per half ql's two runs and qh's (see group_rows_q6k)
-            std::memcpy(rec + 2 * o, blk + 208, 2);
-            for (int g = 0; g < 16; g++) rec[32 + 16 * g + o] = blk[192 + g];
+            mv(2 * o, 208, 2);
+            for (int s = 0; s < 16; s++) mv(32 + 16 * s + o, 192 + s, 1);
             for (int h = 0; h < 2; h++)
               for (int q = 0; q < 8; q++) {
-                uint8_t* cs = rec + 288 + 1536 * h + 64 * q + 4 * o;
-                std::memcpy(cs, blk + 64 * h + 4 * q, 4);
-                std::memcpy(cs + 512, blk + 64 * h + 32 + 4 * q, 4);
-                std::memcpy(cs + 1024, blk + 128 + 32 * h + 4 * q, 4);
+                const int64_t cs = 288 + 1536 * h + 64 * q + 4 * o;
+                mv(cs, 64 * h + 4 * q, 4);
+                mv(cs + 512, 64 * h + 32 + 4 * q, 4);
+                mv(cs + 1024, 128 + 32 * h + 4 * q, 4);
               }
             continue;
           }
-          std::memcpy(rec + 2 * o, blk, 2);  // d
-          if (t == Q4_1) std::memcpy(rec + 32 + 2 * o, blk + 2, 2);  // m
-          if (t == Q5_0) {  // qh (bit e: element e's fifth bit) transposed: byte i, bit j <- bit 4j + i
-            uint32_t qh;
-            std::memcpy(&qh, blk + 2, 4);
-            for (int i = 0; i < 4; i++) {
-              uint8_t byte = 0;
-              for (int j = 0; j < 8; j++) byte |= ((qh >> (4 * j + i)) & 1u) << j;
-              rec[32 + 4 * o + i] = byte;
+          mv(2 * o, 0, 2);  // d
+          if (t == Q4_1) mv(32 + 2 * o, 2, 2);  // m
+          if (t == Q5_0) {  // qh (bit e: element e's fifth bit) transposed: byte i, bit j <-> bit 4j + i
+            uint32_t qh = 0;
+            if (inverse) {
+              for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 8; j++) qh |= static_cast<uint32_t>((rec_in[32 + 4 * o + i] >> j) & 1) << (4 * j + i);
+              std::memcpy(blk_out + 2, &qh, 4);
+            } else {
+              std::memcpy(&qh, blk_in + 2, 4);
+              for (int i = 0; i < 4; i++) {
+                uint8_t byte = 0;
+                for (int j = 0; j < 8; j++) byte |= static_cast<uint8_t>(((qh >> (4 * j + i)) & 1u) << j);
+                rec_out[32 + 4 * o + i] = byte;
+              }
             }
           }
-          const uint8_t* qs = blk + (t == Q4_1 ? 4 : t == Q5_0 ? 6 : 2);
+          const int64_t qs = t == Q4_1 ? 4 : t == Q5_0 ? 6 : 2;
           const int steps = t == Q8_0 ? 8 : 4;
-          for (int j = 0; j < steps; j++) std::memcpy(rec + C + 64 * j + 4 * o, qs + 4 * j, 4);
+          for (int j = 0; j < steps; j++) mv(C + 64 * j + 4 * o, qs + 4 * j, 4);
         }
       }
   });
   return out;
 }
+
+torch::Tensor repack16(const torch::Tensor& w, int64_t type) { return relay16(w, type, false); }
+torch::Tensor unpack16(const torch::Tensor& w, int64_t type) { return relay16(w, type, true); }
 
 torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {
   const int t = static_cast<int>(type);

@@ -30,6 +30,7 @@ void quantize_blocks(const float* x, int64_t K, int B, int8_t* q, float* d);
 // interleaved.cpp
 bool x16_type(int64_t t);
 torch::Tensor repack16(const torch::Tensor& w, int64_t type);
+torch::Tensor unpack16(const torch::Tensor& w, int64_t type);  // repack16's inverse
 torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
 torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);

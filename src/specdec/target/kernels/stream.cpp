@@ -198,6 +198,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear16", &qlinear16, py::arg("x"), py::arg("ws"), py::arg("types"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
   m.def("repack16", &repack16);
+  m.def("unpack16", &unpack16);
   m.def("qdequant16", &qdequant16);
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
