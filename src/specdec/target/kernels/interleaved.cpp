@@ -315,25 +315,28 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
     for (int h = 0; h < 2; h++) {
       const uint8_t* cs = rec + 288 + 1536 * h;
       for (int q = 0; q < 4; q++) {  // quarter q of the half: 32 elements, scale groups 8h + 2q and + 1
-        VI sg[2][R];
-        for (int r = 0; r < R; r++) sg[0][r] = sg[1][r] = v_bcast(0);
-        for (int t = 0; t < 8; t++) {
-          const int64_t at = 64 * t + 4 * lane;
-          _mm_prefetch(reinterpret_cast<const char*>(cs + 2 * RB + 64 * t + 512 * (q % 3)), _MM_HINT_T0);
-          const VI nib = v_load(cs + at + 512 * (q % 2)), hb = v_load(cs + 1024 + at);
-          const VI lo4 = q < 2 ? v_and8(nib, 0x0F) : v_and8(v_shr16(nib, 4), 0x0F);
-          const VI code = v_or(lo4, v_shl16(v_and8(v_shr16(hb, 2 * q), 0x03), 4));
-          for (int r = 0; r < R; r++) {
-            const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 128 * h + 32 * q + 4 * t;
-            sg[t / 4][r] = v_dot(sg[t / 4][r], code, v_bcast(dword(xq)));
+        for (int u = 0; u < 2; u++) {  // steps t = 4u..4u+3: scale group 8h + 2q + u
+          VI sg[R];  // indexed by r only, so the compiler keeps it in registers
+          for (int r = 0; r < R; r++) sg[r] = v_bcast(0);
+#pragma GCC unroll 4
+          for (int t = 4 * u; t < 4 * u + 4; t++) {
+            const int64_t at = 64 * t + 4 * lane;
+            _mm_prefetch(reinterpret_cast<const char*>(cs + 2 * RB + 64 * t + 512 * (q % 3)), _MM_HINT_T0);
+            const VI nib = v_load(cs + at + 512 * (q % 2)), hb = v_load(cs + 1024 + at);
+            const VI lo4 = q < 2 ? v_and8(nib, 0x0F) : v_and8(v_shr16(nib, 4), 0x0F);
+            // quarter q's two top bits (2q, 2q + 1 of each byte) to bits 4 and 5: one shift, one mask
+            const VI hi2 = q < 2 ? v_shl16(hb, 4 - 2 * q) : q == 3 ? v_shr16(hb, 2) : hb;
+            const VI code = v_or(lo4, v_and8(hi2, 0x30));
+            for (int r = 0; r < R; r++) {
+              const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 128 * h + 32 * q + 4 * t;
+              sg[r] = v_dot(sg[r], code, v_bcast(dword(xq)));
+            }
           }
-        }
-        for (int u = 0; u < 2; u++) {
           const int g = 8 * h + 2 * q + u;
           const VI sc = v_bytes_i32(rec + 32 + 16 * g + lane);
           for (int r = 0; r < R; r++) {
             const VI off = v_bcast(a.b16[(n0 + r) * (K / 16) + 16 * i + g]);
-            isum[r] = v_add(isum[r], v_mul(v_sub(sg[u][r], off), sc));
+            isum[r] = v_add(isum[r], v_mul(v_sub(sg[r], off), sc));
           }
         }
       }
