@@ -17,6 +17,9 @@ from specdec.target.loading import Runtime, build_runner, check_same_vocab
 from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
 from specdec.vocab import draft_vocab
 
+DRAFT_VOCAB = 32768  # ids a draft model scores by default: see docs/benchmarks.md for the coverage measured
+MAX_EXTRA = 2048  # the request's own ids a reduced draft vocabulary scores besides (fp32 rows)
+
 
 class DraftModelDrafter(TreeDrafter):
     def __init__(self, runner: Runner, target_vocab: int, chain_len: int = 4, tree: TreeBudget | None = None) -> None:
@@ -29,18 +32,39 @@ class DraftModelDrafter(TreeDrafter):
         self.draft_depth = chain_len if tree is None else tree.depth
         self.target_vocab = target_vocab
         self.cached: list[int] = []  # tokens whose KV the draft cache holds (committed)
+        # a reduced vocabulary (restrict_head) also scores the request's own tokens outside it
+        self.fixed: torch.Tensor | None = None
+        if runner.head_ids is not None:
+            self.fixed = torch.zeros(max(target_vocab, int(runner.head_ids.max()) + 1), dtype=torch.bool)
+            self.fixed[runner.head_ids.cpu()] = True
+        self.extra: list[int] = []
+        self.scanned = 0  # context tokens looked at for ids outside the reduced vocabulary
 
     def fork(self) -> DraftModelDrafter | None:
         runner = self.runner.fork()
         if runner is None:
             return None
         d = copy.copy(self)  # the draft model's weights shared: the cache is the fork's own
-        d.runner, d.cached = runner, []
+        d.runner, d.cached, d.extra = runner, [], []
         return d
 
     def begin(self, ctx: DecodeContext) -> None:
         self.runner.reset()
         self.cached = []
+        if self.fixed is not None:
+            self.extra, self.scanned = [], 0
+            self.runner.score_also([])
+
+    def _score_context(self, tokens: list[int]) -> None:
+        """Let the draft propose the request's own tokens too: ids of the context outside the reduced
+        vocabulary join its head (a prompt's names and rare words are what an answer repeats)."""
+        have = set(self.extra)
+        new = [t for t in dict.fromkeys(tokens[self.scanned:])
+               if t < self.fixed.numel() and not self.fixed[t] and t not in have]
+        self.scanned = len(tokens)
+        if new and len(self.extra) < MAX_EXTRA:
+            self.extra = self.extra + new[:MAX_EXTRA - len(self.extra)]
+            self.runner.score_also(self.extra)
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Bring the draft cache to `tokens` (reusing the common prefix); logits after the last one."""
@@ -50,6 +74,8 @@ class DraftModelDrafter(TreeDrafter):
                 break
             common += 1
         common = min(common, len(tokens) - 1)  # feed at least the root to get its logits
+        if self.fixed is not None:
+            self._score_context(tokens)
         self.runner.truncate(common)
         feed = tokens[common:]
         out = self.runner.forward(torch.tensor(feed), logits_rows=slice(-1, None))
@@ -136,7 +162,6 @@ def _depth(node: int, parents: list[int]) -> int:
 
 # ---- registration ----
 
-DRAFT_VOCAB = 32768  # ids a draft model scores by default: see docs/benchmarks.md for the coverage measured
 
 
 class DraftVocabOptions(Options):

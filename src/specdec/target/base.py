@@ -108,6 +108,10 @@ class Runner(Cached, ABC):
         reduced vocabulary, vocab.py). False where this runner cannot: it then scores every id."""
         return False
 
+    def score_also(self, ids: list[int]) -> None:
+        """After restrict_head: also score these ids, outside the restricted set, until the next call (the
+        request's own tokens); [] drops them. Nothing to do for a head over every id."""
+
     def fork(self) -> Runner | None:
         """A runner over the same weights with an empty cache of its own: one sequence of a batch
         (forward_many). None: this runner cannot (its sequences then decode one at a time)."""

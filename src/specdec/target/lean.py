@@ -18,7 +18,7 @@ from specdec.target.base import ForwardOut, Part, Runner
 from specdec.target.gguf import QuantTensor
 from specdec.target.kv import KVCache
 from specdec.target.llama import Block, PackedRows, Rope, chain_attention, visible_columns
-from specdec.target.packed import Linear, precision_name
+from specdec.target.packed import HeadRows, Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 # Forwards of up to this many rows (decode steps, verify trees) attend row by row, which makes a row's
@@ -66,7 +66,7 @@ class LeanRunner(Runner):
         self.norm = base.norm.weight.detach()
         head = model.get_output_embeddings()
         self._head = (head.weight, getattr(head, "bias", None), (pack, weights, exact))  # restrict_head's source
-        self.lm_head = Linear(head.weight, self._head[1], pack, weights, exact)
+        self.lm_head: Linear | HeadRows = Linear(head.weight, self._head[1], pack, weights, exact)
         linears = [self.lm_head] + [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
         # the fused kernels attend row by row at no extra cost: exact rows at every precision there
         self.fused = self.layers[0].fused if all(b.fused is not None for b in self.layers) else None
@@ -97,11 +97,14 @@ class LeanRunner(Runner):
 
     def restrict_head(self, ids: torch.Tensor) -> bool:
         weight, bias, args = self._head
-        ids = ids.to(torch.long).cpu()
-        rows = weight.take_rows(ids) if isinstance(weight, QuantTensor) else weight.detach()[ids.to(weight.device)]
-        self.lm_head = Linear(rows, None if bias is None else bias[ids.to(bias.device)], *args)
-        self.head_ids, self.vocab_size = ids.to(self.device), ids.numel()
+        self.lm_head = HeadRows(weight, bias, ids, args)
+        self.head_ids, self.vocab_size = self.lm_head.ids.to(self.device), self.lm_head.ids.numel()
         return True
+
+    def score_also(self, ids: list[int]) -> None:
+        if isinstance(self.lm_head, HeadRows):
+            self.lm_head = self.lm_head.with_extra(ids)
+            self.head_ids, self.vocab_size = self.lm_head.ids.to(self.device), self.lm_head.ids.numel()
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs

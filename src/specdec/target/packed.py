@@ -21,6 +21,7 @@ and work, and falls back to plain torch ops otherwise.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -199,3 +200,42 @@ def invariant_block(n: int, k: int, precision: str, threads: int) -> int:
         if all(torch.equal(lin(x[:m]), alone[:m]) for m in PROBE_COUNTS):
             return block
     return 0
+
+
+class HeadRows:
+    """An LM head over some token ids only (a draft's reduced vocabulary): a fixed set on the linear kernels,
+    plus a few more rows de-quantized to fp32 (the request's own tokens outside the set, which a draft is
+    likely to copy). Column j of its logits is token `ids[j]`."""
+
+    def __init__(self, weight, bias: torch.Tensor | None, ids: torch.Tensor, args: tuple) -> None:
+        ids = ids.to(torch.long).cpu()
+        rows = weight.take_rows(ids) if isinstance(weight, QuantTensor) else weight.detach()[ids.to(weight.device)]
+        self.weight, self.bias, self.fixed = weight, bias, ids
+        self.linear = Linear(rows, None if bias is None else bias[ids.to(bias.device)], *args)
+        self.extra_ids = torch.empty(0, dtype=torch.long)
+        self.extra: torch.Tensor | None = None  # [m, H] fp32 rows of extra_ids (None: none)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.fixed if self.extra is None else torch.cat([self.fixed, self.extra_ids])
+
+    def with_extra(self, ids: list[int]) -> HeadRows:
+        """The same head that also scores `ids` (none of them in the fixed set); [] scores the fixed set only."""
+        out = copy.copy(self)  # the fixed rows shared
+        out.extra_ids = torch.tensor(ids, dtype=torch.long)
+        if not ids:
+            out.extra = None
+            return out
+        w = self.weight
+        rows = w.rows(out.extra_ids) if isinstance(w, QuantTensor) else w.detach()[out.extra_ids.to(w.device)]
+        out.extra = rows.float()
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.extra is None:
+            return y
+        z = x @ self.extra.to(x.dtype).T
+        if self.bias is not None:
+            z = z + self.bias[self.extra_ids.to(self.bias.device)]
+        return torch.cat([y, z], dim=-1)
