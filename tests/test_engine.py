@@ -96,13 +96,16 @@ def test_a_draft_over_a_reduced_vocabulary_gives_vanilla_tokens(shape):
     assert torch.equal(sub, full[:, ids]) if draft.decode_kernel == "stream" else torch.allclose(sub, full[:, ids])
     target = LeanRunner(model)
     drafter = Recording(draft, target.vocab_size, 4, TreeBudget(4, 3, 10) if shape == "tree" else None)
-    accepted = 0
+    accepted, seen = 0, set()
     for prompt in PROMPTS:
         want, _ = run(target, NoDrafter(), prompt, SamplingParams(), 40)
         got, stats = run(target, drafter, prompt, SamplingParams(), 40)
         assert got == want
         accepted += sum(stats.accept_lengths)
-    assert drafter.drafted <= set(ids.tolist()) and accepted > 0
+        seen |= set(prompt + got)
+    # it drafts from the fixed set and from the request's own tokens outside it (score_also)
+    assert drafter.drafted <= set(ids.tolist()) | seen and drafter.drafted - set(ids.tolist())
+    assert accepted > 0
 
 
 # ---- T > 0: the distribution of the first generated tokens equals vanilla sampling ----

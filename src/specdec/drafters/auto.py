@@ -44,6 +44,7 @@ class AutoOptions(Eagle2Options):
                             "false: the static tuned tree (explicit depth/topk/tree_size also pin it)")
     recalibrate: bool = option(False, "re-measure this machine's costs (else cached per machine, threads, torch, "
                                "target and head)")
+    use_draft: bool = option(True, "with draft=: also chains from the draft model where they pay (false: without them)")
     draft_vocab: int = option(DRAFT_VOCAB, "with draft=: the draft model's LM head scores only this many of the most "
                               "frequent token ids; 0: the whole vocabulary", ge=0)
     children: Literal["topk", "sample"] | None = option(
@@ -66,7 +67,8 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         if given:
             raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
                                "pass head=DIR, or drop them")
-        return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate, opts.draft_vocab)
+        return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate,
+                              opts.draft_vocab if opts.use_draft else None)
     runner, head_dir = head_runner(target, opts, "auto")
     tuned = load_tuning(head_dir, auto=True) or {}
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))

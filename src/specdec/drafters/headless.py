@@ -217,16 +217,16 @@ def draft_menu() -> list[tuple[TreeBudget, float]]:
 
 
 def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool,
-                   draft_vocab: int = DRAFT_VOCAB) -> Drafter:
+                   draft_vocab: int | None = DRAFT_VOCAB) -> Drafter:
     """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none);
-    draft_vocab: the ids a draft model scores (0: all)."""
+    draft_vocab: the ids the draft model scores (0: all; None: no draft-model chains)."""
     nodes = NODES if lookup is None else lookup
     if not adaptive:  # the static choice: method `ngram` as registered (lookup: its nodes)
         o = NgramOptions()
         return NgramDrafter(lookup or o.tree_size, o.topk, o.max_ngram, o.min_value) if nodes else NoDrafter()
     ngram = NgramDrafter(nodes, TOPK, min_value=MIN_VALUE) if nodes else None
     draft = None
-    if target.draft_model is not None:
+    if target.draft_model is not None and draft_vocab is not None:
         draft = DraftModelDrafter(draft_runner(target, draft_vocab), target.runner.vocab_size)
     if ngram is None and draft is None:
         return NoDrafter()

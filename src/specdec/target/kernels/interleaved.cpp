@@ -146,6 +146,15 @@ inline VI v_shr(VI a, int n) { return MM(srli_epi32)(a, n); }
 inline VI v_shl(VI a, int n) { return MM(slli_epi32)(a, n); }
 inline VI v_shr16(VI a, int n) { return MM(srli_epi16)(a, n); }
 inline VI v_shl16(VI a, int n) { return MM(slli_epi16)(a, n); }
+// bits 0..1 of a, 2..3 of b, 4..5 of c in each byte; 6..7 zero (Q6_K's fourth quarter)
+inline VI v_top2(VI a, VI b, VI c) {
+#ifdef __AVX512BW__
+  const VI ab = _mm512_ternarylogic_epi32(a, b, MM(set1_epi8)(0x03), 0xE4);  // c ? a : b, per bit
+  return v_and8(_mm512_ternarylogic_epi32(ab, c, MM(set1_epi8)(0x0F), 0xE4), 0x3F);
+#else
+  return v_or(v_or(v_and8(a, 0x03), v_and8(b, 0x0C)), v_and8(c, 0x30));
+#endif
+}
 inline VF f_zero() { return MM(setzero_ps)(); }
 inline VF f_set(float v) { return MM(set1_ps)(v); }
 inline VF f_mul(VF a, VF b) { return MM(mul_ps)(a, b); }
@@ -296,9 +305,11 @@ constexpr int RT = 4;
 
 // Q6_K, per group of 16 rows and super-block, one record of 16 x 210 bytes:
 //   [d fp16 x16][scales int8: byte 16g + o is output o's scale of elements 16g..16g+15][codes 3072 B]
-// codes, per half h (elements 128h..128h+127) 1536 B: three runs of eight 64-byte vectors, t = 0..7, byte
-// 4o + i of each: the file's ql byte 64h + 4t + i (low nibble: element 128h + 4t + i, high: +64), ql byte
-// 64h + 32 + 4t + i (+32, +96), qh byte 32h + 4t + i (bits 2a..2a+1: the top bits of quarter a's element).
+// codes, per half h (elements 128h..128h+127) 1536 B: per step t = 0..7 three 64-byte vectors V0, V1, V2, byte
+// 4o + i of Vj: bits 0..5 the 6-bit code of element 128h + 32j + 4t + i (quarter j), bits 6..7 bits 2j, 2j + 1
+// of quarter 3's code of element 128h + 96 + 4t + i. So a step's four code vectors take one mask each for
+// quarters 0..2 and three shifts and a merge for quarter 3 (the file's nibble and top-bit planes took two
+// shifts and three masks per vector).
 // Per row, output and super-block the integer isum = sum_g sc_g (S_g - 32 sum of group g's activation
 // codes), exact; acc = fma(float(isum), d x_d, acc); y = acc.
 template <int R>
@@ -314,32 +325,39 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
     for (int r = 0; r < R; r++) isum[r] = v_bcast(0);
     for (int h = 0; h < 2; h++) {
       const uint8_t* cs = rec + 288 + 1536 * h;
-      for (int q = 0; q < 4; q++) {  // quarter q of the half: 32 elements, scale groups 8h + 2q and + 1
-        for (int u = 0; u < 2; u++) {  // steps t = 4u..4u+3: scale group 8h + 2q + u
-          VI sg[R];  // indexed by r only, so the compiler keeps it in registers
-          for (int r = 0; r < R; r++) sg[r] = v_bcast(0);
-#pragma GCC unroll 4
+      for (int u = 0; u < 2; u++)  // steps t = 4u..4u+3 of each quarter q: scale group 8h + 2q + u
+        for (int qp = 0; qp < 4; qp += 2) {  // quarters qp and qp + 1: two sums per row stay in registers
+          VI sg[2][R];
+          for (int r = 0; r < R; r++) sg[0][r] = sg[1][r] = v_bcast(0);
           for (int t = 4 * u; t < 4 * u + 4; t++) {
-            const int64_t at = 64 * t + 4 * lane;
-            _mm_prefetch(reinterpret_cast<const char*>(cs + 2 * RB + 64 * t + 512 * (q % 3)), _MM_HINT_T0);
-            const VI nib = v_load(cs + at + 512 * (q % 2)), hb = v_load(cs + 1024 + at);
-            const VI lo4 = q < 2 ? v_and8(nib, 0x0F) : v_and8(v_shr16(nib, 4), 0x0F);
-            // quarter q's two top bits (2q, 2q + 1 of each byte) to bits 4 and 5: one shift, one mask
-            const VI hi2 = q < 2 ? v_shl16(hb, 4 - 2 * q) : q == 3 ? v_shr16(hb, 2) : hb;
-            const VI code = v_or(lo4, v_and8(hi2, 0x30));
+            const uint8_t* v = cs + 192 * t + 4 * lane;
+            if (qp == 0)
+              for (int j = 0; j < 3; j++)
+                _mm_prefetch(reinterpret_cast<const char*>(cs + 2 * RB + 192 * t + 64 * j), _MM_HINT_T0);
+            VI code[2];
+            if (qp == 0) {
+              code[0] = v_and8(v_load(v), 0x3F);
+              code[1] = v_and8(v_load(v + 64), 0x3F);
+            } else {
+              const VI v2 = v_load(v + 128);
+              code[0] = v_and8(v2, 0x3F);
+              code[1] = v_top2(v_shr16(v_load(v), 6), v_shr16(v_load(v + 64), 4), v_shr16(v2, 2));
+            }
             for (int r = 0; r < R; r++) {
-              const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 128 * h + 32 * q + 4 * t;
-              sg[r] = v_dot(sg[r], code, v_bcast(dword(xq)));
+              const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 128 * h + 32 * qp + 4 * t;
+              sg[0][r] = v_dot(sg[0][r], code[0], v_bcast(dword(xq)));
+              sg[1][r] = v_dot(sg[1][r], code[1], v_bcast(dword(xq + 32)));
             }
           }
-          const int g = 8 * h + 2 * q + u;
-          const VI sc = v_bytes_i32(rec + 32 + 16 * g + lane);
-          for (int r = 0; r < R; r++) {
-            const VI off = v_bcast(a.b16[(n0 + r) * (K / 16) + 16 * i + g]);
-            isum[r] = v_add(isum[r], v_mul(v_sub(sg[r], off), sc));
+          for (int k = 0; k < 2; k++) {
+            const int g = 8 * h + 2 * (qp + k) + u;
+            const VI sc = v_bytes_i32(rec + 32 + 16 * g + lane);
+            for (int r = 0; r < R; r++) {
+              const VI off = v_bcast(a.b16[(n0 + r) * (K / 16) + 16 * i + g]);
+              isum[r] = v_add(isum[r], v_mul(v_sub(sg[k][r], off), sc));
+            }
           }
         }
-      }
     }
     const VF d = v_scales(rec + 2 * lane);
     for (int r = 0; r < R; r++) acc[r] = f_fma(f_cvt(isum[r]), f_mul(d, f_set(a.d[(n0 + r) * nsb + i])), acc[r]);
@@ -424,15 +442,30 @@ torch::Tensor relay16(const torch::Tensor& w, int64_t type, bool inverse) {
             for (int q = 0; q < 32; q++) mv(256 + 64 * q + 4 * o, 16 + 4 * q, 4);
             continue;
           }
-          if (t == Q6_K) {  // d, the scales, then per half ql's two runs and qh's (see group_rows_q6k)
+          if (t == Q6_K) {  // d, the scales, then the codes regrouped per step (see group_rows_q6k)
             mv(2 * o, 208, 2);
             for (int s = 0; s < 16; s++) mv(32 + 16 * s + o, 192 + s, 1);
             for (int h = 0; h < 2; h++)
-              for (int q = 0; q < 8; q++) {
-                const int64_t cs = 288 + 1536 * h + 64 * q + 4 * o;
-                mv(cs, 64 * h + 4 * q, 4);
-                mv(cs + 512, 64 * h + 32 + 4 * q, 4);
-                mv(cs + 1024, 128 + 32 * h + 4 * q, 4);
+              for (int l = 0; l < 32; l++) {  // element 128h + 32q + l of quarter q
+                uint8_t* ql = blk_out + 64 * h;
+                uint8_t* qh = blk_out + 128 + 32 * h;
+                const int64_t at = 288 + 1536 * h + 192 * (l / 4) + 4 * o + l % 4;  // + 64j: Vj
+                if (inverse) {
+                  int c[4];
+                  for (int j = 0; j < 3; j++) c[j] = rec_in[at + 64 * j] & 0x3F;
+                  c[3] = 0;
+                  for (int j = 0; j < 3; j++) c[3] |= (rec_in[at + 64 * j] >> 6) << (2 * j);
+                  ql[l] = static_cast<uint8_t>((c[0] & 0xF) | ((c[2] & 0xF) << 4));
+                  ql[l + 32] = static_cast<uint8_t>((c[1] & 0xF) | ((c[3] & 0xF) << 4));
+                  qh[l] = static_cast<uint8_t>((c[0] >> 4) | ((c[1] >> 4) << 2) | ((c[2] >> 4) << 4) | ((c[3] >> 4) << 6));
+                } else {  // ggml's decoding of quarter q: a nibble of ql, bits 2q, 2q + 1 of qh
+                  const uint8_t* iql = blk_in + 64 * h;
+                  const uint8_t qhb = blk_in[128 + 32 * h + l];
+                  const int c[4] = {(iql[l] & 0xF) | ((qhb & 3) << 4), (iql[l + 32] & 0xF) | (((qhb >> 2) & 3) << 4),
+                                    (iql[l] >> 4) | (((qhb >> 4) & 3) << 4), (iql[l + 32] >> 4) | (((qhb >> 6) & 3) << 4)};
+                  for (int j = 0; j < 3; j++)
+                    rec_out[at + 64 * j] = static_cast<uint8_t>(c[j] | (((c[3] >> (2 * j)) & 3) << 6));
+                }
               }
             continue;
           }
@@ -487,9 +520,8 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
         if (t == Q6_K) {
           for (int e = 0; e < 256; e++) {
             const int hf = e / 128, q = (e % 128) / 32, l = e % 32;
-            const uint8_t* cs = rec + 288 + 1536 * hf + 64 * (l / 4) + 4 * o + l % 4;
-            const int nib = q < 2 ? cs[512 * (q % 2)] & 0x0F : cs[512 * (q % 2)] >> 4;
-            const int code = nib | (((cs[1024] >> (2 * q)) & 3) << 4);
+            const uint8_t* cs = rec + 288 + 1536 * hf + 192 * (l / 4) + 4 * o + l % 4;
+            const int code = q < 3 ? cs[64 * q] & 0x3F : (cs[0] >> 6) | ((cs[64] >> 6) << 2) | ((cs[128] >> 6) << 4);
             const int sc = static_cast<int8_t>(rec[32 + 16 * (e / 16) + o]);
             y[b * 256 + e] = d * static_cast<float>(sc) * static_cast<float>(code) - d * static_cast<float>(32 * sc);
           }
