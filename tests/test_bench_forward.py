@@ -31,3 +31,13 @@ def test_bad_options_are_one_line_before_any_model_loads(argv, msg, capsys, monk
     assert main(["bench", "forward", *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.startswith("specdec: error:") and "Traceback" not in err
+
+
+def test_an_unwritable_out_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    import specdec.bench.forward as fwd
+
+    monkeypatch.setattr(fwd, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "forward", "--out", str(tmp_path / "file" / "forward.md")]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a directory" in err and err.startswith("specdec: error: --out")

