@@ -25,6 +25,7 @@ from tests.helpers import (
     run,
     sample_first3,
     tiny_model,
+    word_tokenizer,
 )
 
 
@@ -280,3 +281,16 @@ def test_prompt_lookup_index_finds_what_a_full_scan_finds(tokens, grow):
     other.max_nodes = 9
     tree = d.propose(other)
     assert (d.last_ngram, tree.tokens.tolist()) == scan(other.tokens, 4)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_ids_of_the_shipped_text_and_every_special(tmp_path,
+                                                                                           monkeypatch):
+    from specdec.vocab import draft_vocab, token_counts
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    tok = word_tokenizer(["zebra", "of", "the"])  # ids 0 <unk>, 1 </s>, 2 zebra, 3 of, 4 the
+    counts = token_counts(tok, 5)
+    assert counts[4] > counts[3] > counts[2] and counts[1] == 0  # "the" > "of" > "zebra"; </s> never in text
+    assert draft_vocab(tok, 5, 3).tolist() == [0, 1, 4]  # the specials, then the most frequent word
+    assert draft_vocab(tok, 5, 0) is None and draft_vocab(tok, 5, 5) is None  # the whole vocabulary
+    assert list(tmp_path.glob("vocab/counts-*.pt"))  # counted once, then read from the cache

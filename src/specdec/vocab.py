@@ -62,7 +62,7 @@ def token_counts(tokenizer, vocab_size: int) -> torch.Tensor:
         except Exception:  # a damaged cache file: count again
             pass
     counts = torch.zeros(max(vocab_size, len(tokenizer)), dtype=torch.long)
-    for ids in tokenizer(_corpus(), add_special_tokens=False)["input_ids"]:
+    for ids in tokenizer(_corpus(), add_special_tokens=False, verbose=False)["input_ids"]:  # no length warnings
         counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=counts.numel())[:counts.numel()]
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
