@@ -95,6 +95,9 @@ def test_a_draft_over_a_reduced_vocabulary_gives_vanilla_tokens(shape):
     draft.reset()
     # each output is its own dot product: the kept columns are bit for bit what the whole head gives
     assert torch.equal(sub, full[:, ids]) if draft.decode_kernel == "stream" else torch.allclose(sub, full[:, ids])
+    head = draft.lm_head.with_extra([1, 4])
+    grown, fresh = head.with_extra([1, 4, 7]), draft.lm_head.with_extra([1, 4, 7])  # the first only adds row 7
+    assert torch.equal(grown.extra, fresh.extra) and grown.ids.tolist() == [*ids.tolist(), 1, 4, 7]
     target = LeanRunner(model)
     drafter = Recording(draft, target.vocab_size, 4, TreeBudget(4, 3, 10) if shape == "tree" else None)
     accepted, seen = 0, set()

@@ -87,8 +87,9 @@ class DraftModelDrafter(TreeDrafter):
         """The draft's logits over the target's ids: a reduced vocabulary's columns put back (the rest -inf)."""
         v = self.target_vocab
         ids = self.runner.head_ids
-        if ids is not None:
-            full = logits.new_full((*logits.shape[:-1], max(v, int(ids[-1]) + 1)), float("-inf"))
+        if ids is not None:  # every id it scores is below fixed's size (the fixed set, or a context id)
+            width = self.fixed.numel() if self.fixed is not None else max(v, int(ids.max()) + 1)
+            full = logits.new_full((*logits.shape[:-1], width), float("-inf"))
             full[..., ids] = logits
             logits = full
         # some pairs pad their embedding tables differently; extra rows are never-used ids
@@ -161,8 +162,6 @@ def _depth(node: int, parents: list[int]) -> int:
 
 
 # ---- registration ----
-
-
 
 class DraftVocabOptions(Options):
     draft_vocab: int = option(DRAFT_VOCAB, "the draft model's LM head scores only this many of the most frequent "

@@ -226,9 +226,12 @@ class HeadRows:
         if not ids:
             out.extra = None
             return out
-        w = self.weight
-        rows = w.rows(out.extra_ids) if isinstance(w, QuantTensor) else w.detach()[out.extra_ids.to(w.device)]
-        out.extra = rows.float()
+        have = self.extra_ids.numel() if self.extra is not None else 0
+        if have > len(ids) or self.extra_ids.tolist() != ids[:have]:
+            have = 0  # not an extension of the rows held: all of them anew
+        new, w = out.extra_ids[have:], self.weight
+        rows = (w.rows(new) if isinstance(w, QuantTensor) else w.detach()[new.to(w.device)]).float()
+        out.extra = torch.cat([self.extra, rows]) if have else rows  # only the new ids are de-quantized
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
