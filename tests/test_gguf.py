@@ -76,8 +76,8 @@ def test_each_format_matches_its_dequantized_reference(fmt, rows):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_row_is_bit_identical_to_that_row_alone(fmt):
-    """N = 1, 2, 3 (weights decoded in registers), 8, 11, 64 rows (decoded once per call), with bias and
-    residual, and fused parts of other formats of the same family."""
+    """N = 1..16 and 64 rows (every tile size and remainder of the kernels' passes), with bias and residual,
+    and fused parts of other formats of the same family."""
     other = {"Q4_0": "Q8_0", "Q4_1": "Q5_0", "Q5_0": "Q4_1", "Q5_1": "Q8_0", "Q8_0": "Q4_0",
              "Q4_K": "Q6_K", "Q5_K": "Q4_K", "Q6_K": "Q5_K"}[fmt]
     k = 512 if fmt in K_QUANTS else 352
@@ -86,7 +86,7 @@ def test_every_row_is_bit_identical_to_that_row_alone(fmt):
     lin = QuantWeight(parts, torch.randn(101, generator=g))
     x, res = torch.randn(64, k, generator=g), torch.randn(64, 101, generator=g)
     alone = torch.cat([lin(x[i:i + 1], res[i:i + 1]) for i in range(64)])
-    for n in (1, 2, 3, 8, 11, 64):
+    for n in (*range(1, 17), 64):
         assert torch.equal(lin(x[:n], res[:n]), alone[:n]), n
     mixed = QuantWeight([qtensor("Q4_K", 16, 512)[0], qtensor("Q8_0", 16, 512)[0]], None)  # two kernel calls
     x = torch.randn(8, 512, generator=g)
@@ -221,7 +221,7 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
         for rows in (40, 48):  # 48: the x16 kernel where the format has it
             lin = QuantWeight([qtensor(fmt, rows, k)[0]], None)
             ws, ts, key = lin.groups[0]
-            for n in (1, 2, 3, 8, 11):
+            for n in (1, 2, 3, 5, 7, 8, 11):
                 x = torch.randn(n, k, generator=g)
                 assert torch.equal(getattr(avx2, lin.parts[0].op)(x, ws, ts, None, None),
                                    lin.call(key)(x, ws, ts, None, None)), (fmt, rows, n)
