@@ -10,7 +10,7 @@ from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.headless import Calibration, HeadlessDrafter, draft_menu, tried
+from specdec.drafters.headless import DRAFT_ALPHA, Calibration, ChainAcceptance, HeadlessDrafter, draft_menu, tried
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.errors import SpecdecError
@@ -141,6 +141,33 @@ def test_headless_auto_greedy_equals_vanilla_and_mixes_plain_steps_and_drafts():
                 if p is REPEATS and slope < 0.1:
                     assert stats.tau > 1.4  # drafts were accepted
     assert 0 in sizes and len(sizes) >= 4  # plain steps and drafts of several lengths
+
+
+def test_a_draft_models_chains_are_priced_by_its_learned_acceptance():
+    """Chains accepted whole raise the per-token rate from its prior, and the choice moves to longer chains;
+    chains rejected at once lower it, and the choice moves back to shorter ones (or none)."""
+    rate = ChainAcceptance()
+    assert rate.alpha == pytest.approx(DRAFT_ALPHA)
+    menu = draft_menu()
+    # a forward as dear as 5 drafted tokens, flat up to 9 rows: at the prior's 0.7 a chain of 1 pays most
+    c = Costs({n: 1.0 if n <= 9 else 2.0 for n in (1, 2, 3, 5, 7, 9, 13)}, {b: 0.2 * b.depth for b, _ in menu},
+              0.0, 0.0)
+    ctrl = Controller(menu, c, 1.0, union=False)
+    before = ctrl.choose(0, 16).budget
+    for _ in range(20):
+        rate.observe(4, 4)
+    assert rate.alpha > 0.9
+    gains = rate.gains(menu)
+    assert all(gains[a] < gains[b] for (a, _), (b, _) in zip(menu, menu[1:]))
+    ctrl.regain(gains)
+    after = ctrl.choose(0, 16).budget
+    assert before is not None and after is not None and after.depth > before.depth
+    for _ in range(20):
+        rate.observe(0, 4)
+    assert rate.alpha < 0.5
+    ctrl.regain(rate.gains(menu))
+    last = ctrl.choose(0, 16).budget
+    assert last is None or last.depth < after.depth
 
 
 def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():

@@ -187,6 +187,13 @@ class Controller:
         self.costs, self.sharing, self._bars, self._base = costs, sharing, {}, []
         self._trees = [(b, b.tree_size, g, self.draft_s[b] + costs.follow_s) for b, g in self.menu]
 
+    def regain(self, gains: dict[TreeBudget, float]) -> None:
+        """New expected accepted tokens per menu tree (before the scale), e.g. from a learned per-token rate."""
+        self.menu = [(b, gains.get(b, g)) for b, g in self.menu]
+        self.gain = dict(self.menu)
+        self._trees = [(b, size, self.gain[b], df) for b, size, _, df in self._trees]
+        self._bars = {}
+
     def surely_plain(self, room: int, ctx: int | None, catch_up: float = 0.0, chain: float = 0.0) -> bool:
         """Whether the step is a plain one without pricing its options: no option beats a plain step by the
         bounds of the context's bucket (plain_bounds). chain: the lookup chain's expected matched tokens,

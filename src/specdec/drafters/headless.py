@@ -42,10 +42,36 @@ TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
 MIN_VALUE = 0.01  # nodes less likely than this to be accepted are not worth drafting
 DRAFT_CHAINS = (1, 2, 3, 4, 6)  # draft-model chain lengths offered
 DRAFT_ALPHA = 0.7  # prior chance a draft-model token is accepted given its parent was
+# ... counted as this many drafted tokens; each chain verified then weighs the evidence by ALPHA_DECAY. Why
+# learn it: a menu priced by the prior's shape (0.7 per token) chose chains of 1-2 where a same-family
+# draft accepted 0.9 a token (Qwen2.5-Coder 0.5B for 1.5B on code), and longer chains paid more
+ALPHA_PRIOR = 4.0
+ALPHA_DECAY = 0.9
 EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # raw-confidence buckets of the calibration
 CAL_DECAY = 0.95  # per step: slower than the controller's, the buckets see fewer observations each
 CAL_PRIOR = 2.0  # the raw confidence counts as this many observations
 SAMPLED_CONF = 0.7  # prior factor at T > 0: a point mass x is accepted with the target's p(x), not 1
+
+
+class ChainAcceptance:
+    """P(a draft-model token is accepted | its parent was), learned from the chains verified: a chain of k
+    tokens whose first m were accepted shows m acceptances in min(m + 1, k) tries."""
+
+    def __init__(self) -> None:
+        self.hits, self.tries = ALPHA_PRIOR * DRAFT_ALPHA, ALPHA_PRIOR
+
+    @property
+    def alpha(self) -> float:
+        return self.hits / self.tries
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        self.hits = ALPHA_DECAY * self.hits + (1 - ALPHA_DECAY) * ALPHA_PRIOR * DRAFT_ALPHA + accepted
+        self.tries = ALPHA_DECAY * self.tries + (1 - ALPHA_DECAY) * ALPHA_PRIOR + min(accepted + 1, drafted)
+
+    def gains(self, menu: list[tuple[TreeBudget, float]]) -> dict[TreeBudget, float]:
+        """Each chain's expected accepted tokens: alpha + alpha^2 + ... over its depth."""
+        a = self.alpha
+        return {b: sum(a ** i for i in range(1, b.depth + 1)) for b, _ in menu}
 
 
 class Calibration:
@@ -153,6 +179,7 @@ class HeadlessDrafter(FollowsTheMachine):
         # a sampled draft-model chain carries its q: it cannot share a verify with point masses
         self.ctrl = Controller(self.menu, costs, 1.0 if greedy else SAMPLED_SCALE, {}, union=greedy)
         self.cal = Calibration(1.0 if greedy else SAMPLED_CONF)
+        self.chain_rate = ChainAcceptance()
         self.choices = Counter()
         self.pending, self.last, self.rows = [], None, 0
         for d in (self.ngram, self.draft):
@@ -198,7 +225,10 @@ class HeadlessDrafter(FollowsTheMachine):
         observed = drafted is not None and len(drafted) > 0
         self.ctrl.step(observed)
         if observed:
-            self.ctrl.observe_tree(matched(drafted, verdict.tokens), expected)
+            got = matched(drafted, verdict.tokens)
+            self.ctrl.observe_tree(got, expected)
+            self.chain_rate.observe(got, len(drafted))
+            self.ctrl.regain(self.chain_rate.gains(self.menu))
         self.cal.step()
         keep = []
         for i, p in enumerate(self.pending):
