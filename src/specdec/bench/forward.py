@@ -9,13 +9,14 @@ every row), and its tg128 is its decode step, the number to set beside our t(1).
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 
 from specdec.bench.llamacpp import installed, server_binary
 from specdec.bench.outdir import ensure_writable_dir
 from specdec.errors import SpecdecError
-from specdec.machine import forward_costs, memory_floor
+from specdec.machine import forward_costs, memory_floor, stream_bandwidth
 from specdec.options import arg_type
 from specdec.target.loading import Runtime, build_runner, load_model, resolve
 
@@ -62,6 +63,18 @@ def llama_bench(path: Path, rows: list[int], threads: int) -> dict[str, float]:
     return res
 
 
+def _interleaved(runner, rows: list[int], reps: int) -> tuple[dict[int, float], float]:
+    """The median t(N) per row count and the median streaming bandwidth, measured in turn: this host's
+    bandwidth moved 32-49 GB/s within a minute, so a floor measured once is another moment's."""
+    ts: dict[int, list[float]] = {n: [] for n in rows}
+    bws = []
+    for i in range(reps):
+        bws.append(stream_bandwidth(reps=1))
+        for n, x in forward_costs(runner, rows, reps=1, warmup=2 if i == 0 else 1).items():
+            ts[n].append(x)
+    return {n: statistics.median(x) for n, x in ts.items()}, statistics.median(bws)
+
+
 def cmd_forward(args) -> int:
     rows = _rows(args.rows)
     specs = args.model or [None]
@@ -84,8 +97,8 @@ def cmd_forward(args) -> int:
     for spec, path in zip(specs, paths):
         model, _, _ = load_model(spec, "cpu")
         runner = build_runner(model, rt)
-        t = forward_costs(runner, rows, reps=args.reps)
-        fl = memory_floor(model)
+        t, bw = _interleaved(runner, rows, args.reps)
+        fl = memory_floor(model, bandwidth=bw)
         cells = [path.name, f"{fl['weight_mb']:.0f}", f"{fl['ms_per_forward']:.1f}",
                  *(f"{1e3 * t[n]:.1f}" for n in rows), f"{fl['ms_per_forward'] / (1e3 * t[rows[0]]):.2f}"]
         if args.llama_bench:
