@@ -7,7 +7,7 @@ checkout's src/); the parent asks them in turn, one at a time, so machine drift 
     python scripts/ab_compare.py --old /tmp/before/src --new src --methods vanilla,eagle2,auto \
         --limit 20 --max-new-tokens 128 --repeats 2 --out ab-speed.json
 
-Only `specdec.target.loading.load_model` and `specdec.api.from_models(model, tok, method, draft_model,
+Only `specdec.runtime.loading.load_model` and `specdec.api.from_models(model, tok, method, draft_model,
 draft_tok)` are used, so it runs against any checkout that has them. `sps`/`sps-tree` draft with the
 target itself (a behaviour check, not a speed claim).
 """
@@ -27,7 +27,7 @@ import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 from specdec.api import from_models
-from specdec.target.loading import load_model
+from specdec.runtime.loading import load_model
 model, tok, _ = load_model(None, "cpu", torch.float32)
 decs = {}
 def dec(m):

@@ -20,8 +20,8 @@ import torch
 
 from specdec.api import from_models
 from specdec.machine import forward_costs
-from specdec.target.hf import HFRunner
-from specdec.target.loading import load_model
+from specdec.runtime.hf import HFRunner
+from specdec.runtime.loading import load_model
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 

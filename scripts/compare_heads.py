@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from specdec.api import from_models
-from specdec.target.loading import load_model
+from specdec.runtime.loading import load_model
 from specdec.tree import TreeBudget
 from specdec.tune.cli import CALIBRATION_PROMPTS
 from specdec.tune.search import tune

@@ -4,7 +4,7 @@ import torch
 
 from specdec.api import from_models
 from specdec.bench.data import MT_BENCH_CATEGORIES, load_questions
-from specdec.target.loading import load_model
+from specdec.runtime.loading import load_model
 
 torch.set_num_threads(1)
 model, tok, _ = load_model(None, "cpu")

@@ -13,8 +13,8 @@ import torch
 
 from specdec.api import from_models
 from specdec.drafters.base import DecodeContext
+from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams
-from specdec.target.loading import load_model
 from specdec.verify import Verdict
 
 

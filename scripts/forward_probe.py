@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec.machine import memory_floor
-from specdec.target.lean import LeanRunner
-from specdec.target.loading import load_model
-from specdec.target.packed import Linear
+from specdec.runtime.lean import LeanRunner
+from specdec.runtime.loading import load_model
+from specdec.runtime.packed import Linear
 
 
 def median_ms(fn, reps: int = 20, warm: int = 4) -> float:

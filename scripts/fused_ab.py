@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from specdec.target.lean import LeanRunner
-from specdec.target.loading import load_model
+from specdec.runtime.lean import LeanRunner
+from specdec.runtime.loading import load_model
 
 
 def main() -> None:

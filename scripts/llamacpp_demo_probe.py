@@ -18,7 +18,7 @@ DEMO = "Explain in a few sentences why the sky is blue."
 
 def our_ids() -> None:
     from specdec.api import from_models
-    from specdec.target.loading import load_model, resolve
+    from specdec.runtime.loading import load_model, resolve
 
     model, tok, _ = load_model(None, "cpu")
     ids = from_models(model, tok).encode([{"role": "user", "content": DEMO}])

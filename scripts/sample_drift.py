@@ -19,7 +19,7 @@ import torch
 from specdec.api import from_models
 from specdec.bench.data import load_questions
 from specdec.bench.runner import safe_name
-from specdec.target.loading import load_like, load_model
+from specdec.runtime.loading import load_like, load_model
 
 
 @torch.no_grad()

@@ -21,8 +21,8 @@ import torch
 from specdec.api import from_models
 from specdec.bench.data import load_questions
 from specdec.heads.io import load_head
+from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.target.loading import load_model
 
 
 @torch.inference_mode()

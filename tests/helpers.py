@@ -306,8 +306,8 @@ def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: 
 
 def gguf_runner(path, model):
     """The lean runner on the GGUF file's own weights (model: for its config)."""
-    from specdec.target.gguf import GGUFModel
-    from specdec.target.lean import LeanRunner
+    from specdec.runtime.gguf import GGUFModel
+    from specdec.runtime.lean import LeanRunner
 
     return LeanRunner(GGUFModel(path, model.config), weights="gguf")
 

@@ -13,8 +13,8 @@ from specdec.drafters.base import NoDrafter
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import Choice, Controller, menu_from_tuning, prefixes
 from specdec.drafters.costs import Costs, load_costs, size_class
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     PROMPTS,

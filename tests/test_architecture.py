@@ -15,7 +15,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # lower layers never import higher ones
 LAYERS = (
     ("core", ("errors", "options", "files", "sampling", "tree", "verify", "slot", "engine", "batch", "tuning", "vocab",
-              "machine", "target", "drafters.base")),
+              "machine", "runtime", "drafters.base")),
     ("methods", ("drafters", "heads")),  # every drafter and the heads they run
     ("api", ("api", "__init__")),
     ("tools", ("tune", "bench", "training", "serve", "cli")),
@@ -27,7 +27,7 @@ LOCAL_IMPORTS_ALLOWED = {
     ("specdec.drafters.eagle", "specdec.heads.io"): "loads a head: transformers' Llama modules",
     ("specdec.training.train", "specdec.heads.io"): "the CLI parser imports train.py",
     ("specdec.training.train", "specdec.heads.model"): "the CLI parser imports train.py",
-    ("specdec.target.loading", "specdec.target.hf"): "the HF runner, for non-Llama targets only",
+    ("specdec.runtime.loading", "specdec.runtime.hf"): "the HF runner, for non-Llama targets only",
     ("specdec.cli", "specdec.cli.commands"): "torch loads inside main, where a Ctrl-C is caught",
     ("specdec.cli.commands", "specdec.serve.app"): "fastapi and uvicorn are the optional `serve` extra",
 }
@@ -103,7 +103,7 @@ def test_layers_import_only_downward_and_local_imports_are_justified():
     ("specdec.drafters.eagle", "import specdec.tune"),
     ("specdec.drafters.eagle", "from specdec.tune.search import tune"),
     ("specdec.engine", "from specdec.drafters.eagle import EagleDrafter"),
-    ("specdec.target.lean", "from specdec.bench import runner"),
+    ("specdec.runtime.lean", "from specdec.bench import runner"),
     ("specdec.heads.runner", "def f():\n    from specdec.api import load"),
 ])
 def test_the_layer_check_catches_an_upward_import(module, line):

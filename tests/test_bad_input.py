@@ -5,7 +5,7 @@ import pytest
 from specdec.api import from_models
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from specdec.target.loading import check_same_vocab, load_model, materialize
+from specdec.runtime.loading import check_same_vocab, load_model, materialize
 from tests.helpers import tiny_model, word_tokenizer
 
 

@@ -24,8 +24,8 @@ from specdec.drafters.union import UnionDrafter
 from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     SMALL_V,

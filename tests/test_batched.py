@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from specdec.api import from_models
+from specdec.runtime.batched import batch_generate
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.batched import batch_generate
-from specdec.target.lean import LeanRunner
 from tests.helpers import tiny_model
 
 

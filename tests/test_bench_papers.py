@@ -13,8 +13,8 @@ from specdec.bench.methods import MethodSpec
 from specdec.bench.runner import answer_loglik
 from specdec.cli import main
 from specdec.heads.medusa_io import save_medusa
-from specdec.target.gguf import GGUFModel
-from specdec.target.lean import LeanRunner
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.lean import LeanRunner
 from tests.helpers import make_hydra, tiny_gguf
 
 

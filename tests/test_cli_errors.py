@@ -161,8 +161,8 @@ def _busy_process():
 def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
     """Beside a busy process the default thread count drops to the free CPUs, and says so; an explicit
     --threads stays as given."""
-    from specdec.machine import free_cpus, usable_cpus
-    from specdec.target.loading import Runtime
+    from specdec.runtime.cpus import free_cpus, usable_cpus
+    from specdec.runtime.loading import Runtime
 
     n = usable_cpus()
     if n < 2:

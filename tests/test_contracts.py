@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec.drafters.base import Drafter
-from specdec.target.base import Runner
+from specdec.runtime.base import Runner
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "specdec"
 PROBES = ("getattr", "hasattr", "setattr")

@@ -12,9 +12,9 @@ from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
 from specdec.heads.model import Eagle3Head
 from specdec.heads.runner import Eagle3Runner, runner_for
+from specdec.runtime.hf import HFRunner
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.hf import HFRunner
-from specdec.target.lean import LeanRunner
 from specdec.training.datagen import eagle3_layers, generate_answers, pack_shard, teacher_force, write_shard
 from specdec.tree import TreeBudget
 from tests.helpers import (

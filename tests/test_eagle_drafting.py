@@ -9,8 +9,8 @@ from specdec.drafters.base import NoDrafter
 from specdec.drafters.eagle import build_static_tree
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from tests.helpers import (
     PROMPTS,
     SMALL_V,

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.errors import SpecdecError
+from specdec.runtime.hf import HFRunner
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.hf import HFRunner
-from specdec.target.lean import LeanRunner
 from specdec.tree import TreeBudget
 from tests.helpers import (
     PROMPTS,

@@ -12,8 +12,8 @@ import torch
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.errors import SpecdecError
 from specdec.heads.io import load_head, save_head
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from specdec.training.train import TrainConfig, train_eagle
 from tests.helpers import (
     PROMPTS,

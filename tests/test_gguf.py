@@ -1,4 +1,4 @@
-"""GGUF files on their own quantized weights (target/gguf.py, kernels/quant.cpp): every format the kernel
+"""GGUF files on their own quantized weights (runtime/gguf.py, kernels/quant.cpp): every format the kernel
 reads matches its de-quantized reference, every row of a forward is bit-identical to that row alone (N =
 1, 8, 64), so speculative decoding equals vanilla exactly (greedy) and keeps the target's distribution
 (chi-square) on each format; loading never builds a float copy of the weights."""
@@ -16,11 +16,11 @@ from gguf.quants import dequantize
 from specdec.bench.runner import _model_info
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.errors import SpecdecError
+from specdec.runtime import stream
+from specdec.runtime.base import tree_mask
+from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target import stream
-from specdec.target.base import tree_mask
-from specdec.target.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight
-from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     FORMATS,
@@ -165,7 +165,7 @@ def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
 
 
 def test_weights_gguf_is_checked_before_anything_loads(tmp_path):
-    from specdec.target.loading import native_gguf
+    from specdec.runtime.loading import native_gguf
 
     hf_dir = tmp_path / "m"
     hf_dir.mkdir()
@@ -180,8 +180,8 @@ def test_weights_gguf_is_checked_before_anything_loads(tmp_path):
 RSS_SCRIPT = """
 import json, resource, sys, torch
 from transformers import LlamaConfig
-from specdec.target.gguf import GGUFModel
-from specdec.target.lean import LeanRunner
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.lean import LeanRunner
 cfg = LlamaConfig(**json.loads(sys.argv[2]))
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 r = LeanRunner(GGUFModel(sys.argv[1], cfg), weights="gguf", initial_capacity=64)

@@ -14,8 +14,8 @@ from specdec.drafters.headless import DRAFT_ALPHA, Calibration, ChainAcceptance,
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.errors import SpecdecError
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, greedy_walk
 from tests.helpers import (

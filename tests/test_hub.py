@@ -6,7 +6,7 @@ import torch
 
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from specdec.target.loading import load_model, resolve
+from specdec.runtime.loading import load_model, resolve
 from tests.helpers import tiny_model, word_tokenizer
 
 REPO = "testorg/tiny-chat"

@@ -11,8 +11,8 @@ from specdec.drafters.medusa import dense_choices, sparse_choices
 from specdec.errors import SpecdecError
 from specdec.heads.hydra import HydraHeads, HydraRunner
 from specdec.heads.medusa_io import load_medusa, save_medusa
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from tests import helpers
 from tests.helpers import PROMPTS, chi2_pvalue, exact_first3, flat_tiny, make_hydra, run, sample_first3
 

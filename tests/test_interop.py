@@ -16,8 +16,8 @@ from specdec.heads.medusa_formats import export_medusa, import_medusa
 from specdec.heads.medusa_io import load_medusa, save_medusa
 from specdec.heads.model import EagleHead, head_config
 from specdec.heads.runner import runner_for
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from specdec.tree import TreeBudget
 from tests.helpers import PROMPTS, make_head, make_head3, make_heads, run, tiny_gguf, tiny_model
 
@@ -197,7 +197,7 @@ def test_unknown_format_is_one_line(tmp_path, capsys):
 def test_a_gguf_target_supplies_its_lm_head_rows_to_an_export(tmp_path, monkeypatch):
     """--model a .gguf: the target keeps its blocks, and the export takes the LM head rows de-quantized."""
     from specdec.cli import interop as cli_interop
-    from specdec.target.gguf import GGUFModel
+    from specdec.runtime.gguf import GGUFModel
 
     path, model = tiny_gguf(tmp_path / "t.gguf", "Q8_0", "llama", num_hidden_layers=8)  # no tokenizer: load stood in
     monkeypatch.setattr(cli_interop, "load_model", lambda spec, *a: (GGUFModel(spec, model.config), None, None))

@@ -194,7 +194,7 @@ def test_llama_server_loads_and_drafts_with_the_exported_head(tmp_path):
 
     from specdec.bench.llamacpp import _free_port, server_binary
     from specdec.heads.model import Eagle3Head, head_config
-    from specdec.target.loading import resolve
+    from specdec.runtime.loading import resolve
 
     try:
         gguf = resolve("smollm2")

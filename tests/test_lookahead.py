@@ -9,8 +9,8 @@ from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.lookahead import MAX_ROWS, LookaheadDrafter
 from specdec.engine import Sequence, Stats
 from specdec.errors import SpecdecError
+from specdec.runtime.lean import EXACT_ROWS, LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import EXACT_ROWS, LeanRunner
 from specdec.tree import DraftTree
 from tests.helpers import chi2_pvalue, exact_first3, flat_tiny, greedy_taus, run, sample_first3, tiny_model
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec import machine
 from specdec.machine import memory_floor, weight_bytes_per_token
+from specdec.runtime import cpus
 from tests.helpers import tiny_model
 
 
@@ -35,10 +35,10 @@ class ScriptedMachine:
     def __init__(self, monkeypatch, ncpu=2):
         self.wall = self.busy = self.own = 0.0
         self.helpers: dict[int, float] = {}
-        monkeypatch.setattr(machine, "_cpu_busy_s", lambda: self.busy)
-        monkeypatch.setattr(machine, "_pid_cpu_s", lambda pid: self.helpers.get(pid, 0.0))
-        monkeypatch.setattr(machine, "usable_cpus", lambda: ncpu)
-        monkeypatch.setattr(machine, "time", SimpleNamespace(perf_counter=lambda: self.wall,
+        monkeypatch.setattr(cpus, "_cpu_busy_s", lambda: self.busy)
+        monkeypatch.setattr(cpus, "_pid_cpu_s", lambda pid: self.helpers.get(pid, 0.0))
+        monkeypatch.setattr(cpus, "usable_cpus", lambda: ncpu)
+        monkeypatch.setattr(cpus, "time", SimpleNamespace(perf_counter=lambda: self.wall,
                                                              process_time=lambda: self.own,
                                                              sleep=lambda s: self.advance(s)))
 
@@ -53,7 +53,7 @@ class ScriptedMachine:
 
 def test_a_helper_process_counts_as_the_runs_own_work(monkeypatch):
     m = ScriptedMachine(monkeypatch, ncpu=2)
-    alone, with_helper = machine.ContentionMeter([]), machine.ContentionMeter([4242])
+    alone, with_helper = cpus.ContentionMeter([]), cpus.ContentionMeter([4242])
     # 2 s on 2 CPUs: this process 1 CPU-s, a helper (say a peer's llama-server) 1.5, a stranger 0.5
     m.advance(2.0, own=1.0, others=0.5, helpers={4242: 1.5})
     assert alone.result()["other_cpu_frac"] == pytest.approx((1.5 + 0.5) / 4)
@@ -64,19 +64,19 @@ def test_a_helper_process_counts_as_the_runs_own_work(monkeypatch):
 
 def test_contention_never_goes_negative_and_is_unknown_without_proc(monkeypatch):
     m = ScriptedMachine(monkeypatch)
-    meter = machine.ContentionMeter()
+    meter = cpus.ContentionMeter()
     m.advance(1.0, own=0.5)
     m.busy -= 0.2  # /proc/stat ticks are coarser than process_time: own time can exceed the machine's
     assert meter.result()["other_cpu_frac"] == 0.0
-    monkeypatch.setattr(machine, "_cpu_busy_s", lambda: None)
-    assert machine.ContentionMeter().result() == {"other_cpu_frac": None}
+    monkeypatch.setattr(cpus, "_cpu_busy_s", lambda: None)
+    assert cpus.ContentionMeter().result() == {"other_cpu_frac": None}
 
 
 @pytest.mark.parametrize("others, free", [(0.0, 4), (0.5, 4), (1.0, 3), (2.9, 1), (4.0, 1)])
 def test_free_cpus_leaves_out_the_cpus_others_keep_busy(monkeypatch, others, free):
     m = ScriptedMachine(monkeypatch, ncpu=4)
-    monkeypatch.setattr(machine.time, "sleep", lambda s: m.advance(1.0, others=others))
-    assert machine.free_cpus() == free
+    monkeypatch.setattr(cpus.time, "sleep", lambda s: m.advance(1.0, others=others))
+    assert cpus.free_cpus() == free
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -86,5 +86,5 @@ def test_a_live_process_cpu_time_is_read_from_proc():
     t = time.process_time()
     while time.process_time() - t < 0.05:  # a little CPU work of our own, so the tick count moves
         pass
-    assert machine._pid_cpu_s(os.getpid()) > 0
-    assert machine._pid_cpu_s(2**22 + 1) == 0.0  # no such process
+    assert cpus._pid_cpu_s(os.getpid()) > 0
+    assert cpus._pid_cpu_s(2**22 + 1) == 0.0  # no such process

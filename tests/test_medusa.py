@@ -21,8 +21,8 @@ from specdec.drafters.medusa import (
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaHeads, MedusaRunner
 from specdec.heads.medusa_io import load_medusa, save_medusa
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from specdec.tree import DraftTree
 from specdec.verify import Typical, verify
 from tests import helpers

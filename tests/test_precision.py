@@ -11,11 +11,11 @@ import torch
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.errors import SpecdecError
+from specdec.runtime.base import tree_mask
+from specdec.runtime.lean import LeanRunner
+from specdec.runtime.loading import Runtime, make_runner
+from specdec.runtime.packed import Linear, invariant_block
 from specdec.sampling import SamplingParams
-from specdec.target.base import tree_mask
-from specdec.target.lean import LeanRunner
-from specdec.target.loading import Runtime, make_runner
-from specdec.target.packed import Linear, invariant_block
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     PROMPTS,
@@ -143,7 +143,7 @@ def test_int8_sampling_matches_the_int8_targets_distribution(shape):
 
 
 def test_weights_are_checked_and_need_the_lean_runner(monkeypatch):
-    from specdec.target import stream
+    from specdec.runtime import stream
 
     with pytest.raises(SpecdecError, match="weights"):
         Runtime(weights="int3")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdec.target.base import tree_mask
-from specdec.target.hf import HFRunner
-from specdec.target.lean import LeanRunner
+from specdec.runtime.base import tree_mask
+from specdec.runtime.hf import HFRunner
+from specdec.runtime.lean import LeanRunner
 from specdec.tree import DraftTree
 from tests.helpers import tiny_model
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec.api import from_models
-from specdec.target.loading import load_model
+from specdec.runtime.loading import load_model
 
 pytestmark = pytest.mark.slow  # every test here runs the real embedded SmolLM2
 
@@ -177,7 +177,7 @@ def test_int8_target_auto_equals_int8_vanilla_exactly(smol):
 @pytest.fixture(scope="module")
 def smol_gguf():
     """The embedded file as a user gets it by default: its own Q4_1/Q8_0 blocks."""
-    from specdec.target import stream
+    from specdec.runtime import stream
 
     if stream.kernel() is None:
         pytest.skip("needs the streaming kernels (x86-64, AVX2)")
@@ -190,7 +190,7 @@ def test_the_gguf_file_on_its_own_blocks_decodes_exactly(smol_gguf, smol, method
     """The default load: no float copy; auto (with the shipped head, fingerprinted on the de-quantized
     table) and the others reproduce that target's greedy text exactly; and its text follows the fp32
     conversion's closely (int8 activations are the only other difference)."""
-    from specdec.target.gguf import GGUFModel
+    from specdec.runtime.gguf import GGUFModel
 
     model, tok = smol_gguf
     assert isinstance(model, GGUFModel) and model.weight_types == {"Q8_0": 1, "Q4_1": 210}

@@ -1,4 +1,4 @@
-"""The streaming linear kernel (target/stream.py): it builds here, computes the rounded-weight model at
+"""The streaming linear kernel (runtime/stream.py): it builds here, computes the rounded-weight model at
 every precision, gives every row the same bits whatever shares the call, and a machine that cannot
 build it falls back, with one warning, to kernels computing the same model."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.target import stream
-from specdec.target.lean import LeanRunner
-from specdec.target.packed import PRECISIONS, Linear, round_weight
+from specdec.runtime import stream
+from specdec.runtime.lean import LeanRunner
+from specdec.runtime.packed import PRECISIONS, Linear, round_weight
 from tests.helpers import run, tiny_model
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
@@ -288,8 +288,8 @@ def test_fused_elementwise_ops_match_torch():
 def test_the_fused_layer_computes_the_torch_layer(family):
     """llama.Block on the fused kernels against its own torch ops with the same linears: prefill (SDPA),
     decode, a chain and a tree (row by row), the same output and the same K/V written."""
-    from specdec.target.kv import KVCache
-    from specdec.target.llama import Block, Rope
+    from specdec.runtime.kv import KVCache
+    from specdec.runtime.llama import Block, Rope
 
     model = tiny_model(family)
     layer, cfg = model.model.layers[1], model.config

@@ -6,8 +6,8 @@ import torch
 
 from specdec.drafters.base import NoDrafter
 from specdec.errors import SpecdecError
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.target.lean import LeanRunner
 from tests.helpers import (
     PROMPTS,
     chi2_pvalue,

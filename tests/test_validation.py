@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from specdec.api import GenerationParams, from_models
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
-from specdec.target.loading import Runtime
+from specdec.runtime.loading import Runtime
 from tests.helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]

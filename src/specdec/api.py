@@ -15,11 +15,11 @@ from specdec.drafters.base import Drafter
 from specdec.engine import Stats, decode
 from specdec.errors import SpecdecError
 from specdec.options import option
+from specdec.runtime.base import Runner
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.loading import Runtime, build_runner, eos_ids, load_model
 from specdec.sampling import SamplingParams
 from specdec.slot import Slot
-from specdec.target.base import Runner
-from specdec.target.gguf import GGUFModel
-from specdec.target.loading import Runtime, build_runner, eos_ids, load_model
 
 # the README demo: what `specdec generate` answers without a prompt, and `bench --demo` times
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."

@@ -19,8 +19,8 @@ import time
 from specdec.drafters.base import Drafter
 from specdec.engine import Sequence, Stats
 from specdec.errors import SpecdecError
+from specdec.runtime.base import Runner
 from specdec.sampling import SamplingParams
-from specdec.target.base import Runner
 
 
 class Batch:

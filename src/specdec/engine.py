@@ -12,9 +12,9 @@ import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
+from specdec.runtime.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
-from specdec.target.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 

@@ -1,5 +1,5 @@
-"""What this machine is and what things cost on it: one place for the CPU description, the load other
-processes put on it during a measurement, and timing a target forward. Used by `tune`, `bench` and the
+"""What things cost on this machine: timing a target forward, the streaming bandwidth and a model's
+memory floor, and the record a benchmark keeps of where it ran. Used by `tune`, `bench` and the
 scripts. Costs differ from one machine of the same kind to the next, so they are measured where the
 code runs, never shipped as constants."""
 
@@ -16,23 +16,10 @@ from pathlib import Path
 
 import torch
 
-from specdec.target.base import chain_mask
-from specdec.target.gguf import GGUFModel
-from specdec.target.packed import onednn_available, weight_bytes
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from specdec.runtime.base import chain_mask
+from specdec.runtime.cpus import cpu_name, usable_cpus
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.packed import onednn_available, weight_bytes
 
 
 def machine_info() -> dict:
@@ -65,57 +52,6 @@ def machine_summary() -> dict:
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__}
 
-
-def _cpu_busy_s() -> float | None:
-    """Seconds of CPU time every process on the machine has used (user+nice+system+irq), from /proc/stat."""
-    try:
-        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        return sum(int(x) for x in f[1:4] + f[6:9]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def free_cpus(window_s: float = 0.1) -> int:
-    """The usable CPUs other processes leave free, measured over a short window (at least 1): a CPU counts
-    as taken when others kept it at least 60% busy. Why: a 2-thread decode beside one busy process ran
-    at 0.9 tok/s, against 46-51 tok/s with one thread (OpenMP's barriers wait for the preempted thread)."""
-    meter = ContentionMeter()
-    time.sleep(window_s)
-    frac = meter.result().get("other_cpu_frac")
-    n = usable_cpus()
-    if frac is None:
-        return n
-    return max(1, n - int(frac * n + 0.4))
-
-
-def _pid_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a live process has used, from /proc/<pid>/stat; 0 if unreadable."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-class ContentionMeter:
-    """Share of the usable CPUs that *other* processes used during a timed run: a benchmark that shared
-    the cores with another job measures that job as much as the method. `helpers`: pids of the run's own
-    subprocesses (a peer's llama-server), whose work is the run's, not contention."""
-
-    def __init__(self, helpers: Sequence[int] = ()) -> None:
-        self.helpers = list(helpers)
-        self.help0 = sum(_pid_cpu_s(p) for p in self.helpers)
-        self.busy0, self.own0, self.t0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
-
-    def result(self) -> dict:
-        busy1, own1, wall = _cpu_busy_s(), time.process_time(), time.perf_counter() - self.t0
-        own1 += sum(_pid_cpu_s(p) for p in self.helpers) - self.help0
-        ncpu = usable_cpus()
-        if self.busy0 is None or busy1 is None or wall <= 0:
-            return {"other_cpu_frac": None}
-        others = max(0.0, (busy1 - self.busy0) - (own1 - self.own0))
-        return {"other_cpu_frac": others / (wall * ncpu), "own_cpu_frac": (own1 - self.own0) / (wall * ncpu),
-                "loadavg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
 def _interleaved_times(runner, ctx: int, calls: dict, reps: int, warmup: int) -> dict:

@@ -20,8 +20,8 @@ from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values
+from specdec.runtime.loading import Runtime, load_model, native_gguf
 from specdec.sampling import SamplingParams
-from specdec.target.loading import Runtime, load_model, native_gguf
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
 # repeated measurements of vanilla against one thing, interleaved in one warm process: bundles of the flags

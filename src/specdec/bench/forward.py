@@ -18,7 +18,7 @@ from specdec.bench.outdir import ensure_writable_dir
 from specdec.errors import SpecdecError
 from specdec.machine import forward_costs, memory_floor, stream_bandwidth
 from specdec.options import arg_type
-from specdec.target.loading import Runtime, build_runner, load_model, resolve
+from specdec.runtime.loading import Runtime, build_runner, load_model, resolve
 
 ROWS = (1, 2, 4, 8, 16)
 

@@ -40,7 +40,7 @@ from pydantic import ValidationInfo, field_validator
 from specdec.errors import SpecdecError
 from specdec.files import atomic_file, cache_dir
 from specdec.options import Options, option
-from specdec.target.loading import resolve
+from specdec.runtime.loading import resolve
 
 NAMES = ("llamacpp", "llamacpp-pld", "llamacpp-server")
 INSTALL = 'pip install -e ".[peers]"'

@@ -16,7 +16,7 @@ from pathlib import Path
 from specdec.bench import llamacpp
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
-from specdec.target.loading import Runtime
+from specdec.runtime.loading import Runtime
 
 HF_PEERS = ("hf", "hf-pld", "hf-assisted")
 OWN_TARGET = ("weights", "target")  # options of the bench, not of the method: which target it runs on

@@ -28,9 +28,10 @@ from specdec.bench.outdir import check_out_dir, clear_out_dir
 from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
 from specdec.errors import SpecdecError
-from specdec.machine import ContentionMeter, machine_info, memory_floor
-from specdec.target.gguf import GGUFModel
-from specdec.target.loading import load_like, model_for, own_precision
+from specdec.machine import machine_info, memory_floor
+from specdec.runtime.cpus import ContentionMeter
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.loading import load_like, model_for, own_precision
 
 
 @dataclass

@@ -20,9 +20,9 @@ from specdec.cli.chat import repl
 from specdec.cli.output import detail_line, end_answer, say, write_answer
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
-from specdec.machine import ContentionMeter
 from specdec.options import add_flags, arg_type, flag_values, one_line_errors
-from specdec.target.loading import Runtime, resolve
+from specdec.runtime.cpus import ContentionMeter
+from specdec.runtime.loading import Runtime, resolve
 from specdec.training import datagen_cli, train_cli
 from specdec.tune import cli as tune_cli
 

@@ -10,8 +10,8 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.heads.interop import ENGINES, detect, export_head, import_head
 from specdec.options import one_line_errors
-from specdec.target.gguf import QuantTensor
-from specdec.target.loading import load_model, resolve
+from specdec.runtime.gguf import QuantTensor
+from specdec.runtime.loading import load_model, resolve
 
 _MODEL_HELP = ("the target (HF dir, .gguf or smollm2): every tensor is checked against it, and it supplies "
                "the LM head rows and layer count a head may take from it; without it nothing is checked")

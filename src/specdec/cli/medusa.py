@@ -11,7 +11,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.medusa_formats import FORMATS, detect_format, export_medusa, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
 from specdec.options import one_line_errors
-from specdec.target.loading import load_model
+from specdec.runtime.loading import load_model
 
 
 def add_parser(sub) -> None:

@@ -35,7 +35,7 @@ from specdec.drafters.controller import LOOKUP_PRIOR, LOOKUP_PRIOR_SAMPLED, VANI
 from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.machine import ContentionMeter
+from specdec.runtime.cpus import ContentionMeter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 

@@ -13,7 +13,7 @@ from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Typical, Verdict
 
 if TYPE_CHECKING:  # the runners import this module's types
-    from specdec.target.base import ForwardOut, Runner
+    from specdec.runtime.base import ForwardOut, Runner
 
 
 @dataclass

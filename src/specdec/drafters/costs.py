@@ -24,9 +24,10 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.files import atomic_write_text, cache_dir
-from specdec.machine import ContentionMeter, attention_slope, cpu_name, forward_costs, usable_cpus
+from specdec.machine import attention_slope, forward_costs
+from specdec.runtime.base import Runner
+from specdec.runtime.cpus import ContentionMeter, cpu_name, usable_cpus
 from specdec.sampling import SamplingParams
-from specdec.target.base import Runner
 from specdec.tree import TreeBudget
 from specdec.verify import Verdict
 

@@ -11,9 +11,9 @@ import torch
 from specdec.drafters.base import DecodeContext, TreeDrafter
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
+from specdec.runtime.base import Runner
+from specdec.runtime.loading import Runtime, build_runner, check_same_vocab
 from specdec.sampling import probs_from_logits, sample, tempered_log_probs
-from specdec.target.base import Runner
-from specdec.target.loading import Runtime, build_runner, check_same_vocab
 from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
 from specdec.vocab import draft_vocab
 

@@ -31,8 +31,8 @@ from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
 from specdec.heads.runner import HeadRunner, runner_for
 from specdec.heads.shipped import find_shipped_head, shipped_targets
+from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs
-from specdec.target.gguf import float_weight
 from specdec.tree import (
     DraftTree,
     NodeSlots,

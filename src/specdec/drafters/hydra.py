@@ -21,8 +21,8 @@ from specdec.errors import SpecdecError
 from specdec.heads.hydra import HydraHeads, HydraRunner
 from specdec.heads.medusa_io import load_medusa
 from specdec.heads.shipped import find_shipped_head
+from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs
-from specdec.target.gguf import float_weight
 from specdec.tree import DraftTree, draw_children
 from specdec.verify import Typical
 

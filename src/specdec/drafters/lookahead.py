@@ -27,7 +27,7 @@ from specdec.errors import SpecdecError
 from specdec.sampling import argmax_rows
 from specdec.tree import DraftTree
 
-MAX_ROWS = 64  # the rows of a forward whose bits the lean runner keeps exact (target/lean.py EXACT_ROWS)
+MAX_ROWS = 64  # the rows of a forward whose bits the lean runner keeps exact (runtime/lean.py EXACT_ROWS)
 
 
 class LookaheadDrafter(Drafter):

@@ -34,8 +34,8 @@ from specdec.heads.medusa import MedusaRunner
 from specdec.heads.medusa_formats import import_medusa
 from specdec.heads.shipped import find_shipped_head
 from specdec.machine import forward_costs
+from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs
-from specdec.target.gguf import float_weight
 from specdec.tree import DraftTree, check_choices, draw_children
 from specdec.verify import Typical
 

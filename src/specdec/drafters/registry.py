@@ -27,7 +27,7 @@ from specdec.errors import SpecdecError
 from specdec.options import Options, Param, bool_flag, flag_help, option
 
 if TYPE_CHECKING:  # loading imports torch: `specdec methods` and option errors must stay fast
-    from specdec.target.loading import Runtime
+    from specdec.runtime.loading import Runtime
 
 __all__ = ["Method", "Options", "Target", "get", "markdown_table", "methods", "names", "option", "parse", "register"]
 

@@ -26,10 +26,10 @@ from torch import nn
 
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaHeads
-from specdec.target.base import Cached
-from specdec.target.kv import KVCache
-from specdec.target.llama import Block, Rope, chain_attention
-from specdec.target.packed import Linear
+from specdec.runtime.base import Cached
+from specdec.runtime.kv import KVCache
+from specdec.runtime.llama import Block, Rope, chain_attention
+from specdec.runtime.packed import Linear
 
 # the target's sizes a prefix layer copies (config.json "prefix_attention")
 PREFIX_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",

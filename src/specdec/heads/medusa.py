@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.target.packed import Linear
+from specdec.runtime.packed import Linear
 
 LM_HEADS = ("target", "own")
 

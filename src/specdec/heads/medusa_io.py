@@ -21,7 +21,7 @@ from specdec.heads.medusa import LM_HEADS, MedusaHeads
 
 CONFIG_KEYS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "lm_head")
 # specdec.kind: "medusa" (Medusa-1, for the target they were trained on) or "medusa-2" (trained jointly with
-# the backbone: for the new target named by specdec.lossless_relative_to / specdec.target) or "hydra" (HydraHeads)
+# the backbone: for the new target named by specdec.lossless_relative_to / specdec.runtime) or "hydra" (HydraHeads)
 KINDS = ("medusa", "medusa-2", "hydra")
 
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from specdec.errors import SpecdecError
 from specdec.heads.fspad import feature_sampler, gated_sample, pad_outputs
-from specdec.target.base import Cached
-from specdec.target.kv import KVCache
-from specdec.target.llama import Block, Rope, chain_attention
-from specdec.target.packed import Linear
+from specdec.runtime.base import Cached
+from specdec.runtime.kv import KVCache
+from specdec.runtime.llama import Block, Rope, chain_attention
+from specdec.runtime.packed import Linear
 
 if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): drafting does not need them
     from specdec.heads.model import EagleHead

@@ -32,11 +32,11 @@ from specdec.errors import SpecdecError
 from specdec.files import atomic_write_text, data_roots, find_data
 from specdec.heads.shipped import target_fingerprint
 from specdec.options import arg_type, checked
+from specdec.runtime import lean as lean_mod
+from specdec.runtime.batched import batch_generate
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.loading import eos_ids
 from specdec.sampling import SamplingParams
-from specdec.target import lean as lean_mod
-from specdec.target.batched import batch_generate
-from specdec.target.gguf import GGUFModel
-from specdec.target.loading import eos_ids
 from specdec.training import dist
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import (

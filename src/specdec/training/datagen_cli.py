@@ -8,7 +8,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.options import add_flags, arg_type, flag_values, one_line_errors
-from specdec.target.loading import Runtime, load_model
+from specdec.runtime.loading import Runtime, load_model
 from specdec.training.datagen import (
     _DTYPES,
     PLAN_RULES,

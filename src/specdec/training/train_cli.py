@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from specdec.options import add_flags, flag_values, one_line_errors
-from specdec.target.loading import Runtime, materialize
+from specdec.runtime.loading import Runtime, materialize
 from specdec.training.config import LoopConfig
 from specdec.training.loop import load_target
 from specdec.training.medusa import MedusaTrainConfig, finished_heads, train_medusa

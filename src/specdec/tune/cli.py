@@ -12,9 +12,9 @@ from specdec.api import from_models
 from specdec.errors import SpecdecError
 from specdec.heads.io import is_eagle3_dir
 from specdec.heads.shipped import find_shipped_head
-from specdec.machine import cpu_name
 from specdec.options import add_flags, flag_values
-from specdec.target.loading import Runtime, load_model
+from specdec.runtime.cpus import cpu_name
+from specdec.runtime.loading import Runtime, load_model
 from specdec.tune.sampled import choose_sampled, sampled_acceptance
 from specdec.tune.search import LOOKUPS, SIZES, tune
 from specdec.tuning import save_tuning, tuning_path

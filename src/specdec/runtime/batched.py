@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.runtime.gguf import QuantTensor
+from specdec.runtime.kv import KVCache
+from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.target.gguf import QuantTensor
-from specdec.target.kv import KVCache
-from specdec.target.lean import LeanRunner
 
 
 @torch.inference_mode()

@@ -1,5 +1,5 @@
 // Memory-bound linears for decode steps and verify trees, built on first use by
-// specdec.target.stream. y[n, o] = (sum_k x[n, k] * w[o, k]) * scale[o] + bias[o]: x and y fp32; w fp32,
+// specdec.runtime.stream. y[n, o] = (sum_k x[n, k] * w[o, k]) * scale[o] + bias[o]: x and y fp32; w fp32,
 // bf16, fp16 or int8, widened to fp32 in registers, so accumulation is always fp32.
 //
 // Why hand-written: a decode step streams every weight once, and oneDNN's/MKL's small-N kernels read

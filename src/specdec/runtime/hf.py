@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specdec.target.base import ForwardOut, Runner, chain_mask
-from specdec.target.kv import Rows
-from specdec.target.packed import precision_name
+from specdec.runtime.base import ForwardOut, Runner, chain_mask
+from specdec.runtime.kv import Rows
+from specdec.runtime.packed import precision_name
 
 
 class HFCache(Rows):

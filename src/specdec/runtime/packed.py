@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecdecError
-from specdec.target import stream
-from specdec.target.gguf import QuantTensor, QuantWeight
+from specdec.runtime import stream
+from specdec.runtime.gguf import QuantTensor, QuantWeight
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
-GGUF = "gguf"  # a GGUF file's own quantized blocks (target/gguf.py), read by kernels/quant.cpp
+GGUF = "gguf"  # a GGUF file's own quantized blocks (runtime/gguf.py), read by kernels/quant.cpp
 FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCKS = (1024, 512, 256, 128)  # reduction blocks tried, longest first (longer ones were never invariant)
 

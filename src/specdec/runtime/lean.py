@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.target import stream
-from specdec.target.base import ForwardOut, Part, Runner
-from specdec.target.gguf import QuantTensor
-from specdec.target.kv import KVCache
-from specdec.target.llama import Block, PackedRows, Rope, chain_attention, visible_columns
-from specdec.target.packed import HeadRows, Linear, precision_name
+from specdec.runtime import stream
+from specdec.runtime.base import ForwardOut, Part, Runner
+from specdec.runtime.gguf import QuantTensor
+from specdec.runtime.kv import KVCache
+from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, visible_columns
+from specdec.runtime.packed import HeadRows, Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 # Forwards of up to this many rows (decode steps, verify trees) attend row by row, which makes a row's

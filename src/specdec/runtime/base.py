@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.target import stream
-from specdec.target.kv import Rows
-from specdec.target.packed import Q8
+from specdec.runtime import stream
+from specdec.runtime.kv import Rows
+from specdec.runtime.packed import Q8
 
 
 @dataclass

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.target import stream
-from specdec.target.gguf import cat_rows
-from specdec.target.kv import KVCache
-from specdec.target.packed import Linear
+from specdec.runtime import stream
+from specdec.runtime.gguf import cat_rows
+from specdec.runtime.kv import KVCache
+from specdec.runtime.packed import Linear
 
 
 class Rope:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.target import stream
+from specdec.runtime import stream
 
 # GGML type ids (gguf.GGMLQuantizationType) the kernel reads, with (elements, bytes) per block
 QUANT_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
