@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from specdec.api import DEFAULT_PROMPT
-from specdec.bench import forward, load, papers
+from specdec.bench import forward, load, merge, papers
 from specdec.bench.compare import compare
 from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
@@ -105,12 +105,13 @@ def add_bench_parser(sub) -> None:
                    help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items()))
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_bench)
-    bs = b.add_subparsers(dest="bench_command", required=False, metavar="{compare,serve,forward}")
+    bs = b.add_subparsers(dest="bench_command", required=False, metavar="{compare,merge,serve,forward}")
     c = bs.add_parser("compare", help="side-by-side Markdown table of two result dirs")
     c.add_argument("a")
     c.add_argument("b")
     c.add_argument("--out", dest="compare_out", default=None, help="also write the table to this file")
     c.set_defaults(func=cmd_compare)
+    merge.add_parser(bs)
     load.add_parser(bs)
     forward.add_parser(bs)
 
