@@ -20,7 +20,7 @@ from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values
-from specdec.runtime.loading import Runtime, load_model, native_gguf
+from specdec.runtime.loading import Runtime, load_model, native_gguf, resolve
 from specdec.sampling import SamplingParams
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
@@ -188,6 +188,9 @@ def cmd_bench(args) -> int:
     sp = SamplingParams.parse(flag_values(args, SamplingParams))
     temps = _temperatures(args, sp)
     rt = Runtime.parse(flag_values(args, Runtime))
+    resolve(args.model)
+    if args.draft is not None:
+        resolve(args.draft, "--draft")
     gguf = native_gguf(args.model, rt.device, rt.weights)
     asked = [m.split(":")[0].strip() for m in (args.methods or "").split(",")]
     if gguf and rt.weights is None and any(m in HF_PEERS for m in asked):  # HF peers need the HF forward:
