@@ -56,15 +56,13 @@ def drive(batch: Batch, requests, params, max_batch: int) -> list[list[int]]:
     queue = list(range(len(requests)))
 
     def admit(limit):
-        while queue and len(batch.active) < limit:
+        while queue and len(batch) < limit:
             i = queue.pop(0)
             p = params[i] if isinstance(params, list) else params
-            seq, first = batch.join(requests[i][0], p, requests[i][1], stats[i])
-            owner[seq] = i
-            out[i] += first
+            owner[batch.join(requests[i][0], p, requests[i][1], stats[i])] = i
 
     admit(max_batch - 1)
-    while batch.active or queue:
+    while len(batch) or queue:
         for seq, new in batch.step():
             assert not isinstance(new, Exception), new
             out[owner[seq]] += new
@@ -194,10 +192,10 @@ def test_a_failing_sequence_leaves_alone(model):
 
     runner = LeanRunner(model, exact=True)
     batch = Batch(runner, Breaks(), EOS)
-    a, _ = batch.join([88], SamplingParams(), 10)
-    b, first = batch.join([1, 2, 3], SamplingParams(), 10)
-    out, errors = list(first), []
-    while batch.active:
+    a = batch.join([88], SamplingParams(), 10)
+    b = batch.join([1, 2, 3], SamplingParams(), 10)
+    out, errors = [], []
+    while len(batch):
         for seq, new in batch.step():
             if isinstance(new, Exception):
                 assert seq is a
