@@ -9,13 +9,14 @@ state) over shared weights; a row's bits are those it gets decoded alone, so eve
 would emit alone.
 
 A joining sequence's prompt goes in a chunk a step (chunked prefill, as in Sarathi and vLLM), packed into the
-same forward_many as the decoding rows: a step's prompt rows are what the decoding rows leave of the step's
-budget (`prefill_chunk`, at most the runner's exact rows), a quarter of it at least, so a long prompt never
-stalls the running streams for its whole prefill (a 3,000-token prompt stalled three streams 8.5 s). Bits:
-within exact rows a row's bits are those it gets alone, whatever shares its forward and however the prompt was
-split (test_prefill.py), so the chunked prompt's cache and first token are those of its prefill alone. A runner
-without exact rows takes the prompt whole, in one step, as alone. Sequences prefill one at a time, in order
-of arrival; one decodes from the step after its prompt is in.
+same forward_many as the decoding rows, so a long prompt no longer stalls the running streams for its whole
+prefill (a 3,000-token prompt stalled three streams 8.5 s). The chunk is what the decoding rows leave of the
+step's `prefill_chunk` rows (at most the runner's exact rows): decoding rows and chunk then make one forward,
+the weights read once. It is a quarter of them at least, so a prompt keeps going in when drafts fill the step
+(the forward is then split in two). Bits: within exact rows a row's bits are those it gets alone, whatever
+shares its forward and however the prompt was split (test_prefill.py), so the chunked prompt's cache and first
+token are those of its prefill alone. A runner without exact rows takes the prompt whole, in one step, as
+alone. Prompts go in one at a time, in order of arrival; a sequence decodes from the step after its prompt is in.
 
 A sequence's ctx.forward_s here spans the packed forward and its neighbours' drafting and verification,
 not a price of its own rows: drafters that learn prices from it (adaptive `auto`) fork without their clock,

@@ -5,8 +5,9 @@ its life (SmolLM2 76 tok/s against 87-98 quiet), and one that loaded quiet to tw
 process (a 2-thread decode beside one ran at 0.9 tok/s: OpenMP's barriers wait for the preempted thread).
 The decoding loops call tick() between forwards, never inside one; it re-reads the machine at most every
 EVERY_S, from /proc counters (microseconds, no sleep), and changes the count only after CONFIRM readings in a
-row agree on a new one, so one busy second moves nothing. A row's bits do not depend on the thread count (the
-native kernels split work over output rows, never over a reduction), so the count is free to move."""
+row agree on a new one, so one busy second moves nothing. A row's bits do not depend on the thread count: the
+native kernels split work over output rows, never over a reduction, and the fallbacks (oneDNN's packed GEMMs,
+MKL's GEMV, SDPA) gave the same bits at 1 and 2 threads here; tests/test_threads.py switches it mid-generation."""
 
 from __future__ import annotations
 
