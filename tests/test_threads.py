@@ -147,3 +147,22 @@ def test_a_pinned_run_holds_its_count_and_gives_the_controller_back():
         assert torch.get_num_threads() == 2 and script.seen == []
     threads.tick()
     assert script.seen == [1] and threads._controller is script
+
+
+def test_a_bench_run_holds_its_count_whatever_the_machine_does(monkeypatch):
+    """bench times every method at one count (the one it records): no controller moves it mid-run."""
+    from specdec.bench import runner as bench
+
+    seen = []
+
+    def timed(*args):
+        for _ in range(20):  # the run's decoding steps
+            threads.tick()
+            seen.append(torch.get_num_threads())
+        return {}
+
+    monkeypatch.setattr(bench, "_run", timed)
+    script = Scripted([1, 2])
+    threads.install(script)
+    bench.run_bench(bench.BenchConfig(methods=[], threads=2, progress=False), [object()], None, None)
+    assert seen == [2] * 20 and script.seen == [] and threads._controller is script
