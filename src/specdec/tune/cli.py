@@ -14,6 +14,7 @@ from specdec.files import check_writable
 from specdec.heads.io import is_eagle3_dir
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, flag_values
+from specdec.runtime import threads
 from specdec.runtime.cpus import cpu_name
 from specdec.runtime.loading import Runtime, load_model, resolve
 from specdec.tune.sampled import choose_sampled, sampled_acceptance
@@ -83,6 +84,7 @@ def cmd_tune(args) -> int:
     if any(n < 1 for n in lookups):
         raise SpecdecError(f"--lookups must be >= 1 each, got {args.lookups!r}")
     rt.apply()
+    threads.fix(torch.get_num_threads())  # costs are timed (and cached) per count: one count for the run
     model, tok, _ = load_model(args.model, "cpu", torch.float32)
     head = args.head or find_shipped_head(model, "eagle3") or find_shipped_head(model)
     if head is None:
