@@ -101,7 +101,9 @@ def _jit(key: str, flags: list[str], why: str):
     if so.exists():
         return _import(name, so)
     print(f"specdec: native kernels not built at install ({why}); building them now (needs g++)", file=sys.stderr)
-    return _build(name, flags + [kernel_build.key_define(key)], build)
+    mod = _build(name, flags + [kernel_build.key_define(key)], build)
+    mod.__file__ = str(so)  # it was loaded from the private directory that has since taken `build`'s name
+    return mod
 
 
 def _build(name: str, flags: list[str], build: Path):
