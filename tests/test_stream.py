@@ -3,13 +3,15 @@ every precision, gives every row the same bits whatever shares the call, and a m
 build it falls back, with one warning, to kernels computing the same model."""
 
 import platform
+import sys
+import types
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime import stream
+from specdec.runtime import kernel_build, stream
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.packed import PRECISIONS, Linear, round_weight
 from tests.helpers import run, tiny_model
@@ -74,7 +76,7 @@ def test_without_the_kernel_the_fallback_computes_the_same_model(monkeypatch, pr
     assert torch.equal(torch.cat([slow(x[i:i + 1]) for i in range(8)]), slow(x))
 
 
-def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path, capsys):
     import torch.utils.cpp_extension as ext
 
     def broken(*a, **k):
@@ -82,15 +84,70 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(ext, "load", broken)
+    monkeypatch.setattr(stream, "PREBUILT", "specdec.runtime._not_installed")
     stream.kernel.cache_clear()
     try:
         with pytest.warns(UserWarning, match="streaming linear kernel is unavailable.*g\\+\\+: not found"):
             assert stream.kernel() is None
+        said = capsys.readouterr().err.splitlines()
+        assert said == ["specdec: native kernels not built at install (none installed); building them now (needs g++)"]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert stream.kernel() is None  # cached: no second warning, no second build
         assert Linear(torch.randn(8, 16)).stream is None
     finally:
+        stream.kernel.cache_clear()
+
+
+@needs_kernel
+def test_the_module_built_at_install_serves_only_its_own_sources_and_machine(monkeypatch):
+    """setup.py's module is used where its key is this build's; one built from other sources (an editable
+    install edited since) or for another machine is not, nor is a missing one asked for twice."""
+    real = stream.kernel()
+    key = kernel_build.build_key(kernel_build.host_flags())
+    name = "specdec.runtime._installed_test"
+    monkeypatch.setattr(stream, "PREBUILT", name)
+    assert stream._prebuilt(key) == (None, "none installed")
+    try:
+        for build_key, used in ((key, True), ("0" * 16, False)):
+            installed = types.ModuleType(name)
+            installed.__dict__.update({n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+            installed.__file__, installed.build_key = real.__file__, build_key
+            monkeypatch.setitem(sys.modules, name, installed)
+            stream.kernel.cache_clear()
+            assert (stream.kernel() is installed) == used, build_key
+            assert stream.kernel() is not None
+    finally:
+        stream.kernel.cache_clear()
+
+
+@needs_kernel
+def test_the_self_check_runs_once_per_build(monkeypatch):
+    """Passed once, a build is recorded (by its binary's digest) and not checked again by later
+    processes; a failed check records nothing."""
+    calls, check = [], stream._self_check
+    monkeypatch.setattr(stream, "_self_check", lambda mod: calls.append(mod) or check(mod))
+    mark = stream._check_mark(stream.kernel())
+    try:
+        mark.unlink()
+        for _ in range(2):  # as two processes: each loads the kernel anew
+            stream.kernel.cache_clear()
+            assert stream.kernel() is not None
+        assert len(calls) == 1 and mark.exists()
+        mark.unlink()
+
+        def fails(mod):
+            raise RuntimeError("self-check failed: linear differs from torch's")
+
+        monkeypatch.setattr(stream, "_self_check", fails)
+        stream.kernel.cache_clear()
+        with pytest.warns(UserWarning, match="self-check failed"):
+            assert stream.kernel() is None
+        assert not mark.exists()
+    finally:
+        stream.kernel.cache_clear()
+        monkeypatch.setattr(stream, "_self_check", check)
+        assert stream.kernel() is not None and mark.exists()  # recorded again for the tests after this one
         stream.kernel.cache_clear()
 
 

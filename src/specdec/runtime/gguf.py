@@ -24,15 +24,21 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.runtime import stream
 
-# GGML type ids (gguf.GGMLQuantizationType) the kernel reads, with (elements, bytes) per block
-QUANT_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
-               8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+# the GGML block formats kernels/quant.cpp reads (gguf.GGMLQuantizationType names; ids and block sizes are
+# the gguf package's), and those kernels/interleaved.cpp re-lays 16 rows at a time
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+X16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ARCHS = ("llama", "qwen2", "mistral")
 
 
-# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: re-laid 16 rows at a time for the kernel (kernels/interleaved.cpp)
-X16_TYPES = (2, 3, 6, 8, 12, 14)
+@functools.cache
+def quant_types() -> dict[int, tuple[str, int, int]]:
+    """GGML type id -> (name, elements, bytes) per block of each format the kernels read, from the gguf
+    package (imported here, on first use: it takes ~0.2 s)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in (GGMLQuantizationType[n] for n in KERNEL_TYPES)}
 
 
 class QuantTensor:
@@ -45,18 +51,18 @@ class QuantTensor:
 
     def interleave(self) -> QuantTensor:
         """Re-lay the rows in place for the x16 kernel where the format and row count allow (idempotent)."""
-        if not self.x16 and self.qtype in X16_TYPES and self.shape[0] % 16 == 0:
+        if not self.x16 and self.type_name in X16_TYPES and self.shape[0] % 16 == 0:
             self.data.copy_(stream.kernel().repack16(self.data, self.qtype))
             self.x16 = True
         return self
 
     @property
     def type_name(self) -> str:
-        return QUANT_TYPES[self.qtype][0]
+        return quant_types()[self.qtype][0]
 
     @property
     def family(self) -> int:  # activation block size the kernel pairs it with
-        return QUANT_TYPES[self.qtype][1]
+        return quant_types()[self.qtype][1]
 
     @property
     def op(self) -> str:
@@ -172,9 +178,9 @@ class GGUFModel:
             raise SpecdecError(f"weights=gguf runs {', '.join(ARCHS)} models; {path} is {arch!r} (use weights=fp32)")
         tensors = {t.name: t for t in reader.tensors}
         self.n_params = sum(int(t.n_elements) for t in reader.tensors)
-        kinds = Counter(t.tensor_type.name for t in reader.tensors if int(t.tensor_type) in QUANT_TYPES)
+        kinds = Counter(t.tensor_type.name for t in reader.tensors if int(t.tensor_type) in quant_types())
         self.block_types = ", ".join(k for k, _ in kinds.most_common())  # e.g. "Q4_K, Q6_K" (most used first)
-        arena = _Arena(path, [t for t in reader.tensors if int(t.tensor_type) in QUANT_TYPES])
+        arena = _Arena(path, [t for t in reader.tensors if int(t.tensor_type) in quant_types()])
         get = functools.partial(_tensor, tensors, path, arena)
         cfg = config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -280,7 +286,7 @@ def _tensor(tensors: dict, path: Path, arena: _Arena, name: str, optional: bool 
             return None
         raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2 GGUF file")
     qtype = int(t.tensor_type)
-    if qtype in QUANT_TYPES:
+    if qtype in quant_types():
         k = int(t.shape[0])  # GGUF lists dimensions innermost first
         if len(t.data.shape) != 2:
             raise SpecdecError(f"{path}: {name} is not a matrix")
@@ -288,10 +294,10 @@ def _tensor(tensors: dict, path: Path, arena: _Arena, name: str, optional: bool 
     with warnings.catch_warnings():  # the file is mapped read-only, and nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(np.asarray(t.data))
-    if qtype in FLOAT_TYPES:
+    if t.tensor_type.name in FLOAT_TYPES:
         return data.to(torch.float32).clone()  # norms, biases, small float matrices
     raise SpecdecError(f"{path}: {name} is stored as {t.tensor_type.name}, which weights=gguf does not read "
-                       f"(it reads {', '.join(v[0] for v in QUANT_TYPES.values())}, F32, F16); use weights=fp32")
+                       f"(it reads {', '.join(KERNEL_TYPES + tuple(FLOAT_TYPES))}); use weights=fp32")
 
 
 def _unpermute(w, n_head: int):

@@ -1,6 +1,7 @@
-"""The streaming linear kernel (kernels/stream.cpp): built once per machine on first use, then loaded from
-the cache. None where it cannot run (not x86 with AVX2, no C++ compiler, SPECDEC_STREAM=0): the lean
-runner then falls back to oneDNN/torch linears (packed.py).
+"""The streaming linear kernel (kernels/stream.cpp) and the other native kernels in its module: compiled
+when the package installs (setup.py), else built once per machine on first use and loaded from the cache.
+None where it cannot run (not x86 with AVX2, no C++ compiler, SPECDEC_STREAM=0): the lean runner then falls
+back to oneDNN/torch linears (packed.py).
 
 Why a kernel of our own: a decode step reads every weight once, and oneDNN's small-row GEMMs stream them
 at ~60% of the bandwidth (docs/history/benchmarks-engine-llamacpp.md); this one reaches `torch.sum`'s
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.util
 import os
-import platform
 import sys
 import threading
 import warnings
@@ -24,25 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_dir, cache_dir
+from specdec.files import atomic_dir, atomic_write_text, cache_dir
+from specdec.runtime import kernel_build
 
-SOURCES = [Path(__file__).with_name("kernels") / f for f in ("stream.cpp", "fused.cpp", "quant.cpp",
-                                                                "interleaved.cpp")]
-HEADER = Path(__file__).with_name("kernels") / "ops.h"  # part of the build's key, not compiled on its own
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # no contraction: sums in source order
-# the same per-lane operations in 16-lane vectors: the same bits, fewer instructions (torch's AVX512 level
-# implies BW, VL and DQ: the integer kernels use BW)
-AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 PANEL = 16  # outputs per panel (stream.cpp's P)
-
-
-def _cpu_has(flag: str) -> bool:
-    """A /proc/cpuinfo flag (Linux); False where that cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
+PREBUILT = kernel_build.PREBUILT
 
 
 def _usable() -> str | None:
@@ -52,19 +39,16 @@ def _usable() -> str | None:
         raise SpecdecError(f"SPECDEC_STREAM must be 0 (use oneDNN/torch linears) or 1 (the default), got {switch!r}")
     if switch == "0":
         return "SPECDEC_STREAM=0"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"{platform.machine()} is not x86-64"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return "the CPU has no AVX2"
-    return None
+    return kernel_build.unsupported()
 
 
 _LOCK = threading.Lock()
 
 
 def kernel():
-    """The compiled module (`pack`, `linear`), or None with one warning saying why. Built or loaded once
-    per process, also when several threads build runners at once."""
+    """The compiled module (`pack`, `linear`), or None with one warning saying why. Loaded once per
+    process, also when several threads build runners at once: the module compiled at install where it
+    was built from these sources for this machine, else one built here on first use and cached."""
     with _LOCK:
         return _kernel()
 
@@ -74,17 +58,13 @@ def _kernel():
     why = _usable()
     if why is not None:
         return None
-    flags = FLAGS + (AVX512 if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
-    if "-mavx512bw" in flags and _cpu_has("avx512_vnni"):  # fused multiply-adds of the same integers
-        flags.append("-mavx512vnni")
-    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in [*SOURCES, HEADER]), " ".join(flags).encode(),
-                                      torch.__version__.encode(), sys.version.encode()])).hexdigest()[:16]
-    name = f"specdec_stream_{key}"
-    build = cache_dir() / "kernels" / f"stream-{key}"
+    flags = kernel_build.host_flags()
+    key = kernel_build.build_key(flags)
     try:
-        so = build / f"{name}.so"
-        mod = _import(name, so) if so.exists() else _build(name, flags, build)
-        _self_check(mod)
+        mod, why = _prebuilt(key)
+        if mod is None:
+            mod = _jit(key, flags, why)
+        _self_check_once(mod)
     except Exception as e:  # a machine without a compiler still decodes, on the slower kernels
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         warnings.warn(f"specdec: the streaming linear kernel is unavailable ({first}); using oneDNN/torch linears",
@@ -96,16 +76,46 @@ def _kernel():
 kernel.cache_clear = _kernel.cache_clear  # forget the result (tests)
 
 
+def _prebuilt(key: str):
+    """(the module compiled at install, None), or (None, why it cannot serve): absent, or built from
+    other sources, flags or torch than this process's (an editable install whose sources changed since,
+    a wheel from another machine)."""
+    try:
+        mod = importlib.import_module(PREBUILT)
+    except ModuleNotFoundError as e:
+        if e.name != PREBUILT:
+            raise
+        return None, "none installed"
+    except ImportError as e:  # built against another torch or Python
+        return None, (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if getattr(mod, "build_key", None) != key:
+        return None, "the installed build is of other sources or for another machine"
+    return mod, None
+
+
+def _jit(key: str, flags: list[str], why: str):
+    """The kernels built here (once per machine and key, then loaded from the cache)."""
+    name = f"specdec_stream_{key}"
+    build = cache_dir() / "kernels" / f"stream-{key}"
+    so = build / f"{name}.so"
+    if so.exists():
+        return _import(name, so)
+    print(f"specdec: native kernels not built at install ({why}); building them now (needs g++)", file=sys.stderr)
+    mod = _build(name, flags + [kernel_build.key_define(key)], build)
+    mod.__file__ = str(so)  # it was loaded from the private directory that has since taken `build`'s name
+    return mod
+
+
 def _build(name: str, flags: list[str], build: Path):
     """Compile in a private directory that then takes `build`'s place: a build killed half-way leaves
     nothing behind (torch's own lock file would make every later build wait for it forever), and two
     processes building at once each finish."""
     from torch.utils.cpp_extension import load
 
-    _ninja_on_path()
+    kernel_build.ninja_on_path()
     with atomic_dir(build) as tmp:
-        return load(name, [str(f) for f in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    build_directory=str(tmp), verbose=False)
+        return load(name, [str(f) for f in kernel_build.SOURCES], extra_cflags=flags,
+                    extra_ldflags=kernel_build.LDFLAGS, build_directory=str(tmp), verbose=False)
 
 
 def _import(name: str, so: Path):
@@ -115,14 +125,20 @@ def _import(name: str, so: Path):
     return mod
 
 
-def _ninja_on_path() -> None:
-    """torch's extension builder runs `ninja`; the PyPI wheel puts it next to this interpreter."""
-    try:
-        import ninja
+def _check_mark(mod) -> Path:
+    """Where a passed self-check of this module's binary is recorded: named by the digest of the .so itself,
+    so a rebuild (another compiler, other sources) is checked again."""
+    digest = hashlib.sha256(Path(mod.__file__).read_bytes()).hexdigest()[:16]
+    return cache_dir() / "kernels" / "checked" / digest
 
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
+
+def _self_check_once(mod) -> None:
+    """_self_check, once per build rather than once per process."""
+    mark = _check_mark(mod)
+    if mark.exists():
+        return
+    _self_check(mod)
+    atomic_write_text(mark, "passed the self-check\n")
 
 
 def _self_check(mod) -> None:

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ggml_blocks.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -22,13 +23,9 @@
 
 namespace {
 
-constexpr int L = 8;  // lanes
+using ggml::hsum_paired;
 
-inline float hsum(__m256 v) {  // lanes summed in a fixed order
-  alignas(32) float t[L];
-  _mm256_store_ps(t, v);
-  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-}
+constexpr int L = 8;  // lanes
 
 // exp, Cephes' single-precision polynomial (~1 ulp on [-88, 88]): what torch's vectorised exp does too,
 // in its own variant; both are within a few ulp of the true value.
@@ -73,7 +70,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
         const __m256 v = _mm256_loadu_ps(xr + k);
         s = _mm256_fmadd_ps(v, v, s);
       }
-      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum(s) / float(H) + float(eps)));
+      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum_paired(s) / float(H) + float(eps)));
       for (int64_t k = 0; k < H; k += L)
         _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), r), _mm256_loadu_ps(wp + k)));
     }
@@ -185,7 +182,7 @@ torch::Tensor rope_store_many(const torch::Tensor& qkv, const torch::Tensor& cos
 
 namespace {
 
-// Eight columns' 8-lane partial dot products -> their eight sums, each lane order the same as hsum's:
+// Eight columns' 8-lane partial dot products -> their eight sums, each lane order the same as hsum_paired's:
 // ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). A column's sum depends only on its own partials.
 inline __m256 hsum8(const float* part) {
   const __m256 t0 = _mm256_hadd_ps(_mm256_loadu_ps(part), _mm256_loadu_ps(part + L));
@@ -266,7 +263,7 @@ void attend_group(Pair* pairs, int64_t P, int64_t shared, const float* kh, const
       _mm256_storeu_ps(p + c, e);
       sv = _mm256_add_ps(sv, e);
     }
-    x.sum = hsum(sv);
+    x.sum = hsum_paired(sv);
   }
   std::memset(obuf, 0, sizeof(float) * P * NB * L);
   __m256 o[NB];

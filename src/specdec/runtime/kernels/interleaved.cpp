@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ggml_blocks.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -33,15 +34,11 @@
 
 namespace {
 
-enum : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-constexpr int G = 16;  // outputs per group
+using namespace ggml;
 
-int64_t block_bytes16(int t) {
-  return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q8_0 ? 34 : t == Q4_K ? 144 : t == Q6_K ? 210 : 0;
-}
-int64_t block_elems16(int t) { return t >= Q4_K ? 256 : 32; }
+constexpr int G = 16;  // outputs per group
 // the codes follow the fp16 scales (and Q4_1's offsets, Q5_0's fifth bits)
-int64_t codes_at(int t) { return t == Q4_1 ? 64 : t == Q5_0 ? 96 : 32; }
+constexpr int64_t codes_at(int t) { return t == Q4_1 ? 64 : t == Q5_0 ? 96 : 32; }
 
 struct Acts16 {
   std::vector<int8_t> q;  // [N][K]
@@ -62,32 +59,22 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy,
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
       int8_t* q = a.q.data() + n * K;
-      quantize_blocks(x + n * K, K, B, q, a.d.data() + n * nb);
+      quantize_row(x + n * K, K, B, q, a.d.data() + n * nb);
       if (unsigned_copy)
         for (int64_t k = 0; k < K; k++) a.qu[n * K + k] = static_cast<uint8_t>(q[k]) ^ 0x80;
       for (int64_t b = 0; b < n32; b++) {
-        int s = 0;
-        for (int j = 0; j < 32; j++) s += q[b * 32 + j];
+        const int s = code_sum(q + b * 32, 32);
         if (B == 32) {
           a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
           continue;
         }
         a.bs[n * n32 + b] = s;
-        int lo = 0;
-        for (int j = 0; j < 16; j++) lo += q[b * 32 + j];
+        const int lo = code_sum(q + b * 32, 16);
         a.b16[n * n32 * 2 + 2 * b] = 32 * lo;
         a.b16[n * n32 * 2 + 2 * b + 1] = 32 * (s - lo);
       }
     }
   });
-}
-
-// Q4_K's twelve bytes of 6-bit scales and mins -> sc[8], m[8] (llama.cpp's k_quants layout)
-void scales_mins_k4_(const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  for (int j = 0; j < 8; j++) {
-    sc[j] = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m[j] = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
 }
 
 inline int32_t dword(const int8_t* p) {
@@ -155,6 +142,12 @@ inline VI v_top2(VI a, VI b, VI c) {
   return v_or(v_or(v_and8(a, 0x03), v_and8(b, 0x0C)), v_and8(c, 0x30));
 #endif
 }
+struct LaneOps {  // k4_scales_mins's word operations, on each 32-bit lane
+  static VI and_(VI a, uint32_t m) { return v_and(a, static_cast<int32_t>(m)); }
+  static VI or_(VI a, VI b) { return v_or(a, b); }
+  static VI shr(VI a, int n) { return v_shr(a, n); }
+  static VI shl(VI a, int n) { return v_shl(a, n); }
+};
 inline VF f_zero() { return MM(setzero_ps)(); }
 inline VF f_set(float v) { return MM(set1_ps)(v); }
 inline VF f_mul(VF a, VF b) { return MM(mul_ps)(a, b); }
@@ -167,8 +160,8 @@ inline void f_store(float* p, VF v) { MM(storeu_ps)(p, v); }
 template <int T, int R>
 void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
                 int64_t ystride) {
-  constexpr int64_t RB = (T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 34) * G;
-  constexpr int64_t C = T == Q4_1 ? 64 : T == Q5_0 ? 96 : 32;
+  constexpr int64_t RB = block_bytes(T) * G;
+  constexpr int64_t C = codes_at(T);
   VF acc[R], off[R];
   for (int r = 0; r < R; r++) acc[r] = off[r] = f_zero();
   const int64_t lane = half * L;  // first output of this vector within the group
@@ -258,17 +251,15 @@ inline void prefetch_k(const uint8_t* rec, int64_t RB, int64_t at) {
 template <int R>
 void group_rows_q4k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
                     int64_t ystride) {
-  constexpr int64_t RB = 144 * G;
+  constexpr int64_t RB = block_bytes(Q4_K) * G;
   const int64_t lane = half * L;
   VF acc[R], off[R];
   for (int r = 0; r < R; r++) acc[r] = off[r] = f_zero();
   for (int64_t i = 0; i < nsb; i++) {
     const uint8_t* rec = recs + i * RB;
     const VI u0 = v_load(rec + 64 + 4 * lane), u1 = v_load(rec + 128 + 4 * lane), u2 = v_load(rec + 192 + 4 * lane);
-    // llama.cpp's 6-bit unpacking, one output per lane: four scales (or mins) as the four bytes of a lane
-    const VI sc[2] = {v_and(u0, 0x3f3f3f3f), v_or(v_and(u2, 0x0f0f0f0f), v_shl(v_and(v_shr(u0, 6), 0x03030303), 4))};
-    const VI mn[2] = {v_and(u1, 0x3f3f3f3f),
-                      v_or(v_and(v_shr(u2, 4), 0x0f0f0f0f), v_shl(v_and(v_shr(u1, 6), 0x03030303), 4))};
+    VI sc[2], mn[2];  // one output per lane: four scales (or mins) as the four bytes of a lane
+    k4_scales_mins<LaneOps>(u0, u1, u2, sc, mn);
     VI isum[R], msum[R];
     for (int r = 0; r < R; r++) isum[r] = msum[r] = v_bcast(0);
     for (int c = 0; c < 4; c++) {
@@ -323,7 +314,7 @@ constexpr int RT = 4;
 template <int R>
 void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
                     int64_t ystride) {
-  constexpr int64_t RB = 210 * G;
+  constexpr int64_t RB = block_bytes(Q6_K) * G;
   const int64_t lane = half * L;
   VF acc[R];
   for (int r = 0; r < R; r++) acc[r] = f_zero();
@@ -430,7 +421,7 @@ torch::Tensor relay16(const torch::Tensor& w, int64_t type, bool inverse) {
   TORCH_CHECK(x16_type(t), "x16 re-layout reads Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K, not type ", t);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) % G == 0,
               "x16 re-layout needs uint8 rows, a multiple of 16 of them");
-  const int64_t bb = block_bytes16(t), nb = w.size(1) / bb, O = w.size(0);
+  const int64_t bb = block_bytes(t), nb = w.size(1) / bb, O = w.size(0);
   TORCH_CHECK(w.size(1) == nb * bb, "rows are not whole blocks");
   auto out = torch::empty_like(w);
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -516,11 +507,11 @@ torch::Tensor unpack16(const torch::Tensor& w, int64_t type) { return relay16(w,
 
 torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {
   const int t = static_cast<int>(type);
-  const int64_t E = block_elems16(t);
+  const int64_t E = block_elems(t);
   TORCH_CHECK(x16_type(t) && K % E == 0 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
-              w.size(1) == K / E * block_bytes16(t) && w.size(0) % G == 0, "not an x16 tensor of this type");
+              w.size(1) == K / E * block_bytes(t) && w.size(0) % G == 0, "not an x16 tensor of this type");
   const auto idx = ids.to(torch::kLong).contiguous();
-  const int64_t n = idx.numel(), nb = K / E, bb = block_bytes16(t), C = codes_at(t);
+  const int64_t n = idx.numel(), nb = K / E, bb = block_bytes(t), C = codes_at(t);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; r++) TORCH_CHECK(ip[r] >= 0 && ip[r] < w.size(0), "row index out of range");
   auto out = torch::empty({n, K}, torch::kFloat);
@@ -548,7 +539,7 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
           const float dmin = _cvtsh_ss(h);
           uint8_t packed[12], sc[8], m[8];
           for (int u = 0; u < 3; u++) std::memcpy(packed + 4 * u, rec + 64 * (u + 1) + 4 * o, 4);
-          scales_mins_k4_(packed, sc, m);
+          scales_mins_k4(packed, sc, m);
           for (int e = 0; e < 256; e++) {
             const int j = e / 32, k = e % 32;
             const uint8_t byte = rec[256 + 64 * (8 * (j / 2) + k / 4) + 4 * o + k % 4];
@@ -591,14 +582,14 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.device().is_cpu(), "x must be fp32 on the CPU");
   TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one type per weight");
-  const int64_t K = x.size(-1), E = block_elems16(static_cast<int>(types.at(0)));
+  const int64_t K = x.size(-1), E = block_elems(static_cast<int>(types.at(0)));
   TORCH_CHECK(K % E == 0, "K must be a multiple of the block size");
   std::vector<int64_t> gstart(ws.size() + 1, 0);  // first group of each segment
   for (size_t i = 0; i < ws.size(); i++) {
     const int t = static_cast<int>(types[i]);
-    TORCH_CHECK(x16_type(t) && block_elems16(t) == E, "x16 weights of one call share a block size");
+    TORCH_CHECK(x16_type(t) && block_elems(t) == E, "x16 weights of one call share a block size");
     TORCH_CHECK(ws[i].scalar_type() == torch::kUInt8 && ws[i].is_contiguous() && ws[i].dim() == 2 &&
-                    ws[i].size(0) % G == 0 && ws[i].size(1) == K / E * block_bytes16(t),
+                    ws[i].size(0) % G == 0 && ws[i].size(1) == K / E * block_bytes(t),
                 "weights do not match x");
     gstart[i + 1] = gstart[i] + ws[i].size(0) / G;
   }
@@ -617,7 +608,7 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
     size_t seg = 0;
     for (int64_t g = lo; g < hi; g++) {
       while (g >= gstart[seg + 1]) seg++;
-      const int64_t bb = block_bytes16(static_cast<int>(types[seg]));
+      const int64_t bb = block_bytes(static_cast<int>(types[seg]));
       const uint8_t* recs = ws[seg].data_ptr<uint8_t>() + (g - gstart[seg]) * nb * G * bb;
       float* yo = yp + g * G;
       switch (static_cast<int>(types[seg])) {

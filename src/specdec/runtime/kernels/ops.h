@@ -24,8 +24,6 @@ torch::Tensor attend_many(const torch::Tensor& q, const std::vector<torch::Tenso
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                       const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
 torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
-// int8 codes per block of B, scale max|x| / 127 (the activations of every quantized linear)
-void quantize_blocks(const float* x, int64_t K, int B, int8_t* q, float* d);
 
 // interleaved.cpp
 bool x16_type(int64_t t);

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ggml_blocks.h"
 #include "ops.h"
 
 #include <cmath>
@@ -24,29 +25,7 @@
 
 namespace {
 
-enum Type : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-int block_elems(int t) { return t >= Q4_K ? 256 : 32; }
-int block_bytes(int t) {
-  switch (t) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-  }
-}
-bool kquant(int t) { return t >= Q4_K; }
-
-inline float h2f(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+using namespace ggml;
 
 // ---- activations ---------------------------------------------------------------------------------------
 // One row of K floats -> int8 codes q, with per-block scale d (x ~ q * d); B = 32 or 256.
@@ -62,17 +41,6 @@ struct Acts {
   bool has32 = false, has256 = false;
 };
 
-void quantize_row(const float* x, int64_t K, int B, int8_t* q, float* d) {
-  for (int64_t b = 0; b < K / B; b++) {
-    const float* xb = x + b * B;
-    float amax = 0.f;
-    for (int j = 0; j < B; j++) amax = std::max(amax, std::fabs(xb[j]));
-    const float id = amax > 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    for (int j = 0; j < B; j++) q[b * B + j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-  }
-}
-
 // ---- weights, decoded per block into an L1 buffer ------------------------------------------------------
 // K-quant super-block: value_j = D * sc[j/16] * c_j - M * m[j/16]; c unsigned bytes.
 struct SuperBlock {
@@ -81,18 +49,6 @@ struct SuperBlock {
   alignas(32) int16_t m[16];      // offset per 16 (multiplies the activation sums per 16)
   float D, M;
 };
-
-// Q4_K/Q5_K's twelve bytes of 6-bit scales and mins -> sc[8], m[8] (llama.cpp's k_quants layout)
-inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  uint32_t u[3], o[4];
-  std::memcpy(u, q, 12);
-  o[0] = u[0] & 0x3f3f3f3f;                                            // sc0..3
-  o[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);      // sc4..7
-  o[2] = u[1] & 0x3f3f3f3f;                                            // m0..3
-  o[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // m4..7
-  std::memcpy(sc, o, 8);
-  std::memcpy(m, o + 2, 8);
-}
 
 // per 32 codes one scale (Q4_K, Q5_K): both halves of the vector alike; the mins per 16, each twice
 inline void set_scales_32(SuperBlock& s, const uint8_t* sc, const uint8_t* m) {
@@ -279,18 +235,93 @@ inline void prefetch_row_after_next(const uint8_t* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + 2 * bytes + off), _MM_HINT_T0);
 }
 
-// the eight lanes in one fixed order
-inline float hsum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
+// The vector steps of the dot products below at either width: Lanes8 holds one 32-block (or 32 K-quant
+// codes) a vector, Lanes16 two. One source per kernel; per lane both widths do the same integer and float
+// steps (integer sums are exact, the float ones the same per lane), so both give the same bits.
+struct Lanes8 {
+  static constexpr int W = 1;  // 32-blocks per vector
+  using VI = __m256i;
+  using VF = __m256;
+  using Sign = __m256i;  // what gives x a weight's signs: the weight itself (vpsignb)
+  static VI load(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
+  static VI loadu(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static VF loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static VI izero() { return _mm256_setzero_si256(); }
+  static VF zero() { return _mm256_setzero_ps(); }
+  template <class Src>
+  static VI blocks(Src& src, int64_t i, VF& d) { return src.block(i, d); }
+  static VI abs8(VI w) { return _mm256_sign_epi8(w, w); }
+  static Sign signs(bool, VI w) { return w; }
+  static VI with_sign(VI x, Sign w) { return _mm256_sign_epi8(x, w); }
+  static VI dot4(VI u, VI x) {  // per 32-bit lane the four products u8 x s8, summed (exact)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+  }
+  static VI maddubs(VI w, VI x) { return _mm256_maddubs_epi16(w, x); }
+  static VI madd_add(VI acc, VI p, VI sc) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc)); }
+  static VF cvt(VI v) { return _mm256_cvtepi32_ps(v); }
+  static VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+  static VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256i fold(VI v) { return v; }  // -> the eight lanes of one block
+  static __m256 fold(VF even, VF odd) { return _mm256_add_ps(even, odd); }  // the even and odd blocks' sums
+};
+
+#ifdef __AVX512BW__
+struct Lanes16 {
+  static constexpr int W = 2;  // lanes 0-7 the even block, 8-15 the odd one
+  using VI = __m512i;
+  using VF = __m512;
+  using Sign = __mmask64;  // the weight's negative bytes
+  static VI load(const void* p) { return _mm512_load_si512(p); }
+  static VI loadu(const void* p) { return _mm512_loadu_si512(p); }
+  static VF loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static VI izero() { return _mm512_setzero_si512(); }
+  static VF zero() { return _mm512_setzero_ps(); }
+  template <class Src>
+  static VI blocks(Src& src, int64_t i, VF& d) { return src.pair(i, d); }
+  static VI abs8(VI w) { return _mm512_abs_epi8(w); }
+  static Sign signs(bool sgn, VI w) { return sgn ? _mm512_movepi8_mask(w) : 0; }
+  static VI with_sign(VI x, Sign neg) { return _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x); }
+  static VI dot4(VI u, VI x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
+#endif
+  }
+  static VI maddubs(VI w, VI x) { return _mm512_maddubs_epi16(w, x); }
+  static VI madd_add(VI acc, VI p, VI sc) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, p, sc);  // the same integer as madd + add
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+#endif
+  }
+  static VF cvt(VI v) { return _mm512_cvtepi32_ps(v); }
+  static VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+  static VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256i fold(VI v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+  static __m256 fold(VF both, VF) {  // one accumulator: its halves
+    return _mm256_add_ps(_mm512_castps512_ps256(both), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1)));
+  }
+};
+using Widest = Lanes16;
+#else
+using Widest = Lanes8;
+#endif
+constexpr int TILE = 4 * Widest::W;  // activation rows per pass of the many-row kernels
 
 // One output of one weight row over activation rows n0..n0+R-1, its decoded super-blocks shared: each
 // weight vector and scale vector is loaded once per R rows. Per row, the integer lanes and the float steps
-// are those of any other R (and of dot_q4k_one), so an output's bits never depend on the tile.
-template <int R>
+// are those of any other R (and of dot_q4k_one), so an output's bits never depend on the tile. With 16
+// lanes, two sub-blocks per instruction; adding the halves gives every lane the very integer the 8-lane
+// loop sums.
+template <class V, int R>
 void dot_k_rows(const SuperBlock* buf, int64_t nb, int64_t K, const Acts& a, int64_t n0, float* y, int64_t ystride) {
+  constexpr int W = V::W;
   const int8_t* xq[R];
   __m256 acc[R];
   for (int r = 0; r < R; r++) {
@@ -299,55 +330,27 @@ void dot_k_rows(const SuperBlock* buf, int64_t nb, int64_t K, const Acts& a, int
   }
   for (int64_t i = 0; i < nb; i++) {
     const SuperBlock& s = buf[i];
-    __m256i isum[R];
-#ifdef __AVX512BW__
-    // two sub-blocks per instruction; adding the halves gives every lane the very integer the AVX2
-    // loop sums (integer sums are exact), so both builds give the same bits
-    __m512i wide[R];
-    for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_si512();
-    for (int k = 0; k < 4; k++) {
-      const __m512i w = _mm512_load_si512(s.c + 64 * k);
-      const __m512i sc = _mm512_load_si512(s.sc[2 * k]);
+    typename V::VI wide[R];
+    for (int r = 0; r < R; r++) wide[r] = V::izero();
+    for (int k = 0; k < 8 / W; k++) {
+      const typename V::VI w = V::load(s.c + 32 * W * k);
+      const typename V::VI sc = V::load(s.sc[W * k]);
       for (int r = 0; r < R; r++) {
-        const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(xq[r] + i * 256 + 64 * k));
-#ifdef __AVX512VNNI__
-        wide[r] = _mm512_dpwssd_epi32(wide[r], p, sc);  // the same integer as madd + add
-#else
-        wide[r] = _mm512_add_epi32(wide[r], _mm512_madd_epi16(p, sc));
-#endif
+        const typename V::VI p = V::maddubs(w, V::loadu(xq[r] + i * 256 + 32 * W * k));  // |pair| <= 2 * 63 * 127
+        wide[r] = V::madd_add(wide[r], p, sc);
       }
     }
-    for (int r = 0; r < R; r++)
-      isum[r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r]), _mm512_extracti64x4_epi64(wide[r], 1));
-#else
-    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-    for (int k = 0; k < 8; k++) {
-      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.c + 32 * k));
-      const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.sc[k]));
-      for (int r = 0; r < R; r++) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + i * 256 + 32 * k));
-        const __m256i p = _mm256_maddubs_epi16(w, x);  // |pair| <= 2 * 63 * 127: no saturation
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, sc));
-      }
-    }
-#endif
     const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.m));
     for (int r = 0; r < R; r++) {
       const int16_t* bs = a.bsum.data() + (n0 + r) * (K / 16) + i * 16;
       const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)), m);
       const float xd = a.d256[(n0 + r) * nb + i];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(s.D * xd), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(V::fold(wide[r])), _mm256_set1_ps(s.D * xd), acc[r]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-s.M * xd), acc[r]);
     }
   }
-  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum(acc[r]);
+  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum_folded(acc[r]);
 }
-
-#ifdef __AVX512BW__
-constexpr int KTILE = 8;
-#else
-constexpr int KTILE = 4;
-#endif
 
 // one output of one weight row over N activation rows
 // (rows n0..n0+N-1; y points at row n0's output)
@@ -358,28 +361,29 @@ void dot_k(int t, const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int6
   y -= n0 * ystride;
   N += n0;
   int64_t n = n0;
-  for (; n + KTILE <= N; n += KTILE) dot_k_rows<KTILE>(buf.data(), nb, K, a, n, y, ystride);
+  for (; n + TILE <= N; n += TILE) dot_k_rows<Widest, TILE>(buf.data(), nb, K, a, n, y, ystride);
   switch (N - n) {
-    case 7: dot_k_rows<7>(buf.data(), nb, K, a, n, y, ystride); break;
-    case 6: dot_k_rows<6>(buf.data(), nb, K, a, n, y, ystride); break;
-    case 5: dot_k_rows<5>(buf.data(), nb, K, a, n, y, ystride); break;
-    case 4: dot_k_rows<4>(buf.data(), nb, K, a, n, y, ystride); break;
-    case 3: dot_k_rows<3>(buf.data(), nb, K, a, n, y, ystride); break;
-    case 2: dot_k_rows<2>(buf.data(), nb, K, a, n, y, ystride); break;
-    case 1: dot_k_rows<1>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 7: dot_k_rows<Widest, 7>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 6: dot_k_rows<Widest, 6>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 5: dot_k_rows<Widest, 5>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 4: dot_k_rows<Widest, 4>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 3: dot_k_rows<Widest, 3>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 2: dot_k_rows<Widest, 2>(buf.data(), nb, K, a, n, y, ystride); break;
+    case 1: dot_k_rows<Widest, 1>(buf.data(), nb, K, a, n, y, ystride); break;
     default: break;
   }
 }
 
 // Per block and activation row: the integer dot product in eight lanes (four codes each, exact), converted
 // to fp32 and multiplied by the block's weight scale times the row's, FMA into an accumulator that even
-// blocks and odd blocks each have their own of; per 8 blocks, the offsets (Moff times the row's scaled code
-// sums) by FMA into a third. At the end: the two accumulators added lane by lane, then each accumulator's
-// lanes summed in one fixed order. No horizontal step per block: the integer work sets the pace.
-// Activation rows n0..n0+R-1 share each weight vector load; per row the steps are those of any other R,
-// and the AVX-512 build (two blocks per vector: lanes 0-7 the even block) does per lane what AVX2 does.
-template <int R, class Src>
-void dot_32_rows256(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n0, float* y, int64_t ystride) {
+// blocks and odd blocks each have their own of (with 16 lanes: its two halves); per 8 blocks, the offsets
+// (Moff times the row's scaled code sums) by FMA into a third. At the end: the two accumulators added lane
+// by lane, then each accumulator's lanes summed in one fixed order. No horizontal step per block: the
+// integer work sets the pace. Activation rows n0..n0+R-1 share each weight vector load; per row the steps
+// are those of any other R.
+template <class V, int R, class Src>
+void dot_32_rows(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n0, float* y, int64_t ystride) {
+  constexpr int W = V::W, NA = 2 / W;  // accumulators per row
   const int64_t nbp = a.nb32;
   const int8_t* xq[R];  // past a row's end: the next row's codes or padding, times zero codes
   const float* xd[R];
@@ -392,110 +396,48 @@ void dot_32_rows256(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n0, fl
     off[r] = _mm256_setzero_ps();
   }
   const int64_t nb = K / 32;
-  __m256 acc[2][R];
-  for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nbp; i++) {
-    __m256 dw;
-    const __m256i w = src.block(i, dw);
+  typename V::VF acc[NA][R];
+  for (int j = 0; j < NA; j++)
+    for (int r = 0; r < R; r++) acc[j][r] = V::zero();
+  for (int64_t i = 0; i < nbp; i += W) {
+    typename V::VF dw;
+    const typename V::VI w = V::blocks(src, i, dw);  // past the row: only the offsets' group is completed
     if (i < nb) {
-      const __m256i wa = sgn ? _mm256_sign_epi8(w, w) : w;
+      // signed codes: |w| times x with w's sign (where w = 0 the product is 0 anyway)
+      const typename V::VI wa = sgn ? V::abs8(w) : w;
+      const typename V::Sign neg = V::signs(sgn, w);
       for (int r = 0; r < R; r++) {
-        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + 32 * i));
-        if (sgn) x = _mm256_sign_epi8(x, w);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        const __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, x);
-#else
-        const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), _mm256_set1_epi16(1));
-#endif
-        acc[i & 1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_loadu_ps(xd[r] + 8 * i)),
-                                        acc[i & 1][r]);
+        typename V::VI x = V::loadu(xq[r] + 32 * i);
+        if (sgn) x = V::with_sign(x, neg);
+        typename V::VF& ar = acc[(i / W) & (NA - 1)][r];
+        ar = V::fma(V::cvt(V::dot4(wa, x)), V::mul(dw, V::loadf(xd[r] + 8 * i)), ar);
       }
     }
-    if ((i + 1) % 8 == 0) {
-      const __m256 wm = _mm256_loadu_ps(src.moff(i - 7));
-      for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs[r] + i - 7), off[r]);
+    if ((i + W) % 8 == 0) {
+      const __m256 wm = _mm256_loadu_ps(src.moff(i + W - 8));
+      for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs[r] + i + W - 8), off[r]);
     }
   }
-  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + hsum(off[r]);
+  for (int r = 0; r < R; r++) y[(n0 + r) * ystride] = hsum_folded(V::fold(acc[0][r], acc[NA - 1][r])) + hsum_folded(off[r]);
 }
 
-#ifdef __AVX512BW__
-// The same per lane as dot_32_rows256, two blocks per 16-lane vector (lanes 0-7 the even block).
-template <int R, class Src>
-void dot_32_rows512(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n0, float* y, int64_t ystride) {
-  const int64_t nbp = a.nb32;
-  const int8_t* xq[R];  // past a row's end: the next row's codes or padding, times zero codes
-  const float* xd[R];
-  const float* xs[R];
-  __m256 off[R];
-  for (int r = 0; r < R; r++) {
-    xq[r] = a.q.data() + (n0 + r) * K;
-    xd[r] = a.d32x.data() + (n0 + r) * nbp * 8;
-    xs[r] = a.s32.data() + (n0 + r) * nbp;
-    off[r] = _mm256_setzero_ps();
-  }
-  const int64_t nb = K / 32;
-  __m512 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nbp; i += 2) {
-    if (i < nb) {  // past the row: only the offsets' group is completed
-      __m512 dw;
-      const __m512i w = src.pair(i, dw);
-      // signed codes: |w| times x with w's sign (x = -x where w < 0; where w = 0 the product is 0 anyway)
-      const __m512i wa = sgn ? _mm512_abs_epi8(w) : w;
-      const __mmask64 neg = sgn ? _mm512_movepi8_mask(w) : 0;
-      for (int r = 0; r < R; r++) {
-        __m512i x = _mm512_loadu_si512(xq[r] + 32 * i);
-        if (sgn) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-#ifdef __AVX512VNNI__
-        const __m512i v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, x);
-#else
-        const __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(wa, x), _mm512_set1_epi16(1));
-#endif
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[r] + 8 * i)), acc[r]);
-      }
-    } else {
-      __m512 dw;
-      src.pair(i, dw);
-    }
-    if ((i + 2) % 8 == 0) {
-      const __m256 wm = _mm256_loadu_ps(src.moff(i - 6));
-      for (int r = 0; r < R; r++) off[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs[r] + i - 6), off[r]);
-    }
-  }
-  for (int r = 0; r < R; r++) {
-    const __m256 both = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-    y[(n0 + r) * ystride] = hsum(both) + hsum(off[r]);
-  }
-}
-#endif
-
-// Calls of many rows run 16-lane vectors; calls of a few, decoded in registers, run 8-lane ones: measured in
-// a SmolLM2 forward, 16-lane FP work at one row made every linear ~40% slower (the clock drops under it).
+// Calls of many rows run the widest vectors; calls of a few, decoded in registers, run 8-lane ones: measured
+// in a SmolLM2 forward, 16-lane FP work at one row made every linear ~40% slower (the clock drops under it).
 template <class Src>
 void dot_32_tiles(bool sgn, Src& src, int64_t K, const Acts& a, int64_t n, int64_t N, float* y, int64_t ystride) {
+  for (; n + TILE <= N; n += TILE) dot_32_rows<Widest, TILE>(sgn, src, K, a, n, y, ystride);
+  switch (N - n) {
 #ifdef __AVX512BW__
-  for (; n + 8 <= N; n += 8) dot_32_rows512<8>(sgn, src, K, a, n, y, ystride);
-  switch (N - n) {
-    case 7: dot_32_rows512<7>(sgn, src, K, a, n, y, ystride); break;
-    case 6: dot_32_rows512<6>(sgn, src, K, a, n, y, ystride); break;
-    case 5: dot_32_rows512<5>(sgn, src, K, a, n, y, ystride); break;
-    case 4: dot_32_rows512<4>(sgn, src, K, a, n, y, ystride); break;
-    case 3: dot_32_rows512<3>(sgn, src, K, a, n, y, ystride); break;
-    case 2: dot_32_rows512<2>(sgn, src, K, a, n, y, ystride); break;
-    case 1: dot_32_rows512<1>(sgn, src, K, a, n, y, ystride); break;
-    default: break;
-  }
-#else
-  for (; n + 4 <= N; n += 4) dot_32_rows256<4>(sgn, src, K, a, n, y, ystride);
-  switch (N - n) {
-    case 3: dot_32_rows256<3>(sgn, src, K, a, n, y, ystride); break;
-    case 2: dot_32_rows256<2>(sgn, src, K, a, n, y, ystride); break;
-    case 1: dot_32_rows256<1>(sgn, src, K, a, n, y, ystride); break;
-    default: break;
-  }
+    case 7: dot_32_rows<Widest, 7>(sgn, src, K, a, n, y, ystride); break;
+    case 6: dot_32_rows<Widest, 6>(sgn, src, K, a, n, y, ystride); break;
+    case 5: dot_32_rows<Widest, 5>(sgn, src, K, a, n, y, ystride); break;
+    case 4: dot_32_rows<Widest, 4>(sgn, src, K, a, n, y, ystride); break;
 #endif
+    case 3: dot_32_rows<Widest, 3>(sgn, src, K, a, n, y, ystride); break;
+    case 2: dot_32_rows<Widest, 2>(sgn, src, K, a, n, y, ystride); break;
+    case 1: dot_32_rows<Widest, 1>(sgn, src, K, a, n, y, ystride); break;
+    default: break;
+  }
 }
 
 constexpr int DIRECT32 = 3;  // calls of at most this many rows decode weights in registers
@@ -504,9 +446,9 @@ template <int T>
 void dot_32_direct(const uint8_t* row, int64_t K, const Acts& a, int64_t n0, int64_t N, float* y, int64_t ystride) {
   Direct<T> src{row, K / 32};
   switch (N) {
-    case 3: return dot_32_rows256<3>(T == Q8_0, src, K, a, n0, y, ystride);
-    case 2: return dot_32_rows256<2>(T == Q8_0, src, K, a, n0, y, ystride);
-    default: return dot_32_rows256<1>(T == Q8_0, src, K, a, n0, y, ystride);
+    case 3: return dot_32_rows<Lanes8, 3>(T == Q8_0, src, K, a, n0, y, ystride);
+    case 2: return dot_32_rows<Lanes8, 2>(T == Q8_0, src, K, a, n0, y, ystride);
+    default: return dot_32_rows<Lanes8, 1>(T == Q8_0, src, K, a, n0, y, ystride);
   }
 }
 
@@ -556,7 +498,7 @@ void dot_q4k_one(const uint8_t* row, int64_t K, const Acts& a, float* y) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(h2f(b) * xd), acc);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-h2f(b + 2) * xd), acc);
   }
-  *y = hsum(acc);
+  *y = hsum_folded(acc);
 }
 
 void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need256, Acts& a) {
@@ -581,19 +523,13 @@ void quantize_acts(const float* x, int64_t N, int64_t K, bool need32, bool need2
       int8_t* q = a.q.data() + n * K;
       if (need256) {
         quantize_row(xr, K, 256, q, a.d256.data() + n * (K / 256));
-        for (int64_t g = 0; g < K / 16; g++) {
-          int s = 0;
-          for (int j = 0; j < 16; j++) s += q[g * 16 + j];
-          a.bsum[n * (K / 16) + g] = static_cast<int16_t>(s);
-        }
+        for (int64_t g = 0; g < K / 16; g++) a.bsum[n * (K / 16) + g] = static_cast<int16_t>(code_sum(q + g * 16, 16));
       }
       if (need32) {
         std::vector<float> d(K / 32);
         quantize_row(xr, K, 32, q, d.data());
         for (int64_t b = 0; b < K / 32; b++) {
-          int s = 0;
-          for (int j = 0; j < 32; j++) s += q[b * 32 + j];
-          a.s32[n * a.nb32 + b] = d[b] * static_cast<float>(s);
+          a.s32[n * a.nb32 + b] = d[b] * static_cast<float>(code_sum(q + b * 32, 32));
           for (int j = 0; j < 8; j++) a.d32x[(n * a.nb32 + b) * 8 + j] = d[b];
         }
       }
@@ -663,8 +599,6 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   shape.back() = O;
   return y.view(shape);
 }
-
-void quantize_blocks(const float* x, int64_t K, int B, int8_t* q, float* d) { quantize_row(x, K, B, q, d); }
 
 // rows of a GGUF-quantized matrix [R, bytes] as fp32 [len(ids), K] (embedding lookups, tests)
 torch::Tensor qdequant(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids) {

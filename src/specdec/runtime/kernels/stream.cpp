@@ -1,6 +1,6 @@
-// Memory-bound linears for decode steps and verify trees, built on first use by
-// specdec.runtime.stream. y[n, o] = (sum_k x[n, k] * w[o, k]) * scale[o] + bias[o]: x and y fp32; w fp32,
-// bf16, fp16 or int8, widened to fp32 in registers, so accumulation is always fp32.
+// Memory-bound linears for decode steps and verify trees, and the module that binds every kernel op
+// (specdec.runtime.stream loads it). y[n, o] = (sum_k x[n, k] * w[o, k]) * scale[o] + bias[o]: x and y fp32;
+// w fp32, bf16, fp16 or int8, widened to fp32 in registers, so accumulation is always fp32.
 //
 // Why hand-written: a decode step streams every weight once, and oneDNN's/MKL's small-N kernels read
 // them at ~60% of this machine's bandwidth. Weights are stored in panels of 16 outputs, [O/16][K][16],
@@ -187,8 +187,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   return y.view(shape);
 }
 
+#define SPECDEC_STR_(x) #x
+#define SPECDEC_STR(x) SPECDEC_STR_(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+#ifdef SPECDEC_BUILD_KEY  // what it was built from (kernel_build.build_key): a stale install is not used
+  m.attr("build_key") = SPECDEC_STR(SPECDEC_BUILD_KEY);
+#endif
   m.def("pack", &pack);
   m.def("linear", &linear, py::arg("x"), py::arg("packed"), py::arg("O"), py::arg("scale"), py::arg("bias"),
         py::arg("residual") = py::none());
