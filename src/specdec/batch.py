@@ -19,6 +19,7 @@ import time
 from specdec.drafters.base import Drafter
 from specdec.engine import Sequence, Stats
 from specdec.errors import SpecdecError
+from specdec.grammar import Constraint
 from specdec.runtime.base import Runner
 from specdec.sampling import SamplingParams
 
@@ -38,12 +39,14 @@ class Batch:
         self._free.append((r, d))
 
     def join(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-             stats: Stats | None = None) -> tuple[Sequence, list[int]]:
-        """A new sequence, prefilled: (it, its first tokens). It is in `active` unless already done."""
+             stats: Stats | None = None, constraint: Constraint | None = None) -> tuple[Sequence, list[int]]:
+        """A new sequence, prefilled: (it, its first tokens). It is in `active` unless already done.
+        constraint: the grammar its answer follows (grammar.Constraint)."""
         runner, drafter = self._free.pop() if self._free else (self.runner.fork(), self.drafter.fork())
         t0 = time.perf_counter()
         try:
-            seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, self.eos_ids, stats or Stats())
+            seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, self.eos_ids, stats or Stats(),
+                           constraint=constraint)
             first = seq.prefill()
         except BaseException:
             self._free.append((runner, drafter))

@@ -12,6 +12,7 @@ import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
+from specdec.grammar import Constraint
 from specdec.runtime.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
@@ -44,6 +45,7 @@ class Stats:
     drafter: str = ""  # what drafted (e.g. what `auto` runs: with a head, or without one and instead)
     costs: str = ""  # how the step costs the drafter chose by were obtained ("": it uses none)
     kernels: str = ""  # the target's kernel path (Runner.kernel_path): the streaming kernel or a fallback
+    mask_time: float = 0.0  # seconds a grammar's masks took (within draft and verify time)
 
     @property
     def tau(self) -> float:
@@ -102,7 +104,8 @@ class Stats:
             "mean_tree_size": round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 3),
             "tree_size_histogram": self.tree_size_histogram(), "vanilla_share": round(self.vanilla_share, 4),
             "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
-                     "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time},
+                     "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time,
+                     "mask": self.mask_time},
             "finish_reason": self.finish_reason, "resumes": self.resumes, "acceptance": self.acceptance,
             "drafter": self.drafter,
         }
@@ -125,7 +128,8 @@ class Sequence:
 
     def __init__(self, runner: Runner, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
                  max_new_tokens: int, eos_ids: set[int], stats: Stats,
-                 on_verify: Callable[[DraftTree, Verdict], None] | None = None) -> None:
+                 on_verify: Callable[[DraftTree, Verdict], None] | None = None,
+                 constraint: Constraint | None = None) -> None:
         if not prompt_ids:
             raise SpecdecError("the prompt is empty")
         if max_new_tokens < 1:
@@ -137,6 +141,7 @@ class Sequence:
             )
         self.runner, self.drafter, self.prompt_ids, self.params = runner, drafter, prompt_ids, params
         self.max_new_tokens, self.eos_ids, self.stats, self.on_verify = max_new_tokens, eos_ids, stats, on_verify
+        self.constraint = constraint  # a grammar the answer must follow (grammar.py), or None
         self.dev = runner.device
         self.gen = params.generator(self.dev)
         self.coupling = params.coupling(runner.vocab_size)
@@ -167,8 +172,14 @@ class Sequence:
         drafter.prepare()
         stats.costs = drafter.costs_source
         out = yield from _prefill(runner, self.prompt_ids, self.aux)
-        first = verify(DraftTree.empty(), out.logits, self.params, self.gen, coupling=self.coupling,
+        logits = out.logits
+        if self.constraint is not None:
+            self.constraint.plan(DraftTree.empty(), 0)
+            logits = self.constraint.mask(logits)
+        first = verify(DraftTree.empty(), logits, self.params, self.gen, coupling=self.coupling,
                        position=len(self.prompt_ids)).bonus
+        if self.constraint is not None:
+            self.constraint.consume([first])
         self.ctx = DecodeContext(list(self.prompt_ids) + [first], self.params, self.gen, len(self.prompt_ids),
                                  out.features, aux_features=out.aux, coupling=self.coupling,
                                  eos_ids=frozenset(self.eos_ids))
@@ -204,6 +215,8 @@ class Sequence:
         tree = self.drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
         if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
             tree = tree.select(torch.arange(ctx.max_nodes))
+        if self.constraint is not None:
+            tree = self.constraint.plan(tree, ctx.max_nodes)
         self._t = _clock(self.dev)
         self.stats.draft_time += self._t - t
         ctx.draft_s = self._t - t
@@ -230,7 +243,8 @@ class Sequence:
             n = 1 + len(tree)
             self.drafter.side_logits(out.logits[n:])
             out = ForwardOut(out.logits[:n], out.features[:n], None if out.aux is None else out.aux[:n])
-        verdict = verify(tree, out.logits, self.params, self.gen, self.typical, self.coupling, len(ctx.tokens))
+        logits = out.logits if self.constraint is None else self.constraint.mask(out.logits)
+        verdict = verify(tree, logits, self.params, self.gen, self.typical, self.coupling, len(ctx.tokens))
         keep = [0] + [i + 1 for i in verdict.path]
         self.runner.commit(keep)
         t2 = _clock(self.dev)
@@ -246,6 +260,9 @@ class Sequence:
                 break
         self.n += len(new)
         stats.new_tokens = self.n
+        if self.constraint is not None:
+            self.constraint.consume(new)
+            stats.mask_time = self.constraint.mask_s
         rows = torch.tensor(keep, device=out.features.device)
         follow(self.drafter, ctx, new, out.features[rows], None if out.aux is None else out.aux[rows], verdict)
         return new
@@ -263,6 +280,7 @@ def decode(
     lease: Lease | None = None,
     learn: bool = True,
     prefill_steps: bool = False,
+    constraint: Constraint | None = None,
 ) -> Iterator[list[int]]:
     """Yields the new tokens of each step. Closing the generator early (a stop string) is fine.
 
@@ -270,8 +288,9 @@ def decode(
     (slot.py); without one, the caller promises that nothing else uses them until the generator is done.
     learn: the drafter may learn from the answer for later requests (Drafter.end); the benchmark's
     warm-up and repeats of one prompt do not teach it. prefill_steps: each of the prefill's forwards but
-    the last is a step of its own that yields no token (the benchmark steps methods in turn through it)."""
-    seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, eos_ids, stats, on_verify)
+    the last is a step of its own that yields no token (the benchmark steps methods in turn through it).
+    constraint: the grammar the answer must follow (grammar.Constraint), fresh for this request."""
+    seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, eos_ids, stats, on_verify, constraint)
     dev = runner.device
     lease = lease or Slot().lease()
     t0 = _clock(dev)

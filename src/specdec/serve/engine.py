@@ -200,7 +200,7 @@ class BatchEngine(_Worker):
         p = job.params
         try:
             ids = self.decoder.encode(job.prompt)
-            seq, first = self.batch.join(ids, p, p.max_new_tokens, Stats())
+            seq, first = self.batch.join(ids, p, p.max_new_tokens, Stats(), self.decoder.constraint(p))
         except Exception as e:  # this request fails, the others go on
             job.put(e)
             job.end()
