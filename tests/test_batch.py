@@ -56,15 +56,13 @@ def drive(batch: Batch, requests, params, max_batch: int) -> list[list[int]]:
     queue = list(range(len(requests)))
 
     def admit(limit):
-        while queue and len(batch.active) < limit:
+        while queue and len(batch) < limit:
             i = queue.pop(0)
             p = params[i] if isinstance(params, list) else params
-            seq, first = batch.join(requests[i][0], p, requests[i][1], stats[i])
-            owner[seq] = i
-            out[i] += first
+            owner[batch.join(requests[i][0], p, requests[i][1], stats[i])] = i
 
     admit(max_batch - 1)
-    while batch.active or queue:
+    while len(batch) or queue:
         for seq, new in batch.step():
             assert not isinstance(new, Exception), new
             out[owner[seq]] += new
@@ -182,6 +180,85 @@ def test_packed_forward_splits_past_the_exact_rows(model):
     assert got == alone
 
 
+LONG = [(7 * i + 3) % 90 for i in range(300)]  # a prompt of many chunks
+
+
+def test_running_streams_keep_decoding_while_a_long_prompt_joins(model):
+    """Three streams decode; a 300-token prompt joins: it goes in a chunk per step, every step also gives
+    each running stream its tokens, and every answer (the newcomer's too) is its answer alone."""
+    runner = LeanRunner(model, exact=True)
+    drafter = NoDrafter()  # a token a step: the streams outlive the newcomer's prefill
+    short = [([1, 2, 3], 40), ([5, 17, 33, 2, 9], 40), ([4, 5, 6, 4, 5, 6], 40)]
+    alone = [run(runner, drafter, p, SamplingParams(), n)[0] for p, n in short + [(LONG, 20)]]
+    batch = Batch(runner, drafter, set(), prefill_chunk=16)
+    out: dict = {}
+    for p, n in short:
+        out[batch.join(p, SamplingParams(), n)] = []
+    while batch.joining:  # the three prompts go in
+        for seq, new in batch.step():
+            out[seq] += new
+    newcomer = batch.join(LONG, SamplingParams(), 20)
+    out[newcomer], steps = [], 0
+    while not out[newcomer]:
+        got = dict(batch.step())
+        steps += 1
+        assert all(got.get(seq) for seq in out if seq is not newcomer)  # every running stream got tokens
+        for seq, new in got.items():
+            out[seq] += new
+    assert steps >= len(LONG) / 16  # a chunk a step, at most a step's rows
+    while len(batch):
+        for seq, new in batch.step():
+            out[seq] += new
+    assert list(out.values()) == alone
+
+
+def test_prompts_in_chunks_join_and_leave_mid_decode_each_as_alone(model):
+    """Long and short prompts joining as others leave, chunks sized by what the decoding rows leave of a
+    small budget (odd splits of every prompt): each answer is its answer alone, drafts and all."""
+    runner = LeanRunner(model, exact=True)
+    drafter = PromptLookupDrafter(chain_len=4)
+    reqs = REQUESTS[:3] + [(LONG[:150], 9)] + REQUESTS[3:5] + [(LONG[100:], 14)] + REQUESTS[5:]
+    alone = [run(runner, drafter, p, SamplingParams(), n, EOS) for p, n in reqs]
+    got, stats = drive(Batch(runner, drafter, EOS, prefill_chunk=11), reqs, SamplingParams(), max_batch=4)
+    for (want, want_stats), g, s in zip(alone, got, stats):
+        assert g == want
+        assert s.accept_lengths == want_stats.accept_lengths
+    assert any(sum(s.accept_lengths) > len(s.accept_lengths) for s in stats)  # drafts were accepted
+
+
+def test_a_runner_without_exact_rows_takes_a_prompt_whole(model):
+    """Without exact rows a split would change the prompt's bits: it goes in whole, in one step, as alone."""
+    runner = LeanRunner(model, exact=True)
+    runner.exact_rows = 0
+    batch = Batch(runner, NoDrafter(), set(), prefill_chunk=8)
+    first = batch.join(REQUESTS[0][0], SamplingParams(), 30)
+    while batch.joining:
+        batch.step()
+    seq = batch.join(LONG[:100], SamplingParams(), 5)
+    got = dict(batch.step())
+    assert got[first] and got[seq]  # the whole prompt in the one step, beside the running stream
+    out = got[seq]
+    while seq in batch.active:
+        out += dict(batch.step()).get(seq, [])
+    assert out == run(runner, NoDrafter(), LONG[:100], SamplingParams(), 5)[0]
+
+
+def test_a_client_that_leaves_while_its_prompt_goes_in_frees_its_forks(model):
+    runner = LeanRunner(model, exact=True)
+    batch = Batch(runner, NoDrafter(), set(), prefill_chunk=16)
+    seq = batch.join(LONG, SamplingParams(), 5)
+    batch.step()
+    assert seq in [j.seq for j in batch.joining] and 0 < seq.runner.length < len(LONG)
+    batch.leave(seq)
+    assert len(batch) == 0 and batch.step() == []
+    again = batch.join(LONG[:20], SamplingParams(), 4)
+    assert again.runner is seq.runner  # its fork, its cache emptied for the next prompt
+    out = []
+    while len(batch):
+        out += dict(batch.step()).get(again, [])
+    assert out == run(runner, NoDrafter(), LONG[:20], SamplingParams(), 4)[0]
+
+
 def test_a_failing_sequence_leaves_alone(model):
     class Breaks(NoDrafter):
         def fork(self):
@@ -194,10 +271,10 @@ def test_a_failing_sequence_leaves_alone(model):
 
     runner = LeanRunner(model, exact=True)
     batch = Batch(runner, Breaks(), EOS)
-    a, _ = batch.join([88], SamplingParams(), 10)
-    b, first = batch.join([1, 2, 3], SamplingParams(), 10)
-    out, errors = list(first), []
-    while batch.active:
+    a = batch.join([88], SamplingParams(), 10)
+    b = batch.join([1, 2, 3], SamplingParams(), 10)
+    out, errors = [], []
+    while len(batch):
         for seq, new in batch.step():
             if isinstance(new, Exception):
                 assert seq is a

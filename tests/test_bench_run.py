@@ -119,6 +119,26 @@ def test_compare_and_report_rebuild(bench_result, tmp_path, capsys):
     assert "not a `specdec bench` results directory" in capsys.readouterr().err
 
 
+def test_merge_keeps_the_prompts_every_method_completed(bench_result, tmp_path, capsys):
+    import shutil
+
+    _, out = bench_result
+    part = tmp_path / "part"  # a second part with one method's records of question 7 missing
+    shutil.copytree(out / "raw", part / "raw")
+    f = part / "raw" / "hf-assisted.jsonl"
+    f.write_text("".join(x + "\n" for x in f.read_text().splitlines() if json.loads(x)["question_id"] != "7"))
+    for p in (part / "raw").iterdir():  # disjoint prompts from the first part: the part's ids renamed
+        p.write_text("".join(json.dumps({**json.loads(x), "question_id": "p" + json.loads(x)["question_id"]}) + "\n"
+                             for x in p.read_text().splitlines()))
+    assert main(["bench", "merge", str(out), str(part), "--out", str(tmp_path / "m.md")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("5 prompts, 6 methods")  # 3 + 2: p7 dropped for every method
+    assert "| `vanilla` |" in text and "(reference)" in text and "| `sps:gamma=3` |" in text
+    assert (tmp_path / "m.md").read_text() == text
+    assert main(["bench", "merge", str(out), str(tmp_path / "missing")]) == 2
+    assert "missing' is not a directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--methods", "vanilla,warp9"], "unknown method 'warp9'"),
     (["--categories", "poetry"], "unknown category 'poetry'"),

@@ -1,4 +1,4 @@
-"""Each bad input of issue 19 §2 through the real CLI: exit code 2, one line naming the parameter, no
+"""Bad input through the real CLI: exit code 2, one line naming the parameter, no
 traceback, and no model loaded (everything is checked first)."""
 
 import re
@@ -230,3 +230,109 @@ def test_quiet_prints_nothing_on_stderr_and_the_default_only_our_lines(tmp_path)
     assert "alpha by depth" in verbose.stderr.splitlines()[-1]
     both = _cli([*base, "-q", "-v"], stdin=subprocess_devnull())
     assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+# ---- every other command: paths, output places and option combinations before any model loads ----
+
+HEADS = __import__("pathlib").Path(__file__).resolve().parents[1] / "src/specdec/heads"
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Every loader a command reaches, refusing: an error raised after one of them was called fails the test."""
+    import specdec.bench.cli
+    import specdec.cli.interop
+    import specdec.cli.medusa
+    import specdec.training.datagen_cli
+    import specdec.training.train_cli
+    import specdec.tune.cli
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+    for mod, name in ((specdec.api, "load_model"), (specdec.bench.cli, "load_model"),
+                      (specdec.cli.interop, "load_model"), (specdec.cli.medusa, "load_model"),
+                      (specdec.training.datagen_cli, "load_model"), (specdec.training.train_cli, "load_target"),
+                      (specdec.training.train_cli, "materialize"), (specdec.tune.cli, "load_model")):
+        monkeypatch.setattr(mod, name, refuse)
+
+
+def _one_line_error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error:") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def _data_dir(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "shard-00000.safetensors").write_bytes(b"")  # listed, never read: the checks stop before
+    return str(d)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "fspad", "eagle3", "medusa"])
+@pytest.mark.parametrize("case, names", [
+    ("missing data", "--data"),
+    ("data without shards", "no data shards"),
+    ("out not writable", "--out"),
+    ("out a file", "--out"),
+    ("init-from missing", "--init-from"),
+    ("ship-to not writable", "--ship-to"),
+    ("model missing", "--model"),
+])
+def test_train_checks_its_paths_before_the_target_loads(kind, case, names, tmp_path, no_model_load, capsys):
+    data, out = _data_dir(tmp_path), str(tmp_path / "run")
+    argv = {"missing data": ["--data", str(tmp_path / "nowhere")],
+            "data without shards": ["--data", str(tmp_path)],
+            "out not writable": ["--data", data, "--out", "/proc/specdec-run"],
+            "out a file": ["--data", data, "--out", data + "/shard-00000.safetensors"],
+            "init-from missing": ["--data", data, "--init-from", str(tmp_path / "no-head")],
+            "ship-to not writable": ["--data", data, "--ship-to", "/proc/specdec-ship"],
+            "model missing": ["--data", data, "--model", str(tmp_path / "no-model")]}[case]
+    if "--out" not in argv:
+        argv += ["--out", out]
+    assert names in _one_line_error(["train", kind, *argv], capsys)
+
+
+def test_train_refuses_a_resume_with_other_settings_before_the_target_loads(tmp_path, no_model_load, capsys):
+    import torch
+
+    from specdec.training.train import TrainConfig
+
+    data, out = _data_dir(tmp_path), tmp_path / "run"
+    ck = out / "checkpoints" / "step-0000010"
+    ck.mkdir(parents=True)
+    torch.save({"config": TrainConfig(data=data, out=str(out), lr=0.01).model_dump(), "step": 10}, ck / "state.pt")
+    err = _one_line_error(["train", "eagle", "--data", data, "--out", str(out), "--lr", "0.02"], capsys)
+    assert "lr=0.01" in err and "0.02" in err
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["datagen", "--out", "/proc/specdec-data", "--shards", "1", "--sources", "self"], "--out"),
+    (["datagen", "--out", "{tmp}/o", "--shards", "1", "--sources", "self", "--model", "{tmp}/no-model"], "--model"),
+    (["datagen", "--out", "{tmp}/o", "--shards", "1", "--exclude-dir", "{tmp}/nowhere", "--sources", "self"],
+     "--exclude-dir"),
+    (["tune", "--out", "{tmp}"], "--out"),
+    (["tune", "--out", "/proc/specdec-tune/t.json"], "--out"),
+    (["tune", "--model", "{tmp}/no-model"], "--model"),
+    (["tune", "--head", "{tmp}/no-head"], "--head"),
+    (["tune", "--top", "0"], "--top"),
+    (["import-head", f"{HEADS}/smollm2-135m-instruct-eagle", "--out", "/proc/specdec-head"], "--out"),
+    (["import-head", f"{HEADS}/smollm2-135m-instruct-eagle", "--out", "{tmp}/h", "--model", "{tmp}/no-model"],
+     "--model"),
+    (["export-head", f"{HEADS}/smollm2-135m-instruct-eagle", "--to", "vllm", "--out", "/proc/specdec-head"], "--out"),
+    (["export-head", f"{HEADS}/smollm2-135m-instruct-eagle", "--to", "vllm", "--out", "{tmp}/h", "--model",
+      "{tmp}/no-model"], "--model"),
+    (["export-head", f"{HEADS}/smollm2-135m-instruct-eagle", "--to", "llamacpp", "--out", "/proc/x/h.gguf", "--model",
+      "smollm2"], "--out"),
+    (["medusa", "convert", f"{HEADS}/smollm2-135m-instruct-medusa", "/proc/specdec-medusa"], "DST"),
+    (["medusa", "convert", f"{HEADS}/smollm2-135m-instruct-medusa", "{tmp}/m", "--model", "{tmp}/no-model"],
+     "--model"),
+    (["bench", "--model", "{tmp}/no-model", "--weights", "fp32", "--out", "{tmp}/b"], "--model"),
+    (["bench", "--draft", "{tmp}/no-model", "--out", "{tmp}/b"], "--draft"),
+    (["bench", "serve", "--model", "{tmp}/no-model", "--out", "{tmp}/b"], "--model"),
+    (["bench", "merge", "{tmp}/nowhere"], "nowhere"),
+])
+def test_commands_check_before_any_model_loads(argv, names, tmp_path, no_model_load, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert names in _one_line_error(argv, capsys)

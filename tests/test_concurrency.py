@@ -1,5 +1,5 @@
 """One Decoder shared by threads, and a stream interrupted by another request on the same Decoder:
-every answer equals the one the same request gets alone (issue 19 §1)."""
+every answer equals the one the same request gets alone."""
 
 import threading
 

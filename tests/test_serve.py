@@ -218,7 +218,9 @@ def test_models_health_and_metrics_move(server):
     status, text = server.get("/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL
     before = {n: server.metric(n) for n in ("requests_total", "generation_tokens_total", "prompt_tokens_total",
-                                           "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total")}
+                                           "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                                           "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                                           "time_to_first_token_seconds_sum")}
     _, body, _ = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT * 3, "max_tokens": 40,
                                                  "temperature": 0})
     assert server.metric("requests_total") == before["requests_total"] + 1
@@ -230,6 +232,16 @@ def test_models_health_and_metrics_move(server):
     accepted = server.metric("spec_decode_num_accepted_tokens_total")
     assert accepted == server.metric("spec_decode_num_accepted_tokens_per_pos_total") > 0
     assert 'spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in server.get("/metrics")[1]
+    # latency histograms: one first-token time per request, a gap per later piece of its answer
+    assert server.metric("time_to_first_token_seconds_count") == before["time_to_first_token_seconds_count"] + 1
+    assert server.metric("time_to_first_token_seconds_sum") > before["time_to_first_token_seconds_sum"]
+    gaps = server.metric("inter_token_latency_seconds_count") - before["inter_token_latency_seconds_count"]
+    assert 1 <= gaps < body["usage"]["completion_tokens"]  # drafts accepted: fewer pieces than tokens
+    text = server.get("/metrics")[1]
+    assert "# TYPE specdec:inter_token_latency_seconds histogram" in text
+    inf = 'specdec:time_to_first_token_seconds_bucket{le="+Inf"}'
+    assert [float(x.split()[-1]) for x in text.splitlines() if x.startswith(inf)] == \
+        [server.metric("time_to_first_token_seconds_count")]
 
 
 @pytest.mark.parametrize("body,param", [

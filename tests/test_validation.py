@@ -1,6 +1,6 @@
 """Every declared parameter, drawn at random (wrong types, negatives, NaN/inf, huge ints, empty strings,
 unknown keys): the answer is either one SpecdecError naming the parameter, or a correct generation.
-Never another exception (issue 19 §2)."""
+Never another exception."""
 
 import math
 

@@ -13,6 +13,7 @@ import torch
 from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
 from specdec.grammar import Constraint
+from specdec.runtime import threads
 from specdec.runtime.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
@@ -167,11 +168,21 @@ class Sequence:
         return _advance(self.prefill_parts())
 
     def prefill_parts(self) -> Generator[None, None, list[int]]:
-        """prefill() a forward at a time (_prefill's): yields between them, returns the first tokens."""
-        runner, drafter, stats = self.runner, self.drafter, self.stats
-        drafter.prepare()
-        stats.costs = drafter.costs_source
-        out = yield from _prefill(runner, self.prompt_ids, self.aux)
+        """prefill() a forward at a time (_fill's): yields between them, returns the first tokens."""
+        out = yield from _fill(self.prefill_start(), self.aux)
+        return self.prefill_end(out)
+
+    def prefill_start(self) -> Prompt:
+        """The drafter prepared, the target's cache emptied: the prompt to put in (its caller runs the forwards,
+        e.g. a batch's, packed with other sequences' rows), then prefill_end."""
+        self.drafter.prepare()
+        self.stats.costs = self.drafter.costs_source
+        self.runner.reset()
+        return Prompt(self.runner, self.prompt_ids)
+
+    def prefill_end(self, out: ForwardOut) -> list[int]:
+        """The prompt is in (`out`: Prompt.out()): the first token, the drafter begun."""
+        stats = self.stats
         logits = out.logits
         if self.constraint is not None:
             self.constraint.plan(DraftTree.empty(), 0)
@@ -183,7 +194,7 @@ class Sequence:
         self.ctx = DecodeContext(list(self.prompt_ids) + [first], self.params, self.gen, len(self.prompt_ids),
                                  out.features, aux_features=out.aux, coupling=self.coupling,
                                  eos_ids=frozenset(self.eos_ids))
-        drafter.begin(self.ctx)
+        self.drafter.begin(self.ctx)
         self.n = stats.new_tokens = 1
         stats.finish_reason = "stop" if first in self.eos_ids else "length"
         return [first]
@@ -297,6 +308,7 @@ def decode(
     try:
         first, parts, done = None, None, 0
         while first is None:
+            threads.tick()  # between forwards: the thread count follows the machine (runtime/threads.py)
             t = _clock(dev)
             with lease.hold() as lost:
                 t1 = _clock(dev)
@@ -312,6 +324,7 @@ def decode(
                 yield []
         yield first
         while not seq.done:
+            threads.tick()
             t = _clock(dev)
             with lease.hold() as lost:
                 stats.wait_time += _clock(dev) - t
@@ -349,20 +362,53 @@ def _prefill(runner: Runner, ids: list[int], aux_layers: tuple[int, ...] = ()) -
 
 
 def _forwards(runner: Runner, ids: list[int], aux_layers: tuple[int, ...]) -> Generator[None, None, ForwardOut]:
-    """`ids` committed after the cache in forwards of at most runner.exact_rows rows (one without exact
-    rows), yielding between them: the logits of the last row, the features of all."""
-    step = runner.exact_rows or len(ids)
-    outs = []
-    for i in range(0, len(ids), step):
-        if outs:
-            yield
-        chunk = ids[i:i + step]
-        outs.append(runner.forward(torch.tensor(chunk), logits_rows=slice(-1, None), aux_layers=aux_layers))
-        runner.commit(range(len(chunk)))
-    if len(outs) == 1:
-        return outs[0]
-    return ForwardOut(outs[-1].logits, torch.cat([o.features for o in outs]),
-                      None if outs[0].aux is None else torch.cat([o.aux for o in outs]))
+    """`ids` committed after the cache in forwards of at most runner.exact_rows rows (Prompt), yielding between
+    them: the logits of the last row, the features of all."""
+    return (yield from _fill(Prompt(runner, ids), aux_layers))
+
+
+def _fill(prompt: Prompt, aux_layers: tuple[int, ...]) -> Generator[None, None, ForwardOut]:
+    """The prompt's forwards run on its runner, yielding between them; Prompt.out() at the end."""
+    while True:
+        tokens = prompt.next()
+        prompt.put(prompt.runner.forward(tokens, logits_rows=slice(-1, None), aux_layers=aux_layers))
+        if prompt.complete:
+            return prompt.out()
+        yield
+
+
+class Prompt:
+    """Tokens going into a runner's cache after its rows, in forwards its caller runs: next(rows) gives a
+    forward's tokens, at most `rows` and never more than runner.exact_rows (all of them on a runner without
+    exact rows: a split would change their bits), and put(out) commits that forward's output, whose logits
+    are its last row's. Within exact rows every split gives each row the bits it gets alone (test_prefill.py)."""
+
+    def __init__(self, runner: Runner, ids: list[int]) -> None:
+        self.runner, self.ids, self.done = runner, ids, 0
+        self._outs: list[ForwardOut] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.ids)
+
+    def next(self, rows: int = 0) -> torch.Tensor:
+        exact = self.runner.exact_rows
+        n = min(rows or exact, exact) if exact else len(self.ids)
+        return torch.tensor(self.ids[self.done:self.done + n])
+
+    def put(self, out: ForwardOut) -> None:
+        n = out.features.shape[0]
+        self.runner.commit(range(n))
+        self.done += n
+        self._outs.append(out)
+
+    def out(self) -> ForwardOut:
+        """The logits of the last row, the features (and aux_layers' states) of all."""
+        outs = self._outs
+        if len(outs) == 1:
+            return outs[0]
+        return ForwardOut(outs[-1].logits, torch.cat([o.features for o in outs]),
+                          None if outs[0].aux is None else torch.cat([o.aux for o in outs]))
 
 
 def _resume(runner: Runner, drafter: Drafter, ctx: DecodeContext, n_prompt: int) -> None:

@@ -87,6 +87,26 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def check_writable(out_dir: str | os.PathLike, flag: str = "--out") -> None:
+    """A SpecdecError naming `flag` unless a file can be written in `out_dir`; tried for real (permissions
+    alone miss /proc, read-only mounts and root), and whatever the try created is removed again."""
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise SpecdecError(f"{flag} {out_dir} is a file, not a directory")
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise SpecdecError(f"{flag} {out_dir} is not a writable directory ({e.strerror or e})") from None
+    finally:
+        for p in made:  # the innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+
 def cache_dir() -> Path:
     """Where converted models, measured costs and built kernels are kept (SPECDEC_CACHE overrides)."""
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))

@@ -1,7 +1,7 @@
 """What things cost on this machine: timing a target forward, the streaming bandwidth and a model's
-memory floor, and the record a benchmark keeps of where it ran. Used by `tune`, `bench` and the
-scripts. Costs differ from one machine of the same kind to the next, so they are measured where the
-code runs, never shipped as constants."""
+memory floor, and the record a benchmark keeps of where it ran. Used by `tune` and `bench`. Costs differ
+from one machine of the same kind to the next, so they are measured where the code runs, never shipped as
+constants."""
 
 from __future__ import annotations
 

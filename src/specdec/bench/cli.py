@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from specdec.api import DEFAULT_PROMPT
-from specdec.bench import forward, load, papers
+from specdec.bench import forward, load, merge, papers
 from specdec.bench.compare import compare
 from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
@@ -20,7 +20,7 @@ from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, arg_type, flag_values
-from specdec.runtime.loading import Runtime, load_model, native_gguf
+from specdec.runtime.loading import Runtime, load_model, native_gguf, resolve
 from specdec.sampling import SamplingParams
 
 QUICK = {"max_new_tokens": 64, "repeats": 1, "per_category": 1, "mt_questions": 2}
@@ -105,12 +105,13 @@ def add_bench_parser(sub) -> None:
                    help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items()))
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_bench)
-    bs = b.add_subparsers(dest="bench_command", required=False, metavar="{compare,serve,forward}")
+    bs = b.add_subparsers(dest="bench_command", required=False, metavar="{compare,merge,serve,forward}")
     c = bs.add_parser("compare", help="side-by-side Markdown table of two result dirs")
     c.add_argument("a")
     c.add_argument("b")
     c.add_argument("--out", dest="compare_out", default=None, help="also write the table to this file")
     c.set_defaults(func=cmd_compare)
+    merge.add_parser(bs)
     load.add_parser(bs)
     forward.add_parser(bs)
 
@@ -187,6 +188,9 @@ def cmd_bench(args) -> int:
     sp = SamplingParams.parse(flag_values(args, SamplingParams))
     temps = _temperatures(args, sp)
     rt = Runtime.parse(flag_values(args, Runtime))
+    resolve(args.model)
+    if args.draft is not None:
+        resolve(args.draft, "--draft")
     gguf = native_gguf(args.model, rt.device, rt.weights)
     asked = [m.split(":")[0].strip() for m in (args.methods or "").split(",")]
     if gguf and rt.weights is None and any(m in HF_PEERS for m in asked):  # HF peers need the HF forward:

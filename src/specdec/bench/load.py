@@ -30,6 +30,7 @@ from specdec.bench.outdir import check_out_dir
 from specdec.drafters import registry
 from specdec.errors import SpecdecError
 from specdec.options import arg_type
+from specdec.runtime.loading import resolve
 
 HI = [{"role": "user", "content": "hi"}]
 # bodies the server must refuse with a 4xx: cut-off JSON, and fields of the wrong shape or range
@@ -324,6 +325,7 @@ def cmd_load(args) -> int:
         shlex.split(args.server_args)
     except ValueError as e:
         raise SpecdecError(f"--server-args: {e}") from None
+    resolve(args.model)  # each server would say so only after it started
     qs = load_questions("mt_bench" if args.questions is None else None, args.questions)
     prompts = [q.turns[0] for q in qs]
     _openai()

@@ -29,7 +29,8 @@ from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
 from specdec.errors import SpecdecError
 from specdec.machine import machine_info, memory_floor
-from specdec.runtime.cpus import ContentionMeter
+from specdec.runtime import threads
+from specdec.runtime.cpus import ContentionMeter, usable_cpus
 from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.loading import load_like, model_for, own_precision
 
@@ -115,13 +116,10 @@ def run_bench(cfg: BenchConfig, questions: list[Question], model, tokenizer, dra
                            f"timing={cfg.timing!r}, interleave={cfg.interleave!r}")
     if out_dir is not None:
         check_out_dir(Path(out_dir), overwrite)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or len(getattr(os, "sched_getaffinity", lambda _: [1] * os.cpu_count())(0)))
-    try:
-        with contextlib.ExitStack() as closers:  # stops what peers started (llama-server), whatever happens
-            return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite, closers)
-    finally:
-        torch.set_num_threads(threads_before)
+    # threads pinned for the run: a count that followed the machine would time methods at different counts;
+    # closers stop what peers started (llama-server), whatever happens
+    with threads.pinned(cfg.threads or usable_cpus()), contextlib.ExitStack() as closers:
+        return _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite, closers)
 
 
 def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir, overwrite, closers) -> dict:

@@ -11,8 +11,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
 from specdec.api import DEFAULT_PROMPT, GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
 from specdec.cli import interop as interop_cli
@@ -24,6 +22,7 @@ from specdec.errors import SpecdecError
 from specdec.options import add_flags, arg_type, flag_values, one_line_errors
 from specdec.runtime.cpus import ContentionMeter
 from specdec.runtime.loading import Runtime, resolve
+from specdec.serve.engine import Serving
 from specdec.training import datagen_cli, train_cli
 from specdec.tune import cli as tune_cli
 
@@ -155,12 +154,11 @@ def _load(args, rt: Runtime, opts: dict):
     if args.quiet:
         warnings.simplefilter("ignore")  # -q: nothing on stderr but errors
     quiet_libraries(args.verbose)
-    note = rt.apply()  # the threads: as given, or what other processes leave free now
+    note = rt.apply()  # the threads: as given, or what other processes leave free now (and followed)
     if note:
         say(args, f"specdec: {note}")
-    threads = rt.threads or (torch.get_num_threads() if note else None)
     return load(args.model, args.method, draft=args.draft, device=rt.device, dtype=rt.dtype, backend=rt.backend,
-                threads=threads, weights=rt.weights, **opts)
+                threads=rt.threads, weights=rt.weights, **opts)
 
 
 def cmd_generate(args) -> int:
@@ -210,6 +208,7 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     rt = Runtime.parse(flag_values(args, Runtime))  # everything is checked before the slow model load
+    sv = Serving.parse(flag_values(args, Serving))
     opts = _method_opts(args)
     registry.parse(args.method, opts)
     resolve(args.model)
@@ -221,8 +220,8 @@ def cmd_serve(args) -> int:
         raise SpecdecError(f"specdec serve needs the serve extra (pip install 'specdec[serve]'): {e}") from None
     args.quiet, args.verbose = False, False
     dec = _load(args, rt, opts)
-    serve(dec, args.model or "smollm2", host=args.host, port=args.port, max_queue=args.max_queue,
-          max_batch=args.max_batch)
+    serve(dec, args.model or "smollm2", host=args.host, port=args.port, max_queue=sv.max_queue,
+          max_batch=sv.max_batch, prefill_chunk=sv.prefill_chunk)
     return 0
 
 
@@ -263,11 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=arg_type(int, ge=1, le=65535), default=8000, help="port (default 8000)")
-    s.add_argument("--max-queue", type=arg_type(int, ge=1), default=64, metavar="N",
-                   help="requests that may wait for their turn; more get 429 with Retry-After (default 64)")
-    s.add_argument("--max-batch", type=arg_type(int, ge=1), default=4, metavar="N",
-                   help="requests decoded together, each accepting its own number of tokens per step (default "
-                   "4; 1: one at a time; methods that cannot batch yet, e.g. lookahead, decode one at a time)")
+    add_flags(s, Serving, early=True)
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("methods", help="the drafting methods and their options (a Markdown table)")
     m.set_defaults(func=cmd_methods)

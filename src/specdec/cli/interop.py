@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.files import check_writable
 from specdec.heads.interop import ENGINES, detect, export_head, import_head
 from specdec.options import one_line_errors
 from specdec.runtime.gguf import QuantTensor
@@ -35,13 +36,17 @@ def add_parser(sub) -> None:
     e.set_defaults(func=cmd_export)
 
 
-def _check_out(src: Path, out: Path) -> None:
+def _check_out(src: Path, out: Path, model: str | None) -> None:
+    """--out and --model, before the target loads."""
     if out.exists() and out.resolve() == src.resolve():
         raise SpecdecError("--out must differ from SRC (a new directory is written)")
     if out.exists() and not out.is_dir():
         raise SpecdecError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise SpecdecError(f"--out {out} exists and holds no head: refusing to replace it")
+    check_writable(out.absolute().parent, f"--out {out}:")
+    if model is not None:
+        resolve(model)
 
 
 def _target(spec: str | None) -> tuple[torch.Tensor | None, int | None]:
@@ -55,7 +60,7 @@ def _target(spec: str | None) -> tuple[torch.Tensor | None, int | None]:
 def cmd_import(args) -> int:
     src, out = Path(args.src), Path(args.out)
     kind = detect(src)  # before any model loads
-    _check_out(src, out)
+    _check_out(src, out, args.model)
     lm, n_layers = _target(args.model)
     kind, head = import_head(src, out, lm, n_layers)
     print(f"{src} ({kind}) -> {out}: specdec head dir", file=sys.stderr)
@@ -67,7 +72,7 @@ def cmd_export(args) -> int:
     detect(src)
     if args.to == "llamacpp":
         return _export_llamacpp(args, src, out)
-    _check_out(src, out)
+    _check_out(src, out, args.model)
     lm, n_layers = _target(args.model)
     arch = export_head(src, args.to, out, lm, n_layers)
     print(f"{src} -> {out}: {arch} for {args.to}", file=sys.stderr)
@@ -77,6 +82,7 @@ def cmd_export(args) -> int:
 def _export_llamacpp(args, src: Path, out: Path) -> int:
     if out.suffix != ".gguf" or out.is_dir():
         raise SpecdecError(f"--out {out}: --to llamacpp writes one file, give a path ending in .gguf")
+    check_writable(out.absolute().parent, f"--out {out}:")
     if args.model is None:
         raise SpecdecError("--to llamacpp needs --model: the target's .gguf file (or smollm2), whose tokenizer "
                            "llama.cpp checks the draft's against")

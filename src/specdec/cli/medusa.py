@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.files import check_writable
 from specdec.heads.medusa_formats import FORMATS, detect_format, export_medusa, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
 from specdec.options import one_line_errors
-from specdec.runtime.loading import load_model
+from specdec.runtime.loading import load_model, resolve
 
 
 def add_parser(sub) -> None:
@@ -45,6 +46,9 @@ def cmd_convert(args) -> int:
             raise SpecdecError(f"{dst} exists and does not hold Medusa heads: refusing to replace it") from None
     if args.pt and args.to != "medusa":
         raise SpecdecError("--pt only applies to --to medusa")
+    check_writable(dst.absolute().parent, f"DST {dst}:")
+    if args.model is not None:
+        resolve(args.model)
     lm = None
     if args.model is not None:
         model, _, _ = load_model(args.model, "cpu", torch.float32)

@@ -117,10 +117,13 @@ class Runner(Cached, ABC):
         (forward_many). None: this runner cannot (its sequences then decode one at a time)."""
         return None
 
-    def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = ()) -> list[ForwardOut]:
+    def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = (),
+                     logits_rows: Sequence[slice | None] | None = None) -> list[ForwardOut]:
         """Runner.forward for each part (a fork of this runner, tokens, positions, mask), each into its
-        own cache, in as few forwards as the runner can while giving each row the bits it gets alone."""
-        return [r.forward(t, p, m, aux_layers=aux_layers) for r, t, p, m in parts]
+        own cache, in as few forwards as the runner can while giving each row the bits it gets alone.
+        logits_rows: each part's (Runner.forward's; default all rows)."""
+        lrs = logits_rows or [None] * len(parts)
+        return [r.forward(t, p, m, lr, aux_layers) for (r, t, p, m), lr in zip(parts, lrs)]
 
     @abstractmethod
     def _forward(

@@ -23,6 +23,7 @@ def cpu_name() -> str:
         pass
     return platform.processor() or platform.machine()
 
+
 def _cpu_busy_s() -> float | None:
     """Seconds of CPU time every process on the machine has used (user+nice+system+irq), from /proc/stat."""
     try:
@@ -33,12 +34,17 @@ def _cpu_busy_s() -> float | None:
 
 
 def free_cpus(window_s: float = 0.1) -> int:
-    """The usable CPUs other processes leave free, measured over a short window (at least 1): a CPU counts
-    as taken when others kept it at least 60% busy. Why: a 2-thread decode beside one busy process ran
-    at 0.9 tok/s, against 46-51 tok/s with one thread (OpenMP's barriers wait for the preempted thread)."""
+    """The usable CPUs other processes leave free, measured over a short window (free_of)."""
     meter = ContentionMeter()
     time.sleep(window_s)
-    frac = meter.result().get("other_cpu_frac")
+    return free_of(meter.result())
+
+
+def free_of(contention: dict) -> int:
+    """The usable CPUs other processes left free over a ContentionMeter's run (at least 1): a CPU counts as
+    taken when others kept it at least 60% busy. Why: a 2-thread decode beside one busy process ran at
+    0.9 tok/s, against 46-51 tok/s with one thread (OpenMP's barriers wait for the preempted thread)."""
+    frac = contention.get("other_cpu_frac")
     n = usable_cpus()
     if frac is None:
         return n

@@ -157,24 +157,26 @@ class LeanRunner(Runner):
         r.cache = self.cache.fresh(FORK_CAPACITY)
         return r
 
-    def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = ()) -> list[ForwardOut]:
+    def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = (),
+                     logits_rows: Sequence[slice | None] | None = None) -> list[ForwardOut]:
         """Sequences packed into forwards of at most exact_rows rows: their linears run once on all their rows,
         each row's bits those it gets alone (row-invariant linears, attention per sequence). Without exact
         rows (or a sequence longer than them) a sequence runs alone, as it would anyway."""
         outs: list[ForwardOut | None] = [None] * len(parts)
+        lrs = logits_rows or [None] * len(parts)
         group: list[int] = []
 
         def run(group: list[int]) -> None:
             if len(group) == 1:
                 r, t, pos, m = parts[group[0]]
-                outs[group[0]] = r.forward(t, pos, m, aux_layers=aux_layers)
+                outs[group[0]] = r.forward(t, pos, m, lrs[group[0]], aux_layers)
                 return
             seqs = []
             for i in group:
                 r, t, pos, m = parts[i]
                 _, pos = r._new_rows(t.numel(), pos, m)
                 seqs.append((r, t.to(self.device), pos.to(self.device), None if m is None else m.to(self.device)))
-            for i, out in zip(group, self._run(seqs, [None] * len(seqs), tuple(aux_layers))):
+            for i, out in zip(group, self._run(seqs, [lrs[i] for i in group], tuple(aux_layers))):
                 outs[i] = out
             for r, t, _, _ in seqs:
                 r.cache.n_pending += t.numel()

@@ -20,9 +20,9 @@ from pydantic import field_validator
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 from specdec.options import Options, option
-from specdec.runtime import stream
+from specdec.runtime import stream, threads
 from specdec.runtime.base import Runner
-from specdec.runtime.cpus import free_cpus, usable_cpus
+from specdec.runtime.cpus import usable_cpus
 from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.lean import LeanRunner, supports
 from specdec.runtime.packed import FLOAT, precision_name
@@ -162,7 +162,8 @@ class Runtime(Options):
     dtype: Literal["float32", "float16", "bfloat16"] | None = option(
         None, "weight dtype (default: float32 on CPU, bfloat16 on CUDA)", shown="float32 on CPU")
     backend: Literal["auto", "lean", "hf"] = option("auto", "target runner: lean (ours), hf (transformers), auto")
-    threads: int | None = option(None, "torch threads (default: torch's choice)", ge=1, shown="torch's choice")
+    threads: int | None = option(None, "torch threads, fixed (default: torch's choice, fewer while other "
+                                 "processes keep CPUs busy, followed while decoding)", ge=1, shown="torch's choice")
     weights: Literal["gguf", "fp32", "bf16", "fp16", "int8", "int4"] | None = option(
         None, "the target's linear weights in this precision (lean runner); gguf: a .gguf file's own quantized "
         "blocks, never de-quantized; int4: 4-bit blocks of 32 quantized at load (CPU); decoding is lossless "
@@ -200,19 +201,15 @@ class Runtime(Options):
         return v
 
     def apply(self) -> str | None:
-        """Sets torch's threads: as given, else no more than the CPUs other processes leave free (measured
-        now). Returns a one-line note when another process made it use fewer than usual."""
+        """Sets torch's threads: as given, else no more than the CPUs other processes leave free, measured now
+        and followed while decoding (runtime/threads.py). Returns a one-line note when another process made
+        it use fewer than usual."""
         if self.threads:
-            torch.set_num_threads(self.threads)
+            threads.fix(self.threads)
             return None
         if self.device not in (None, "cpu"):
             return None
-        usual, free = torch.get_num_threads(), free_cpus()
-        if free >= usual:
-            return None
-        torch.set_num_threads(free)
-        return (f"another process is keeping {usable_cpus() - free} of {usable_cpus()} CPUs busy: using {free} "
-                f"thread{'s' if free > 1 else ''} (--threads N to choose)")
+        return threads.follow()
 
     def torch_dtype(self) -> torch.dtype | None:
         return getattr(torch, self.dtype) if self.dtype else None

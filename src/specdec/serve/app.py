@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Chunk, Decoder, Generation, GenerationParams
+from specdec.batch import PREFILL_CHUNK
 from specdec.errors import SpecdecError
 from specdec.serve.engine import Engine, Job, QueueFull, make_engine
 from specdec.serve.metrics import Metrics
@@ -39,8 +40,8 @@ class APIError(Exception):
 
 
 def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, max_queue: int = 64,
-              max_batch: int = 1) -> FastAPI:
-    engine = engine or make_engine(decoder, max_batch, max_queue)
+              max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK) -> FastAPI:
+    engine = engine or make_engine(decoder, max_batch, max_queue, prefill_chunk=prefill_chunk)
     metrics = Metrics()
 
     @asynccontextmanager
@@ -160,9 +161,16 @@ class Output:
 
     async def chunks(self) -> AsyncIterator:
         """The job's chunks; the job is cancelled if its reader stops early (a client that left)."""
-        outcome = "cancelled"
+        outcome, last = "cancelled", None
         try:
             while (chunk := await self.job.next()) is not None:
+                if chunk.token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        self.metrics.first_token(now - self.job.arrived)
+                    else:
+                        self.metrics.next_tokens(now - last)
+                    last = now
                 self.generated += len(chunk.token_ids)
                 if chunk.final is not None:
                     self.metrics.speculation(chunk.final.stats)
@@ -275,14 +283,14 @@ def _event(obj: dict) -> str:
 
 
 def serve(decoder: Decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
-          max_batch: int = 1) -> None:
+          max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, finish the requests in flight, return.
 
     The engine decodes on this thread, the one that loaded the model, and HTTP runs on another. Why: libgomp's
     idle workers spin only while it manages no more threads than CPUs; a second thread's OpenMP team (the
     load's, then a decoding thread's) made each kernel call wait ~50 us for sleeping workers: forwards 2.7x
     slower on 2 cores."""
-    engine = make_engine(decoder, max_batch, max_queue, thread=False)
+    engine = make_engine(decoder, max_batch, max_queue, thread=False, prefill_chunk=prefill_chunk)
     server = uvicorn.Server(uvicorn.Config(build_app(decoder, model_name, engine, max_queue, max_batch), host=host,
                                            port=port, log_level="info"))
 

@@ -8,14 +8,29 @@ import asyncio
 import queue
 import sys
 import threading
+import time
 from typing import Protocol
 
 from specdec.api import Chunk, Decoder, GenerationParams, TextStream
-from specdec.batch import Batch
+from specdec.batch import PREFILL_CHUNK, Batch
 from specdec.engine import Sequence, Stats
 from specdec.errors import SpecdecError
+from specdec.options import Options, option
 
 _END = object()
+
+
+class Serving(Options):
+    """How `specdec serve` schedules requests; checked before the model loads."""
+
+    max_queue: int = option(64, "requests that may wait for their turn; more get 429 with Retry-After", ge=1,
+                            metavar="N")
+    max_batch: int = option(4, "requests decoded together, each accepting its own number of tokens per step "
+                            "(1: one at a time; methods that cannot batch yet, e.g. lookahead, decode one at a time)",
+                            ge=1, metavar="N")
+    prefill_chunk: int = option(PREFILL_CHUNK, "rows of a batched step, decoding rows and a joining prompt's chunk "
+                                "together: a long prompt goes in over several steps while the others keep "
+                                "decoding (at most the runner's exact rows, 64)", ge=1, metavar="N")
 
 
 class QueueFull(Exception):
@@ -28,6 +43,7 @@ class Job:
 
     def __init__(self, prompt, params: GenerationParams) -> None:
         self.prompt, self.params = prompt, params
+        self.arrived = time.perf_counter()
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -61,7 +77,7 @@ class Engine(Protocol):
     def running(self) -> int: ...
 
     def batch_size(self) -> int:
-        """Sequences in the decoding batch (stepping together) now."""
+        """Sequences in the decoding batch (stepping together, a joining prompt's chunk included) now."""
 
     def run(self) -> None:
         """Decode on the calling thread until close() (only for an engine made with thread=False)."""
@@ -145,12 +161,14 @@ class SerialEngine(_Worker):
 class BatchEngine(_Worker):
     """Decodes up to `max_batch` requests together on its worker thread or run()'s (batch.Batch): between steps,
     finished and cancelled requests leave and queued ones join, in arrival order; at most `max_queue`
-    wait. Each request keeps its own sampling parameters, seed, stop strings and max tokens. Raises
-    SpecdecError when the Decoder's runner or drafter cannot fork (make_engine then serves serially)."""
+    wait. A joining prompt goes in a chunk per step beside the decoding rows (prefill_chunk: a step's rows).
+    Each request keeps its own sampling parameters, seed, stop strings and max tokens. Raises SpecdecError
+    when the Decoder's runner or drafter cannot fork (make_engine then serves serially)."""
 
-    def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64, thread: bool = True) -> None:
+    def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64, thread: bool = True,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.decoder, self.max_batch = decoder, max_batch
-        self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids)
+        self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids, prefill_chunk)
         self._live: dict[Sequence, tuple[Job, TextStream]] = {}
         self._size = 0
         self._start(max_queue, "specdec-serve-batch", thread)
@@ -178,7 +196,7 @@ class BatchEngine(_Worker):
             for seq, (job, _) in list(self._live.items()):
                 if job.cancelled:  # its client left: the slot is free for the next step
                     self._end(seq)
-            self._size = len(self.batch.active)
+            self._size = len(self.batch)
             if not self._live:
                 continue
             try:
@@ -194,19 +212,19 @@ class BatchEngine(_Worker):
                     self._end(seq)
                 else:
                     self._emit(seq, new)
-            self._size = len(self.batch.active)
+            self._size = len(self.batch)
 
     def _join(self, job: Job) -> None:
+        """The request joins the batch: its prompt goes in over the next steps (batch.Batch's chunks)."""
         p = job.params
         try:
             ids = self.decoder.encode(job.prompt)
-            seq, first = self.batch.join(ids, p, p.max_new_tokens, Stats(), self.decoder.constraint(p))
+            seq = self.batch.join(ids, p, p.max_new_tokens, Stats(), self.decoder.constraint(p))
         except Exception as e:  # this request fails, the others go on
             job.put(e)
             job.end()
             return
         self._live[seq] = (job, TextStream(self.decoder, ids, p.stop, seq.stats))
-        self._emit(seq, first)
 
     def _emit(self, seq: Sequence, new: list[int]) -> None:
         job, text = self._live[seq]
@@ -223,12 +241,13 @@ class BatchEngine(_Worker):
         job.end()
 
 
-def make_engine(decoder: Decoder, max_batch: int = 1, max_queue: int = 64, thread: bool = True) -> Engine:
+def make_engine(decoder: Decoder, max_batch: int = 1, max_queue: int = 64, thread: bool = True,
+                prefill_chunk: int = PREFILL_CHUNK) -> Engine:
     """BatchEngine for max_batch > 1 where the method can fork per request; else SerialEngine (a note
     on stderr says why). thread=False: it decodes on the thread that calls its run()."""
     if max_batch > 1:
         try:
-            return BatchEngine(decoder, max_batch, max_queue, thread)
+            return BatchEngine(decoder, max_batch, max_queue, thread, prefill_chunk)
         except SpecdecError as e:
             print(f"specdec serve: {e}: requests decode one at a time", file=sys.stderr)
     return SerialEngine(decoder, max_queue, thread)

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.files import atomic_write_text, data_roots, find_data
+from specdec.files import atomic_write_text, check_writable, data_roots, find_data
 from specdec.heads.shipped import target_fingerprint
 from specdec.options import arg_type, checked
 from specdec.runtime import lean as lean_mod
@@ -245,8 +244,6 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
     checked("batch_size", batch_size, arg_type(int, ge=1))
     if feature_dtype not in _DTYPES:
         raise SpecdecError(f"--feature-dtype must be one of {', '.join(_DTYPES)}, got {feature_dtype!r}")
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise SpecdecError(f"--out {out_dir} is a file, not a directory")
     check_writable(out_dir)
     gsm = None
     if any(s.startswith("gsm8k") for s in plan.sources):
@@ -262,24 +259,6 @@ def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclud
     # is excluded
     excl = ([Path(exclude_dir)] if exclude_dir else []) + [r for r in data_roots() if r.is_dir()]
     return gsm, excl
-
-
-def check_writable(out_dir) -> None:
-    """A SpecdecError naming --out unless a file can be written in `out_dir`; tried for real (permissions
-    alone miss /proc, read-only mounts and root), and whatever the try created is removed again."""
-    out = Path(out_dir).absolute()
-    made = [p for p in (out, *out.parents) if not p.exists()]
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise SpecdecError(f"--out {out_dir} is not a writable directory ({e.strerror or e})") from None
-    finally:
-        for p in made:  # the innermost first
-            try:
-                p.rmdir()
-            except OSError:
-                break
 
 
 def _say(msg: str) -> None:

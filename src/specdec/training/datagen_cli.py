@@ -8,7 +8,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.options import add_flags, arg_type, flag_values, one_line_errors
-from specdec.runtime.loading import Runtime, load_model
+from specdec.runtime.loading import Runtime, load_model, resolve
 from specdec.training.datagen import (
     _DTYPES,
     PLAN_RULES,
@@ -84,6 +84,7 @@ def cmd_datagen(args) -> int:
                 max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, top_p=args.top_p,
                 seed=args.seed, aux_layers=args.aux_layers)
     check_run(args.out, args.shards, plan, args.batch_size, args.gsm8k, args.exclude_dir, args.feature_dtype)
+    resolve(args.model)
     rt.apply()
     init(world)
     model, tok, _ = load_model(args.model, rt.device, torch.float32 if rt.device in (None, "cpu") else None)

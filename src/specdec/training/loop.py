@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.files import check_writable
 from specdec.training.config import LoopConfig
-from specdec.training.shards import ShardData
+from specdec.training.shards import ShardData, list_shards
 
 
 def warmup_steps(cfg, total: int) -> int:
@@ -90,14 +91,36 @@ def finished_run(cfg: LoopConfig, result: str) -> tuple[Path, int] | None:
     return done, total
 
 
-def load_resume(cfg: LoopConfig) -> dict | None:
+def check_paths(cfg: LoopConfig) -> None:
+    """What a run needs from the file system, checked before the target loads: --out and --ship-to
+    writable, --init-from present, and for a new run --data's dirs holding shards (a resumed run reads
+    the shards it started with, and says which one is gone); a resumed run's settings are checked too."""
+    check_writable(cfg.out, "--out")
+    if cfg.ship_to:
+        check_writable(cfg.ship_to, "--ship-to")
+    if cfg.init_from and not Path(cfg.init_from).expanduser().exists():
+        raise SpecdecError(f"--init-from {cfg.init_from} does not exist")
+    if load_resume(cfg, mmap=True) is not None:
+        return
+    dirs = [Path(d.strip()).expanduser() for d in str(cfg.data).split(",") if d.strip()]
+    if not dirs:
+        raise SpecdecError("--data names no directory")
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:  # e.g. a "~" the shell left unexpanded after a comma
+        raise SpecdecError(f"--data: directory not found: {', '.join(missing)}")
+    if not any(list_shards(d) for d in dirs):
+        raise SpecdecError(f"--data {cfg.data} holds no data shards (shard-*.safetensors): run `specdec datagen` "
+                           "first")
+
+
+def load_resume(cfg: LoopConfig, mmap: bool = False) -> dict | None:
     """The newest checkpoint's state of the run in cfg.out (None: a new run); a SpecdecError when its
-    resume settings differ from cfg's."""
+    resume settings differ from cfg's. mmap: the tensors left on disk (only the settings are read)."""
     out = Path(cfg.out)
     ckpts = checkpoints(out)
     if not ckpts:
         return None
-    resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False)
+    resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False, mmap=mmap)
     saved = type(cfg).from_dict(resume["config"])
     for k in cfg.resume_keys():
         if getattr(saved, k) != getattr(cfg, k):

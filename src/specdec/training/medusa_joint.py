@@ -22,7 +22,7 @@ The backbone's decoder layers recompute their activations in the backward pass u
 A checkpoint holds the heads and the backbone's trainable tensors (JointTrained), the optimizer, the
 scheduler and the step: resumes are exact (trainer.py, loop.py). At the end the new target's features (a forward
 through it) give the heads' accuracies, and `drift` how far it moved from the original; both go into
-the heads' config.json with both targets' fingerprints. One process only for now.
+the heads' config.json with both targets' fingerprints. It trains in one process.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class JointTraining:
     def setup(self) -> None:
         world = self.acc.num_processes
         if world > 1:
-            raise SpecdecError(f"--joint trains in one process for now, not {world}: run it without accelerate launch")
+            raise SpecdecError(f"--joint trains in one process, not {world}: run it without accelerate launch")
 
     def trainable(self, heads: MedusaHeads) -> JointTrained:
         self.hw = heads_warmup(self.cfg, self.total)

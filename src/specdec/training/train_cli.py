@@ -8,9 +8,9 @@ import argparse
 from pathlib import Path
 
 from specdec.options import add_flags, flag_values, one_line_errors
-from specdec.runtime.loading import Runtime, materialize
+from specdec.runtime.loading import Runtime, materialize, resolve
 from specdec.training.config import LoopConfig
-from specdec.training.loop import load_target
+from specdec.training.loop import check_paths, load_target
 from specdec.training.medusa import MedusaTrainConfig, finished_heads, train_medusa
 from specdec.training.shards import aux_layers_of
 from specdec.training.train import TrainConfig, finished_head, train_eagle
@@ -56,12 +56,14 @@ def cmd_train_eagle(args) -> int:
     Runtime.parse(flag_values(args, Runtime)).apply()
     cfg = config_of(args, TrainConfig)
     cfg.check()
-    if cfg.arch == "eagle3":  # the data's aux layers, before the target loads
-        aux_layers_of(cfg.data)
+    resolve(args.model)
     done = finished_head(cfg)
     if done is not None:  # before the target loads: nothing else happens
         print(f"train {cfg.kind}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
         return 0
+    check_paths(cfg)  # everything else before the target loads
+    if cfg.arch == "eagle3":  # the data's aux layers
+        aux_layers_of(cfg.data)
     r = train_eagle(cfg, load_target(materialize(args.model), args.model))
     head, steps = Path(cfg.out) / "head", f"step {r['steps']}/{r['total_steps']}"
     last = r["history"][-1] if r["history"] else None
@@ -82,10 +84,12 @@ def cmd_train_medusa(args) -> int:
     out, name = Path(cfg.out), "train medusa" + (" --joint" if cfg.joint else "")
     name += " --arch hydra" if cfg.arch == "hydra" else ""
     target = f"; the new target is in {out / 'target'}" if cfg.joint else ""
+    resolve(args.model)
     done = finished_heads(cfg)
     if done is not None:  # before the target loads: nothing else happens
         print(f"{name}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the heads are in {done[0]}{target}")
         return 0
+    check_paths(cfg)  # everything else before the target loads
     r = train_medusa(cfg, load_target(materialize(args.model), args.model))
     steps = f"step {r['steps']}/{r['total_steps']}"
     if r["steps"] < r["total_steps"]:

@@ -10,11 +10,13 @@ import torch
 
 from specdec.api import from_models
 from specdec.errors import SpecdecError
+from specdec.files import check_writable
 from specdec.heads.io import is_eagle3_dir
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, flag_values
+from specdec.runtime import threads
 from specdec.runtime.cpus import cpu_name
-from specdec.runtime.loading import Runtime, load_model
+from specdec.runtime.loading import Runtime, load_model, resolve
 from specdec.tune.sampled import choose_sampled, sampled_acceptance
 from specdec.tune.search import LOOKUPS, SIZES, tune
 from specdec.tuning import save_tuning, tuning_path
@@ -66,8 +68,15 @@ def cmd_tune(args) -> int:
         raise SpecdecError(f"--tokens must be >= {2 + max(SIZES)} (room to time the largest tree), got {args.tokens}")
     if args.sampled_tokens < 0:
         raise SpecdecError(f"--sampled-tokens must be >= 0, got {args.sampled_tokens}")
+    if args.top < 1:
+        raise SpecdecError(f"--top must be >= 1, got {args.top}")
     if args.head is not None and not os.path.isdir(args.head):
-        raise SpecdecError(f"EAGLE head {args.head!r} is not a directory")
+        raise SpecdecError(f"--head {args.head!r} is not a directory")
+    if args.out is not None:  # the result is written after minutes of measuring: its place is checked first
+        if os.path.isdir(args.out):
+            raise SpecdecError(f"--out {args.out} is a directory: give a file name")
+        check_writable(Path(args.out).expanduser().parent, f"--out {args.out}:")
+    resolve(args.model)
     try:
         lookups = [int(x) for x in args.lookups.split(",") if x.strip()]
     except ValueError:
@@ -75,6 +84,7 @@ def cmd_tune(args) -> int:
     if any(n < 1 for n in lookups):
         raise SpecdecError(f"--lookups must be >= 1 each, got {args.lookups!r}")
     rt.apply()
+    threads.fix(torch.get_num_threads())  # costs are timed (and cached) per count: one count for the run
     model, tok, _ = load_model(args.model, "cpu", torch.float32)
     head = args.head or find_shipped_head(model, "eagle3") or find_shipped_head(model)
     if head is None:
