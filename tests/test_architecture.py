@@ -14,7 +14,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 # lower layers never import higher ones
 LAYERS = (
-    ("core", ("errors", "options", "files", "sampling", "tree", "verify", "slot", "engine", "batch", "tuning", "vocab",
+    ("core", ("errors", "options", "files", "sampling", "tree", "grammar", "verify", "slot", "engine", "batch", "tuning", "vocab",
               "machine", "runtime", "drafters.base")),
     ("methods", ("drafters", "heads")),  # every drafter and the heads they run
     ("api", ("api", "__init__")),

@@ -14,6 +14,7 @@ import threading
 import time
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -22,7 +23,6 @@ from specdec.tree import DraftTree
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # GenerationParams' fields that constrain
 FORCED_MAX = 16  # forced tokens drafted at most per step (a long literal keeps coming the next step)
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def compile_grammar(kind: str, source: str | bool) -> str:
@@ -152,12 +152,12 @@ class Constraint:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """The planned rows' logits, what each row's state forbids set to -inf."""
         t0 = time.perf_counter()
-        bits = self._masks[: logits.shape[0]]
-        allowed = ((bits.unsqueeze(-1) >> _BITS) & 1).bool().reshape(bits.shape[0], -1)
+        bits = self._masks[: logits.shape[0]].numpy().view(np.uint8)
+        allowed = torch.from_numpy(np.unpackbits(bits, axis=-1, bitorder="little").view(np.bool_))
         v = logits.shape[-1]
         if allowed.shape[-1] < v:  # ids past the tokenizer's vocabulary (padding rows of an LM head)
             allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], v - allowed.shape[-1])], -1)
-        out = logits.masked_fill(~allowed[:, :v].to(logits.device), float("-inf"))
+        out = torch.where(allowed[:, :v].to(logits.device), logits, float("-inf"))
         self.mask_s += time.perf_counter() - t0
         return out
 
