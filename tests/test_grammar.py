@@ -14,11 +14,12 @@ from specdec.api import GenerationParams
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import Stats, decode
+from specdec.engine import decode
 from specdec.errors import SpecdecError
 from specdec.grammar import Vocabulary, compile_grammar
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.stats import Stats
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import SMALL_V, chi2_pvalue, flat_tiny, noisy_copy
 

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from specdec.drafters import registry
 from specdec.drafters.base import Drafter
-from specdec.engine import Stats, decode
+from specdec.engine import decode
 from specdec.errors import SpecdecError
 from specdec.grammar import KINDS, Constraint, Vocabulary, compile_grammar
 from specdec.options import option
@@ -22,6 +22,7 @@ from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.loading import Runtime, build_runner, eos_ids, load_model
 from specdec.sampling import SamplingParams
 from specdec.slot import Slot
+from specdec.stats import Stats
 
 # the README demo: what `specdec generate` answers without a prompt, and `bench --demo` times
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."

@@ -28,12 +28,13 @@ import time
 from dataclasses import dataclass
 
 from specdec.drafters.base import Drafter
-from specdec.engine import Prompt, Sequence, Stats
+from specdec.engine import Prompt, Sequence
 from specdec.errors import SpecdecError
 from specdec.grammar import Constraint
 from specdec.runtime import threads
 from specdec.runtime.base import ForwardOut, Runner
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 
 PREFILL_CHUNK = 64  # = lean.EXACT_ROWS: a step's rows, decoding and prompt together
 

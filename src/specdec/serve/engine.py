@@ -13,9 +13,10 @@ from typing import Protocol
 
 from specdec.api import Chunk, Decoder, GenerationParams, TextStream
 from specdec.batch import PREFILL_CHUNK, Batch
-from specdec.engine import Sequence, Stats
+from specdec.engine import Sequence
 from specdec.errors import SpecdecError
 from specdec.options import Options, option
+from specdec.stats import Stats
 
 _END = object()
 
