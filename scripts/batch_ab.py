@@ -54,17 +54,17 @@ todo = [list(range(len(prompts))) for _ in batches]
 owner = [{} for _ in batches]
 out = [{} for _ in batches]
 secs = [0.0] * len(batches)
-while any(t or b.active for t, b in zip(todo, batches)):
+while any(t or len(b) for t, b in zip(todo, batches)):
     for i, b in enumerate(batches):
-        if not (todo[i] or b.active):
+        if not (todo[i] or len(b)):
             continue
         t0 = time.perf_counter()
-        while todo[i] and len(b.active) < args.batch:
+        while todo[i] and len(b) < args.batch:
             k = todo[i].pop(0)
-            seq, first = b.join(prompts[k], SamplingParams(args.temperature, seed=k), args.max_new_tokens)
+            seq = b.join(prompts[k], SamplingParams(args.temperature, seed=k), args.max_new_tokens)
             if i == 1:  # its drafter prices rows as a lone sequence's
                 seq.drafter.share = lambda ctx: None
-            owner[i][seq], out[i][k] = k, list(first)
+            owner[i][seq], out[i][k] = k, []
         results = b.step()
         secs[i] += time.perf_counter() - t0
         for seq, new in results:

@@ -16,12 +16,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from specdec.bench.data import Question
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.eagle import EagleDrafter
-from specdec.engine import Stats, decode
+from specdec.engine import decode
 from specdec.heads.hydra import HydraHeads
 from specdec.heads.medusa import MedusaHeads
 from specdec.heads.model import Eagle3Head, EagleHead, head_config
 from specdec.heads.runner import HeadRunner
 from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.stats import Stats
 from specdec.training.datagen import eagle3_layers, generate_answers, pack_shard, teacher_force, write_shard
 from specdec.tree import TreeBudget
 

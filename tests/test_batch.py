@@ -21,11 +21,11 @@ from specdec.drafters.medusa import MedusaDrafter, sparse_choices
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.union import UnionDrafter
-from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     SMALL_V,

@@ -10,8 +10,8 @@ import torch
 from specdec.bench import metrics as M
 from specdec.bench.data import Question, first_per_category, load_questions, quick_subset, read_jsonl
 from specdec.bench.methods import parse_method, parse_methods
-from specdec.engine import Stats
 from specdec.errors import SpecdecError
+from specdec.stats import Stats
 from specdec.tree import DraftTree
 
 KNOWN = ("vanilla", "sps", "sps-tree", "eagle2", "hf", "hf-pld", "hf-assisted")

@@ -290,7 +290,8 @@ def test_a_decode_teaches_the_next_request_and_batch_forks_share_what_they_learn
     model = tiny_model("llama", seed=LOOPS)
     target = LeanRunner(model, exact=True)
     drafter = NgramDrafter(8, 1)
-    from specdec.engine import Stats, decode
+    from specdec.engine import decode
+    from specdec.stats import Stats
 
     stats = Stats()
     untaught = [t for s in decode(target, drafter, REPEATS, SamplingParams(), 8, set(), stats, learn=False) for t in s]
@@ -302,7 +303,7 @@ def test_a_decode_teaches_the_next_request_and_batch_forks_share_what_they_learn
     from specdec.batch import Batch
 
     batch = Batch(target, drafter, set())
-    seq, _ = batch.join([9, 10, 11], SamplingParams(), 5)
-    while batch.active:
+    seq = batch.join([9, 10, 11], SamplingParams(), 5)
+    while len(batch):
         batch.step()
     assert drafter.history.tokens[len(answer) + 1:-1] == seq.ctx.tokens[3:]  # a sequence that left taught it

@@ -7,10 +7,11 @@ import torch
 from specdec.drafters import registry
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.lookahead import MAX_ROWS, LookaheadDrafter
-from specdec.engine import Sequence, Stats
+from specdec.engine import Sequence
 from specdec.errors import SpecdecError
 from specdec.runtime.lean import EXACT_ROWS, LeanRunner
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 from specdec.tree import DraftTree
 from tests.helpers import chi2_pvalue, exact_first3, flat_tiny, greedy_taus, run, sample_first3, tiny_model
 

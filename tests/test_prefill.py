@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specdec.api import from_models
-from specdec.engine import Stats, _advance, _prefill
+from specdec.engine import _advance, _prefill
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 from tests.helpers import word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]

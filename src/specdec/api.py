@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specdec.drafters import registry
 from specdec.drafters.base import Drafter
-from specdec.engine import Stats, decode
+from specdec.engine import decode
 from specdec.errors import SpecdecError
+from specdec.grammar import KINDS, Constraint, Vocabulary, compile_grammar
 from specdec.options import option
 from specdec.runtime.base import Runner
 from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.loading import Runtime, build_runner, eos_ids, load_model
 from specdec.sampling import SamplingParams
 from specdec.slot import Slot
+from specdec.stats import Stats
 
 # the README demo: what `specdec generate` answers without a prompt, and `bench --demo` times
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -53,6 +56,26 @@ class GenerationParams(SamplingParams):
     max_new_tokens: int = option(256, "tokens to generate at most", ge=1)
     stop: list[Annotated[str, Field(min_length=1)]] = option(
         [], "a stop string: the answer ends before the first one (repeatable)", shown="none", escapes=True)
+    json_schema: str | None = option(None, "the answer is JSON fitting this JSON schema (its text)", shown="none")
+    json_object: bool = option(False, "the answer is a JSON object")
+    regex: str | None = option(None, "the answer matches this regular expression", shown="none")
+    grammar: str | None = option(None, "the answer follows this Lark (or llama.cpp GBNF) grammar (its text)",
+                                 shown="none")
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> GenerationParams:
+        given = [k for k in KINDS if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, json_object, regex, grammar (got {', '.join(given)})")
+        if given:
+            compile_grammar(given[0], getattr(self, given[0]))
+        return self
+
+    @property
+    def constrained(self) -> str | None:
+        """llguidance's grammar for the constraint asked for, or None."""
+        kind = next((k for k in KINDS if getattr(self, k)), None)
+        return None if kind is None else compile_grammar(kind, getattr(self, kind))
 
 
 @dataclass
@@ -69,6 +92,17 @@ class Decoder:
     eos_ids: set[int] = field(default_factory=set)
     slot: Slot = field(default_factory=Slot)
     _tok_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # fast tokenizers are not
+    _vocabulary: Vocabulary | None = field(default=None, repr=False)
+
+    def constraint(self, params: SamplingParams) -> Constraint | None:
+        """A fresh grammar state for a request whose params ask for structured output, else None."""
+        grammar = getattr(params, "constrained", None)
+        if grammar is None:
+            return None
+        with self._tok_lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        return self._vocabulary.constraint(grammar)
 
     @property
     def weights(self) -> str:
@@ -84,7 +118,7 @@ class Decoder:
         drafter: another drafter over the same target instead of this Decoder's (e.g. NoDrafter)."""
         return decode(self.runner, self.drafter if drafter is None else drafter, prompt_ids, params, max_new_tokens,
                       self.eos_ids, stats, on_verify=on_verify, lease=self.slot.lease(), learn=learn,
-                      prefill_steps=prefill_steps)
+                      prefill_steps=prefill_steps, constraint=self.constraint(params))
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """A string is raw text; a list of {"role", "content"} messages goes through the chat template."""
@@ -123,16 +157,24 @@ class Decoder:
         top_p: float = 1.0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        json_schema: dict | str | None = None,
+        json_object: bool = False,
+        regex: str | None = None,
+        grammar: str | None = None,
         **unknown,
     ) -> Iterator[Chunk]:
         """Chunks of text as they are decoded; the last one carries the whole Generation. Parameters
-        and prompt are checked here, before the first chunk is asked for."""
+        and prompt are checked here, before the first chunk is asked for. json_schema (a dict or its
+        JSON text), json_object, regex or grammar (Lark or GBNF text): structured output, lossless."""
         if unknown:
             raise SpecdecError(f"unknown option {next(iter(unknown))!r} (valid: "
                                f"{', '.join(GenerationParams.model_fields)})")
         stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop
+        if isinstance(json_schema, (dict, bool)):
+            json_schema = json.dumps(json_schema)
         params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, seed=seed, stop=[] if stops is None else stops)
+                                  top_p=top_p, seed=seed, stop=[] if stops is None else stops,
+                                  json_schema=json_schema, json_object=json_object, regex=regex, grammar=grammar)
         return self._stream(self.encode(prompt), params)
 
     def _stream(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[Chunk]:

@@ -28,11 +28,13 @@ import time
 from dataclasses import dataclass
 
 from specdec.drafters.base import Drafter
-from specdec.engine import Prompt, Sequence, Stats
+from specdec.engine import Prompt, Sequence
 from specdec.errors import SpecdecError
+from specdec.grammar import Constraint
 from specdec.runtime import threads
 from specdec.runtime.base import ForwardOut, Runner
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 
 PREFILL_CHUNK = 64  # = lean.EXACT_ROWS: a step's rows, decoding and prompt together
 
@@ -67,13 +69,14 @@ class Batch:
         return len(self.active) + len(self.joining)
 
     def join(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-             stats: Stats | None = None) -> Sequence:
+             stats: Stats | None = None, constraint: Constraint | None = None) -> Sequence:
         """A new sequence: its prompt goes in over the next steps; the step that completes it gives the first
-        tokens (step()). Bad input raises here."""
+        tokens (step()). Bad input raises here. constraint: the grammar its answer follows (grammar.py)."""
         runner, drafter = self._free.pop() if self._free else (self.runner.fork(), self.drafter.fork())
         t0 = time.perf_counter()
         try:
-            seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, self.eos_ids, stats or Stats())
+            seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, self.eos_ids, stats or Stats(),
+                           constraint=constraint)
             prompt = seq.prefill_start()
         except BaseException:
             self._free.append((runner, drafter))

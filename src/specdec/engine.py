@@ -3,110 +3,23 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, follow
 from specdec.errors import SpecdecError
+from specdec.grammar import Constraint
 from specdec.runtime import threads
 from specdec.runtime.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
+from specdec.stats import Stats
 from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
 T = TypeVar("T")
-
-
-@dataclass
-class Stats:
-    """tau = tokens emitted per target forward in the decode phase (accepted draft tokens + 1 bonus),
-    prefill excluded: Spec-Bench's "mean accepted tokens" convention."""
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0  # decode-phase verification forwards
-    accept_lengths: list[int] = field(default_factory=list)  # per forward: accepted + 1
-    tree_sizes: list[int] = field(default_factory=list)
-    depth_tries: list[int] = field(default_factory=list)  # [k-1]: forwards where depth k was tried
-    depth_accepts: list[int] = field(default_factory=list)
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    total_time: float = 0.0
-    finish_reason: str = ""
-    wait_time: float = 0.0  # waiting for another request's turn on a shared Decoder (not in tok/s)
-    resumes: int = 0  # times another request took the runner meanwhile and this one rebuilt its state
-    acceptance: str = "lossless"  # or the lossy rule that ran (Medusa's typical acceptance at T > 0)
-    drafter: str = ""  # what drafted (e.g. what `auto` runs: with a head, or without one and instead)
-    costs: str = ""  # how the step costs the drafter chose by were obtained ("": it uses none)
-    kernels: str = ""  # the target's kernel path (Runner.kernel_path): the streaming kernel or a fallback
-
-    @property
-    def tau(self) -> float:
-        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        busy = self.total_time - self.wait_time
-        return self.new_tokens / busy if busy > 0 else 0.0
-
-    @property
-    def overhead_time(self) -> float:
-        return max(0.0, self.total_time - self.wait_time - self.prefill_time - self.draft_time - self.verify_time)
-
-    @property
-    def alpha_by_depth(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_tries)]
-
-    @property
-    def vanilla_share(self) -> float:
-        """Share of decode forwards that verified no draft (a drafter that chose not to draft)."""
-        return sum(n == 0 for n in self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
-
-    def tree_size_histogram(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.tree_sizes).items()))
-
-    def accept_histogram(self) -> dict[int, int]:
-        h: dict[int, int] = {}
-        for a in self.accept_lengths:
-            h[a] = h.get(a, 0) + 1
-        return dict(sorted(h.items()))
-
-    def record(self, tree: DraftTree, path: list[int]) -> None:
-        self.target_forwards += 1
-        self.accept_lengths.append(len(path) + 1)
-        self.tree_sizes.append(len(tree))
-        children = tree.children()
-        row, k = 0, 0
-        while children[row]:  # depth k+1 was tried iff the accepted node at depth k has children
-            if len(self.depth_tries) <= k:
-                self.depth_tries.append(0)
-                self.depth_accepts.append(0)
-            self.depth_tries[k] += 1
-            if k >= len(path):
-                break
-            self.depth_accepts[k] += 1
-            row, k = path[k] + 1, k + 1
-
-    def summary(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "target_forwards": self.target_forwards, "tau": round(self.tau, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3),
-            "alpha_by_depth": [round(a, 4) for a in self.alpha_by_depth],
-            "accept_histogram": self.accept_histogram(),
-            "mean_tree_size": round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 3),
-            "tree_size_histogram": self.tree_size_histogram(), "vanilla_share": round(self.vanilla_share, 4),
-            "time": {"total": self.total_time, "prefill": self.prefill_time, "draft": self.draft_time,
-                     "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time},
-            "finish_reason": self.finish_reason, "resumes": self.resumes, "acceptance": self.acceptance,
-            "drafter": self.drafter,
-        }
 
 
 def _clock(device: torch.device) -> float:
@@ -126,7 +39,8 @@ class Sequence:
 
     def __init__(self, runner: Runner, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
                  max_new_tokens: int, eos_ids: set[int], stats: Stats,
-                 on_verify: Callable[[DraftTree, Verdict], None] | None = None) -> None:
+                 on_verify: Callable[[DraftTree, Verdict], None] | None = None,
+                 constraint: Constraint | None = None) -> None:
         if not prompt_ids:
             raise SpecdecError("the prompt is empty")
         if max_new_tokens < 1:
@@ -138,6 +52,7 @@ class Sequence:
             )
         self.runner, self.drafter, self.prompt_ids, self.params = runner, drafter, prompt_ids, params
         self.max_new_tokens, self.eos_ids, self.stats, self.on_verify = max_new_tokens, eos_ids, stats, on_verify
+        self.constraint = constraint  # a grammar the answer must follow (grammar.py), or None
         self.dev = runner.device
         self.gen = params.generator(self.dev)
         self.coupling = params.coupling(runner.vocab_size)
@@ -178,8 +93,14 @@ class Sequence:
     def prefill_end(self, out: ForwardOut) -> list[int]:
         """The prompt is in (`out`: Prompt.out()): the first token, the drafter begun."""
         stats = self.stats
-        first = verify(DraftTree.empty(), out.logits, self.params, self.gen, coupling=self.coupling,
+        logits = out.logits
+        if self.constraint is not None:
+            self.constraint.plan(DraftTree.empty(), 0)
+            logits = self.constraint.mask(logits)
+        first = verify(DraftTree.empty(), logits, self.params, self.gen, coupling=self.coupling,
                        position=len(self.prompt_ids)).bonus
+        if self.constraint is not None:
+            self.constraint.consume([first])
         self.ctx = DecodeContext(list(self.prompt_ids) + [first], self.params, self.gen, len(self.prompt_ids),
                                  out.features, aux_features=out.aux, coupling=self.coupling,
                                  eos_ids=frozenset(self.eos_ids))
@@ -215,6 +136,8 @@ class Sequence:
         tree = self.drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
         if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
             tree = tree.select(torch.arange(ctx.max_nodes))
+        if self.constraint is not None:
+            tree = self.constraint.plan(tree, ctx.max_nodes)
         self._t = _clock(self.dev)
         self.stats.draft_time += self._t - t
         ctx.draft_s = self._t - t
@@ -241,7 +164,8 @@ class Sequence:
             n = 1 + len(tree)
             self.drafter.side_logits(out.logits[n:])
             out = ForwardOut(out.logits[:n], out.features[:n], None if out.aux is None else out.aux[:n])
-        verdict = verify(tree, out.logits, self.params, self.gen, self.typical, self.coupling, len(ctx.tokens))
+        logits = out.logits if self.constraint is None else self.constraint.mask(out.logits)
+        verdict = verify(tree, logits, self.params, self.gen, self.typical, self.coupling, len(ctx.tokens))
         keep = [0] + [i + 1 for i in verdict.path]
         self.runner.commit(keep)
         t2 = _clock(self.dev)
@@ -257,6 +181,9 @@ class Sequence:
                 break
         self.n += len(new)
         stats.new_tokens = self.n
+        if self.constraint is not None:
+            self.constraint.consume(new)
+            stats.mask_time = self.constraint.mask_s
         rows = torch.tensor(keep, device=out.features.device)
         follow(self.drafter, ctx, new, out.features[rows], None if out.aux is None else out.aux[rows], verdict)
         return new
@@ -274,6 +201,7 @@ def decode(
     lease: Lease | None = None,
     learn: bool = True,
     prefill_steps: bool = False,
+    constraint: Constraint | None = None,
 ) -> Iterator[list[int]]:
     """Yields the new tokens of each step. Closing the generator early (a stop string) is fine.
 
@@ -281,8 +209,9 @@ def decode(
     (slot.py); without one, the caller promises that nothing else uses them until the generator is done.
     learn: the drafter may learn from the answer for later requests (Drafter.end); the benchmark's
     warm-up and repeats of one prompt do not teach it. prefill_steps: each of the prefill's forwards but
-    the last is a step of its own that yields no token (the benchmark steps methods in turn through it)."""
-    seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, eos_ids, stats, on_verify)
+    the last is a step of its own that yields no token (the benchmark steps methods in turn through it).
+    constraint: the grammar the answer must follow (grammar.Constraint), fresh for this request."""
+    seq = Sequence(runner, drafter, prompt_ids, params, max_new_tokens, eos_ids, stats, on_verify, constraint)
     dev = runner.device
     lease = lease or Slot().lease()
     t0 = _clock(dev)

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 from specdec.bench.methods import MethodSpec
 from specdec.bench.metrics import calibration_pairs
-from specdec.engine import Stats
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 
 
 class OurMethod:

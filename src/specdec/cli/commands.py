@@ -9,6 +9,7 @@ import json
 import select
 import sys
 import warnings
+from pathlib import Path
 
 from specdec.api import DEFAULT_PROMPT, GenerationParams, check_text, load
 from specdec.bench.cli import add_bench_parser
@@ -53,13 +54,32 @@ def _add_answer_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the commands that answer: model, method, sampling, runtime, system message, noise."""
     p.add_argument("--system", default=None, help="system message for the chat template")
     _add_model(p)
-    add_flags(p, GenerationParams)
+    add_flags(p, GenerationParams, skip=FILE_CONSTRAINTS)
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="the answer is JSON fitting the JSON schema in FILE")
+    p.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the answer follows the Lark (or llama.cpp GBNF) grammar in FILE")
     noise = p.add_mutually_exclusive_group()
     noise.add_argument("-q", "--quiet", action="store_true", help="nothing on stderr but errors: no statistics "
                        "line, no notes")
     noise.add_argument("-v", "--verbose", action="store_true", help="also what the drafter chose and how its "
                        "drafts fared (acceptance by depth, draft sizes, costs), and the libraries' warnings "
                        "and progress bars")
+
+
+FILE_CONSTRAINTS = ("json_schema", "grammar")  # constraints the command line reads from a file
+
+
+def read_text_file(path: str, flag: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecdecError(f"{flag}: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{flag}: cannot read {path}: {e}") from None
+    if not text.strip():
+        raise SpecdecError(f"{flag}: {path} is empty")
+    return text
 
 
 CONTENDED = 0.25  # share of the CPUs other processes used during a generation that the stats line reports
@@ -113,7 +133,12 @@ def quiet_libraries(verbose: bool) -> None:
 def _answer_setup(args):
     """What generate and chat share, checked before the slow model load: the sampling parameters, the
     runtime, the method and its options, the system message. Returns (params, runtime, method options)."""
-    params = GenerationParams.parse(flag_values(args, GenerationParams))
+    given = flag_values(args, GenerationParams)
+    for name in FILE_CONSTRAINTS:
+        path = getattr(args, name)
+        if path is not None:
+            given[name] = read_text_file(path, "--" + name.replace("_", "-"))
+    params = GenerationParams.parse(given)
     rt = Runtime.parse(flag_values(args, Runtime))
     if args.system is not None:
         check_text(args.system, "--system")

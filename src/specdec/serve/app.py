@@ -120,8 +120,15 @@ def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, m
                            f"the model's context of {limit} tokens", param="max_tokens",
                            code="context_length_exceeded")
         try:
+            structure = req.response_format.constraint() if req.response_format is not None else {}
+            if structure:  # its own check first: an error there names response_format
+                GenerationParams(**structure)
+        except (SpecdecError, ValueError) as e:
+            raise APIError(400, f"response_format: {str(e).splitlines()[0]}", param="response_format") from None
+        try:
             params = GenerationParams(max_new_tokens=asked or limit - len(ids), temperature=req.temperature,
-                                      top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed, stop=req.stops())
+                                      top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed, stop=req.stops(),
+                                      **structure)
         except (SpecdecError, ValidationError) as e:
             raise APIError(400, str(e).splitlines()[0]) from None
         job = Job(prompt, params)

@@ -13,9 +13,10 @@ from typing import Protocol
 
 from specdec.api import Chunk, Decoder, GenerationParams, TextStream
 from specdec.batch import PREFILL_CHUNK, Batch
-from specdec.engine import Sequence, Stats
+from specdec.engine import Sequence
 from specdec.errors import SpecdecError
 from specdec.options import Options, option
+from specdec.stats import Stats
 
 _END = object()
 
@@ -219,7 +220,7 @@ class BatchEngine(_Worker):
         p = job.params
         try:
             ids = self.decoder.encode(job.prompt)
-            seq = self.batch.join(ids, p, p.max_new_tokens, Stats())
+            seq = self.batch.join(ids, p, p.max_new_tokens, Stats(), self.decoder.constraint(p))
         except Exception as e:  # this request fails, the others go on
             job.put(e)
             job.end()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from specdec.engine import Stats
+from specdec.stats import Stats
 
 # vLLM's buckets for the same histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

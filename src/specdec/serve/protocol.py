@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +30,29 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchema(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict = Field(default_factory=dict, alias="schema")  # OpenAI's "schema"; {} allows any JSON
+    description: str | None = None
+    strict: bool | None = None  # the answer always fits the schema here, strict or not
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def constraint(self) -> dict:
+        """GenerationParams' fields for this format."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format of type json_schema needs its json_schema")
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        return {}
+
+
 class Sampling(Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -41,6 +65,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)

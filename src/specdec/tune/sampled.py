@@ -21,9 +21,9 @@ from dataclasses import asdict
 
 import torch
 
-from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 from specdec.tree import TreeBudget
 from specdec.tune.search import Row, rank
 

@@ -26,10 +26,10 @@ import torch
 
 from specdec.drafters.base import NoDrafter, begin_on, follow
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.engine import Stats
 from specdec.errors import SpecdecError
 from specdec.machine import forward_costs, machine_summary
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 from specdec.tree import DraftTree, TreeBudget
 from specdec.tune.replay import matched_path, replay, union_step, visited
 from specdec.verify import Verdict
