@@ -95,9 +95,12 @@ def test_each_token_says_whether_it_was_an_accepted_draft_and_at_which_depth(met
 
 def _own_terminal():
     """In the child: a session of its own whose controlling terminal is the pty, so that Ctrl-C typed
-    there is a SIGINT to it, as in a shell."""
+    there is a SIGINT to it, as in a shell; and SIGINT handled as a shell's foreground job has it, even
+    when the suite itself runs where it is ignored (a background job of a non-interactive shell, whose
+    children inherit the ignoring through exec)."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Session:
@@ -141,10 +144,16 @@ class Session:
         os.write(self.master, line.encode())
 
     def finish(self, timeout: float = 60):
-        err = self.proc.stderr.read().decode()
-        self.proc.wait(timeout)
-        os.close(self.master)
-        return self.proc.returncode, err
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a chat that does not end fails the test instead of hanging it
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise AssertionError(f"the chat did not end within {timeout} s; got {self.text()!r}, "
+                                 f"stderr {err.decode(errors='replace')}") from None
+        finally:
+            os.close(self.master)
+        return self.proc.returncode, err.decode()
 
 
 def _answers(screen: str) -> list[str]:
