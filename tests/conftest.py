@@ -22,7 +22,20 @@ import torch  # noqa: E402
 
 from tests.helpers import QS, TRAIN_KW, char_tokenizer, make_data, noisy_copy, tiny_model  # noqa: E402
 
-torch.set_num_threads(2)
+# One thread unless a module asks for more (helpers.at_threads): ops on the tiny models gain nothing from a
+# second thread, and on a busy machine two threads wait for each other (a sampled decode of the tiny model
+# took 25x the CPU time on two threads as on one beside other processes). The kernels' own tests and the real
+# model's run on two, and test_gguf compares the kernels' bits across thread counts.
+torch.set_num_threads(1)
+
+@pytest.fixture
+def two_threads():
+    """The real model's tests outside test_smollm2: on two threads, as a 2-core machine runs it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
 
 @pytest.fixture(params=["llama", "qwen2", "mistral"])
 def family(request):

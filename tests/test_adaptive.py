@@ -617,12 +617,14 @@ def test_the_catch_up_per_row_is_measured_at_load(tiny, trained, monkeypatch):
     assert Costs.from_json(c.to_json()).catch_row_s == pytest.approx(c.catch_row_s, abs=1e-7)
 
 
-def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch):
+def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch, request):
     from specdec.drafters import costs as costs_mod
     from specdec.heads.io import load_head
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    torch.set_num_threads(2)  # an earlier test (a training run with --threads 1) may have left another count
+    before = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(before))
+    torch.set_num_threads(2)  # the key's thread count, changed below
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     eagle = drafter_for(tiny, head, True)

@@ -170,16 +170,16 @@ def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
     if n < 2:
         pytest.skip("needs two usable CPUs")
     torch_threads = __import__("torch").get_num_threads()
+    __import__("torch").set_num_threads(n)  # all of them, so that leaving one out shows
     p = _busy_process()
     try:
-        assert free_cpus() == n - 1
+        assert free_cpus() <= n - 1  # fewer still where other processes than ours keep CPUs busy
         note = Runtime().apply()
-        assert __import__("torch").get_num_threads() == min(n - 1, torch_threads)
-        assert note is None or "another process" in note
+        assert __import__("torch").get_num_threads() <= n - 1 and "another process" in note
         model = _tiny_dir(tmp_path)
         run = _cli(["w1 w2", "--raw", "--model", model, "--max-new-tokens", "40", "--method", "vanilla"],
                    stdin=subprocess_devnull())
-        assert run.returncode == 0 and "another process is keeping 1 of" in run.stderr
+        assert run.returncode == 0 and re.search(rf"another process is keeping \d+ of {n} CPUs", run.stderr)
     finally:
         p.kill()
         __import__("torch").set_num_threads(torch_threads)

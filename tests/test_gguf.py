@@ -26,6 +26,7 @@ from tests.helpers import (
     FORMATS,
     K_QUANTS,
     SMALL_V,
+    at_threads,
     chi2_pvalue,
     gguf_runner,
     greedy_taus,
@@ -35,6 +36,8 @@ from tests.helpers import (
     synthetic_gguf,
     tiny_gguf,
 )
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 pytestmark = pytest.mark.skipif(stream.kernel() is None, reason="needs the streaming kernels (x86-64, AVX2)")
 
@@ -91,6 +94,24 @@ def test_every_row_is_bit_identical_to_that_row_alone(fmt):
     mixed = QuantWeight([qtensor("Q4_K", 16, 512)[0], qtensor("Q8_0", 16, 512)[0]], None)  # two kernel calls
     x = torch.randn(8, 512, generator=g)
     assert torch.equal(torch.cat([mixed(x[i:i + 1]) for i in range(8)]), mixed(x))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_row_has_the_same_bits_on_any_number_of_threads(fmt):
+    """Threads split a call's outputs, never a row's reduction: the bits follow neither the thread count nor
+    how many rows share the call (the rest of the suite runs mostly on one thread)."""
+    k = 512 if fmt in K_QUANTS else 352
+    g = torch.Generator().manual_seed(0)
+    lin = QuantWeight([qtensor(fmt, 256, k, 0)[0]], torch.randn(256, generator=g))
+    x = torch.randn(13, k, generator=g)
+    before, got = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append((lin(x), lin(x[5:6])))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)
 
 
 @pytest.fixture(scope="module", params=FORMATS)

@@ -14,20 +14,19 @@ import torch
 
 from specdec.api import from_models
 from specdec.runtime.loading import load_model
+from tests.helpers import at_threads
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 pytestmark = pytest.mark.slow  # every test here runs the real embedded SmolLM2
 
-PROMPTS = [
+PROMPTS = [  # six kinds of answer (a fact, an explanation, code, arithmetic, a summary, a list): each decoded
+    # once by vanilla for all the methods compared with it
     "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about autumn leaves.",
     "Explain recursion to a ten-year-old.",
-    "List three prime numbers greater than 50.",
-    "Translate 'good morning, my friend' into Spanish.",
     "Write a Python function that reverses a string.",
-    "Give me two tips for sleeping better.",
     "What is 17 times 23? Show your steps.",
     "Summarize the plot of Romeo and Juliet in two sentences.",
-    "Why do cats purr?",
     "Name the planets of the solar system in order.",
 ]
 N_NEW = 40
@@ -112,8 +111,8 @@ def test_speculative_greedy_equals_vanilla(smol, vanilla, method, opts):
 
 def test_stop_string_and_streaming(vanilla):
     dec = vanilla.dec
-    msgs = [{"role": "user", "content": PROMPTS[10]}]
-    full = vanilla.answer(PROMPTS[10])
+    msgs = [{"role": "user", "content": PROMPTS[-1]}]
+    full = vanilla.answer(PROMPTS[-1])
     words = full.text.split()
     stop = words[3]
     cut = dec.generate(msgs, max_new_tokens=N_NEW, stop=stop)
@@ -229,6 +228,6 @@ def test_auto_under_the_costs_measured_here_decodes_exactly(smol_gguf):
     model, tok, gguf_vanilla = smol_gguf
     spec = from_models(model, tok, "auto")
     assert spec.drafter.costs.target(1) > 0 and spec.drafter.clock is not None
-    for p in PROMPTS[:4]:
+    for p in PROMPTS[:3]:
         got = spec.generate([{"role": "user", "content": p}], max_new_tokens=N_NEW)
         assert got.token_ids == gguf_vanilla.answer(p).token_ids
