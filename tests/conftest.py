@@ -1,9 +1,41 @@
-import pytest
-import torch
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
-from tests.helpers import QS, TRAIN_KW, char_tokenizer, make_data, noisy_copy, tiny_model
+# The suite's own cache, set before specdec is imported, and inherited by every subprocess the tests start:
+# never the user's ~/.cache/specdec (nor a SPECDEC_CACHE of theirs), whose measured costs, converted models
+# and `specdec tune` results would make what the tests see depend on that machine's history. Everything
+# measured or derived is made afresh each session; only the built C++ kernels (a minute or two to compile,
+# keyed by their sources, flags, torch and Python) are kept between runs, under <repo>/.cache/test-suite
+# (SPECDEC_TEST_CACHE moves it, e.g. onto a CI cache).
+_KEEP = Path(os.environ.get("SPECDEC_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".cache" / "test-suite")
+_SESSION = Path(tempfile.mkdtemp(prefix="specdec-test-cache-"))
+(_KEEP / "kernels").mkdir(parents=True, exist_ok=True)
+(_SESSION / "kernels").symlink_to(_KEEP / "kernels", target_is_directory=True)
+os.environ["SPECDEC_CACHE"] = str(_SESSION)
+atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
 
-torch.set_num_threads(2)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import QS, TRAIN_KW, char_tokenizer, make_data, noisy_copy, tiny_model  # noqa: E402
+
+# One thread unless a module asks for more (helpers.at_threads): ops on the tiny models gain nothing from a
+# second thread, and on a busy machine two threads wait for each other (a sampled decode of the tiny model
+# took 25x the CPU time on two threads as on one beside other processes). The kernels' own tests and the real
+# model's run on two, and test_gguf compares the kernels' bits across thread counts.
+torch.set_num_threads(1)
+
+@pytest.fixture
+def two_threads():
+    """The real model's tests outside test_smollm2: on two threads, as a 2-core machine runs it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
 
 @pytest.fixture(params=["llama", "qwen2", "mistral"])
 def family(request):
@@ -34,16 +66,25 @@ def trained(tiny, tiny_data, tmp_path_factory):
     return r, out
 
 
-# ---- the benchmark's tiny target + draft with a char tokenizer, and one small run over them ----
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir():
+    """The embedded SmolLM2's tokenizer and config (no weights), read from its GGUF file into this session's
+    cache: tests that need a real chat tokenizer get it in an empty cache too, without converting the model."""
+    from specdec.runtime.loading import gguf_meta, resolve
 
-@pytest.fixture(scope="module")
+    return gguf_meta(resolve("smollm2"))
+
+
+# ---- the benchmark's tiny target + draft with a char tokenizer, and one small run over them (every module's) ----
+
+@pytest.fixture(scope="session")
 def bench_models():
     tok = char_tokenizer()
     target = tiny_model("llama", vocab_size=len(tok))
     return target, tok, noisy_copy(target, scale=0.2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bench_result(bench_models, tmp_path_factory):
     from specdec.bench.methods import parse_methods
     from specdec.bench.runner import BenchConfig, run_bench
@@ -55,3 +96,36 @@ def bench_result(bench_models, tmp_path_factory):
     cfg = BenchConfig(specs, max_new_tokens=16, repeats=2, warmup_tokens=4, progress=False, threads=1,
                       extra={"dataset": "test"})
     return run_bench(cfg, QS, target, tok, draft, tok, out), out
+
+
+# ---- `auto` priced by fixed costs: what it drafts (hence its tau) then depends on no machine ----
+
+def fixed_costs_for(menu, sampled=()):
+    """Costs shaped as SmolLM2's measured on a 2-core CPU (t(n) rises ~3% a row, a head level costs ~2% of a
+    one-row forward), in units so large (a forward: 1000 s) that the one real timing the drafters still learn
+    from, the head's catch-up (ms, the excess over its price), is always nothing: the choices follow the
+    acceptance alone, the same on every machine, however loaded."""
+    from specdec.drafters.costs import ANCHORS, Costs
+
+    unit, level = 1e3, 0.02e3
+    return Costs({n: unit * (1 + 0.03 * (n - 1)) for n in ANCHORS}, {b: level * b.depth for b, _ in menu},
+                 2 * level, 1e-3 * unit, {b: level * b.depth for b, _ in sampled}, catch_row_s=3e-3 * unit)
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """`auto` (with a head or without) priced by fixed_costs_for instead of costs measured on this machine,
+    and kept at those prices (no StepClock following the forwards' wall time): assertions about what it
+    accepts hold on any machine, however loaded."""
+    from specdec.drafters import auto, headless
+
+    def head_costs(runner, drafter, head_dir, menu, lookup, recalibrate=False, sampled=()):
+        return fixed_costs_for(menu, sampled), None, "fixed (tests)"
+
+    def plain_costs(runner, ngram, draft, menu, recalibrate=False):
+        return fixed_costs_for(menu), None, "fixed (tests)"
+
+    monkeypatch.setattr(auto, "load_costs", head_costs)
+    monkeypatch.setattr(headless, "load_plain_costs", plain_costs)
+    monkeypatch.setattr(auto, "StepClock", lambda: None)
+    monkeypatch.setattr(headless, "StepClock", lambda: None)

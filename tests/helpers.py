@@ -7,6 +7,7 @@ import string
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
@@ -406,3 +407,16 @@ def make_hydra(model, k=3, layers=1, lm_head="target", vocab=None, seed=0, scale
                 else:
                     w.copy_(torch.randn(w.shape, generator=g) / math.sqrt(w.shape[-1]))
     return h.eval()
+
+
+def at_threads(n: int, scope: str = "module"):
+    """An autouse fixture running its module's tests (and, at module scope, the module's own fixtures, which
+    come after it) on n torch threads, then the count as it was."""
+    @pytest.fixture(scope=scope, autouse=True)
+    def threads():
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        yield
+        torch.set_num_threads(before)
+
+    return threads

@@ -204,12 +204,17 @@ def test_a_head_tree_after_plain_steps_is_priced_with_its_catch_up():
     assert chain.budget is None and chain.chain and pick(ctrl, 4, ngram=3, catch_up=0.5) == chain
 
 
-def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
+def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
     """The head's reading of skipped rows is timed against the drafting's own price: a head whose catch-up
-    takes 20 ms per extra row is learnt as such (from a measured price of 0 here)."""
-    import time
+    takes 20 ms per extra row is learnt as such (from a measured price of 0 here). The engine's clock is one
+    that only the catch-up advances: what is learnt is exact, however busy the machine."""
+    from types import SimpleNamespace
 
+    from specdec import engine
     from specdec.heads.io import load_head
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine, "_clock", lambda device: clock.now)
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
@@ -225,7 +230,7 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained):
             extra = max(0, sum(f.shape[0] for f, _ in d.eagle.pending) - 2)
             if len(d.eagle.pending) > 1 and extra:
                 extras.append(extra)
-                time.sleep(0.02 * extra)
+                clock.now += 0.02 * extra
             return orig(ctx, budget)
 
         d.eagle.propose = slow
@@ -252,12 +257,17 @@ def test_a_longer_context_prices_every_row_its_attention():
     assert ctrl.choose(0, 100, ctx=4000).vanilla  # t(5) = 1.4 + 1.8 for 1.9 tokens: does not pay
 
 
-def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost():
+def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost(monkeypatch):
     """attention_slope times one forward with and without `extra` cached columns visible: a runner whose
-    forward costs 20 us per visible (row, column) pair reads as 20 us, whatever the rest costs."""
-    import time
+    forward costs 20 us per visible (row, column) pair reads as 20 us, whatever the rest costs. Its clock
+    is one that only the forwards advance: exact, however busy the machine."""
+    from types import SimpleNamespace
 
+    from specdec import machine
     from specdec.machine import attention_slope
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(machine, "time", SimpleNamespace(perf_counter=lambda: clock.now))
 
     class Fake:
         vocab_size, device = 50, torch.device("cpu")
@@ -273,10 +283,10 @@ def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost():
 
         def forward(self, xs, positions=None, mask=None, logits_rows=None):
             if mask is not None:
-                time.sleep(0.002 + 20e-6 * int(mask.sum()))
+                clock.now += 0.002 + 20e-6 * int(mask.sum())
 
     slope = attention_slope(Fake(), rows=4, ctx=20, extra=50, reps=3)
-    assert slope == pytest.approx(20e-6, rel=0.3)
+    assert slope == pytest.approx(20e-6)
 
 
 def test_low_acceptance_stops_drafting_and_a_later_try_follows():
@@ -581,34 +591,40 @@ def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
 
 # ---- costs measured here, cached per machine ----
 
-def test_the_catch_up_per_row_is_measured_at_load(tiny, trained):
+def test_the_catch_up_per_row_is_measured_at_load(tiny, trained, monkeypatch):
     """A head whose reading of queued rows takes 1 ms per row is measured as 1 ms per extra row (the
-    catch-up of 10 rows against a typical step's 2), and the price round-trips through the cost file."""
-    import time
+    catch-up of 10 rows against a typical step's 2), and the price round-trips through the cost file. The
+    measurement reads a clock that only that reading advances: exact, however busy the machine."""
+    from types import SimpleNamespace
 
+    from specdec.drafters import costs as costs_mod
     from specdec.drafters.costs import measure_costs
     from specdec.heads.io import load_head
 
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(costs_mod, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     eagle = drafter_for(tiny, head, True)
     real = eagle.sync
 
     def slow(ctx):
-        time.sleep(0.001 * sum(f.shape[0] for f, _ in eagle.pending))
+        clock.now += 0.001 * sum(f.shape[0] for f, _ in eagle.pending)
         real(ctx)
 
     eagle.sync = slow
     c = measure_costs(LeanRunner(tiny), eagle, MENU, 6, ctx_len=64)
-    assert 0.0007 < c.catch_row_s < 0.003, c.catch_row_s
+    assert c.follow_s == pytest.approx(0.002) and c.catch_row_s == pytest.approx(0.001), (c.follow_s, c.catch_row_s)
     assert Costs.from_json(c.to_json()).catch_row_s == pytest.approx(c.catch_row_s, abs=1e-7)
 
 
-def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch):
+def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch, request):
     from specdec.drafters import costs as costs_mod
     from specdec.heads.io import load_head
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    torch.set_num_threads(2)  # an earlier test (a training run with --threads 1) may have left another count
+    before = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(before))
+    torch.set_num_threads(2)  # the key's thread count, changed below
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     eagle = drafter_for(tiny, head, True)

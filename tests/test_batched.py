@@ -7,7 +7,9 @@ from specdec.api import from_models
 from specdec.runtime.batched import batch_generate
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from tests.helpers import tiny_model
+from tests.helpers import at_threads, tiny_model
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 
 class _Tok:  # token ids in, token ids out: enough for Decoder.generate with id prompts
@@ -18,6 +20,7 @@ class _Tok:  # token ids in, token ids out: enough for Decoder.generate with id 
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
+
 
 
 @pytest.mark.parametrize("fam", ["llama", "qwen2"])

@@ -95,13 +95,18 @@ def test_each_token_says_whether_it_was_an_accepted_draft_and_at_which_depth(met
 
 def _own_terminal():
     """In the child: a session of its own whose controlling terminal is the pty, so that Ctrl-C typed
-    there is a SIGINT to it, as in a shell."""
+    there is a SIGINT to it, as in a shell; and SIGINT handled as a shell's foreground job has it, even
+    when the suite itself runs where it is ignored (a background job of a non-interactive shell, whose
+    children inherit the ignoring through exec)."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Session:
-    """`specdec chat` on a pseudo-terminal (stdin and stdout, as a user has them); stderr apart."""
+    """`specdec chat` on a pseudo-terminal (stdin and stdout, as a user has them); stderr apart. Used with
+    `with`: whatever a test asserts, the chat is gone when it leaves (killed if it still runs), and no wait
+    is without a limit, so a chat that stops answering fails its test instead of hanging the suite."""
 
     def __init__(self, *args):
         master, slave = pty.openpty()
@@ -110,30 +115,51 @@ class Session:
                                      stdout=slave, stderr=subprocess.PIPE, preexec_fn=_own_terminal,
                                      env=dict(os.environ, TERM="dumb"))
         os.close(slave)
-        self.master, self.out, self.lock = master, b"", threading.Lock()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.master, self.lock, self.got = master, threading.Lock(), {"out": b"", "err": b""}
+        # both read all along: a child blocked on a full pipe would look like one that stopped answering
+        self.pumps = [threading.Thread(target=self._pump, args=(fd, key), daemon=True)
+                      for fd, key in ((master, "out"), (self.proc.stderr.fileno(), "err"))]
+        for t in self.pumps:
+            t.start()
 
-    def _pump(self):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()  # a no-op once it has exited
+        self.proc.wait()
+        self._drain()
+
+    def _pump(self, fd: int, key: str):
         while True:
             try:
-                data = os.read(self.master, 4096)
+                data = os.read(fd, 4096)
             except OSError:  # the child closed the terminal
                 return
             if not data:
                 return
             with self.lock:
-                self.out += data
+                self.got[key] += data
 
-    def text(self) -> str:
+    def _drain(self):
+        """After the child has exited: the last of its output read, the terminal closed."""
+        for t in self.pumps:
+            t.join(10)
+        if self.master is not None:
+            os.close(self.master)
+            self.proc.stderr.close()
+            self.master = None
+
+    def text(self, key: str = "out") -> str:
         with self.lock:
-            return self.out.decode(errors="replace")
+            return self.got[key].decode(errors="replace")
 
     def expect(self, pattern: str, count: int = 1, timeout: float = 240) -> str:
         end = time.monotonic() + timeout
         while self.text().count(pattern) < count:
             if self.proc.poll() is not None or time.monotonic() > end:
                 raise AssertionError(f"waited for {pattern!r} x{count}; got {self.text()!r}, "
-                                     f"stderr {self.proc.stderr.read() if self.proc.poll() is not None else ''}")
+                                     f"stderr {self.text('err')!r}")
             time.sleep(0.05)
         return self.text()
 
@@ -141,10 +167,14 @@ class Session:
         os.write(self.master, line.encode())
 
     def finish(self, timeout: float = 60):
-        err = self.proc.stderr.read().decode()
-        self.proc.wait(timeout)
-        os.close(self.master)
-        return self.proc.returncode, err
+        """(exit code, stderr) once the chat has ended by itself."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the chat did not end within {timeout} s; got {self.text()!r}, "
+                                 f"stderr {self.text('err')!r}") from None
+        self._drain()
+        return self.proc.returncode, self.text("err")
 
 
 def _answers(screen: str) -> list[str]:
@@ -156,18 +186,13 @@ def _answers(screen: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_conversation_on_a_terminal_keeps_its_history_until_reset_and_ends_at_eof(model_dir):
-    s = Session("--model", model_dir, "--method", "pld", "--max-new-tokens", "6", "--threads", "1", "-v")
-    s.expect(">>> ")
-    s.send("w1 w2\n")
-    s.expect(">>> ", 2)
-    s.send("w3\n")
-    s.expect(">>> ", 3)
-    s.send("/reset\n")
-    s.expect(">>> ", 4)
-    s.send("w1 w2\n")
-    s.expect(">>> ", 5)
-    s.send("\x04")  # Ctrl-D
-    code, err = s.finish()
+    with Session("--model", model_dir, "--method", "pld", "--max-new-tokens", "6", "--threads", "1", "-v") as s:
+        s.expect(">>> ")
+        for n, line in enumerate(["w1 w2", "w3", "/reset", "w1 w2"], 2):
+            s.send(line + "\n")
+            s.expect(">>> ", n)
+        s.send("\x04")  # Ctrl-D
+        code, err = s.finish()
     assert code == 0, err
     prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens", err)]
     answers = _answers(s.text())
@@ -185,13 +210,13 @@ def test_color_draft_paints_the_same_text(model_dir):
     plain = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", *base], input=turns, text=True,
                            capture_output=True, timeout=300)
     assert plain.returncode == 0 and "\x1b" not in plain.stdout
-    s = Session(*base, "--color-draft")
-    s.expect(">>> ")
-    for n, line in enumerate(turns.splitlines(), 2):
-        s.send(line + "\n")
-        s.expect(">>> ", n)
-    s.send("/exit\n")
-    code, err = s.finish()
+    with Session(*base, "--color-draft") as s:
+        s.expect(">>> ")
+        for n, line in enumerate(turns.splitlines(), 2):
+            s.send(line + "\n")
+            s.expect(">>> ", n)
+        s.send("/exit\n")
+        code, err = s.finish()
     screen = s.text()
     assert code == 0 and "colours:" in err
     assert "\x1b[32m" in screen and "\x1b[33m" in screen  # accepted drafts (depth 1) and target tokens
@@ -219,19 +244,21 @@ def test_piped_turns_and_quiet(model_dir):
 def test_ctrl_c_stops_an_answer_and_returns_to_the_prompt():
     """On the embedded SmolLM2, slow enough to interrupt: the answer stops, the prompt comes back, the
     next turn is answered, Ctrl-C at the prompt leaves cleanly."""
-    s = Session("--max-new-tokens", "300", "--method", "vanilla", "--threads", "1")
-    s.expect(">>> ")
-    s.send("Tell me a very long story about a dragon.\n")
-    shown = len(s.expect("dragon.\r\n")) + 30  # the echoed line, then some of the answer
-    end = time.monotonic() + 240
-    while len(s.text()) < shown and time.monotonic() < end:
-        time.sleep(0.05)
-    s.send("\x03")  # the terminal turns it into SIGINT for the foreground job
-    s.expect(">>> ", 2, timeout=60)
-    s.send("/reset\n")
-    s.expect(">>> ", 3)
-    s.proc.send_signal(signal.SIGINT)  # at the prompt: quit
-    code, err = s.finish()
+    with Session("--max-new-tokens", "300", "--method", "vanilla", "--threads", "1") as s:
+        s.expect(">>> ")
+        s.send("Tell me a very long story about a dragon.\n")
+        shown = len(s.expect("dragon.\r\n")) + 30  # the echoed line, then some of the answer
+        end = time.monotonic() + 240
+        while len(s.text()) < shown:
+            assert s.proc.poll() is None and time.monotonic() < end, (s.text(), s.text("err"))
+            time.sleep(0.05)
+        assert s.text().count(">>> ") == 1  # still answering
+        s.send("\x03")  # the terminal turns it into SIGINT for the foreground job
+        s.expect(">>> ", 2, timeout=60)
+        s.send("/reset\n")
+        s.expect(">>> ", 3)
+        s.proc.send_signal(signal.SIGINT)  # at the prompt: quit
+        code, err = s.finish()
     assert code == 0 and "(answer stopped)" in err and "Traceback" not in err
     assert "draft tokens accepted" not in err  # the stopped answer has no statistics line
 

@@ -2,6 +2,8 @@
 traceback, and no model loaded (everything is checked first)."""
 
 import re
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -168,16 +170,16 @@ def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
     if n < 2:
         pytest.skip("needs two usable CPUs")
     torch_threads = __import__("torch").get_num_threads()
+    __import__("torch").set_num_threads(n)  # all of them, so that leaving one out shows
     p = _busy_process()
     try:
-        assert free_cpus() == n - 1
+        assert free_cpus() <= n - 1  # fewer still where other processes than ours keep CPUs busy
         note = Runtime().apply()
-        assert __import__("torch").get_num_threads() == min(n - 1, torch_threads)
-        assert note is None or "another process" in note
+        assert __import__("torch").get_num_threads() <= n - 1 and "another process" in note
         model = _tiny_dir(tmp_path)
         run = _cli(["w1 w2", "--raw", "--model", model, "--max-new-tokens", "40", "--method", "vanilla"],
                    stdin=subprocess_devnull())
-        assert run.returncode == 0 and "another process is keeping 1 of" in run.stderr
+        assert run.returncode == 0 and re.search(rf"another process is keeping \d+ of {n} CPUs", run.stderr)
     finally:
         p.kill()
         __import__("torch").set_num_threads(torch_threads)
@@ -202,18 +204,46 @@ def test_the_stats_line_says_when_another_load_disturbed_the_answer(tmp_path, mo
     assert "other processes used 60% of the CPUs" in capsys.readouterr().err.splitlines()[-1]
 
 
-@pytest.mark.parametrize("after_s", [0.3, 3.0])  # importing torch; loading the model
-def test_ctrl_c_during_start_up_is_one_line_and_exit_130(after_s):
-    import signal
+def _sigint_held_back(pid: int) -> bool:
+    """Whether the process's main thread blocks SIGINT (the CLI does while torch imports)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.M).group(1), 16) >> (signal.SIGINT - 1) & 1)
+
+
+def _maps(pid: int, path: Path) -> bool:
+    return str(path) in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="watches the process through /proc")
+@pytest.mark.parametrize("phase", ["importing torch", pytest.param("loading the model", marks=pytest.mark.slow)])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(phase):
+    """The interrupt is sent once the process is seen in that phase (through /proc, not after a guessed
+    delay: on a busy or pinned machine start-up takes many times longer)."""
     import subprocess
     import sys
     import time
 
+    from specdec.runtime.loading import resolve
+
+    gguf = resolve("smollm2").resolve()
+    reached = {"importing torch": _sigint_held_back, "loading the model": lambda pid: _maps(pid, gguf)}[phase]
+    # SIGINT handled as in a shell's foreground job, even where the suite runs with it ignored (a background
+    # job of a non-interactive shell: its children inherit the ignoring through exec)
     p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "hi", "--threads", "1"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(after_s)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        end = time.monotonic() + 300
+        while not reached(p.pid):
+            if p.poll() is not None or time.monotonic() > end:
+                p.kill()
+                pytest.fail(f"never seen {phase}: {p.communicate()}")
+            time.sleep(0.005)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()  # gone already, unless it ignored the signal: then it must not decode on beside later tests
+        p.wait()
     assert (p.returncode, err, out) == (130, "specdec: interrupted\n", "")
 
 

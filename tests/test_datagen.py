@@ -11,16 +11,13 @@ from tests.helpers import tiny_model
 # ---- data generation ----
 
 @pytest.mark.slow
-def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path):
-    from specdec.files import cache_dir, packaged_data_dir
-    from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
-
-    conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))
-    if not conv:
-        pytest.skip("needs the converted SmolLM2 tokenizer")
+def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(conv[0])
+    from specdec.files import packaged_data_dir
+    from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
     bench = benchmark_prompts(packaged_data_dir())
     assert len(bench) >= 480 + 1319  # Spec-Bench turns (MT-bench included) and GSM8K test

@@ -19,15 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 N = 6
 
 
-def tokenizer_dir():
-    from specdec.files import cache_dir
-
-    conv = sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))
-    if not conv:
-        pytest.skip("needs the converted SmolLM2 tokenizer")
-    return str(conv[0])
-
-
 def torchrun(out: Path, tok: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT}", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -73,8 +64,8 @@ def test_rank_environment_is_checked(monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_processes_make_the_same_samples_and_resume_after_a_kill(tmp_path):
-    tok = tokenizer_dir()
+def test_two_processes_make_the_same_samples_and_resume_after_a_kill(tmp_path, smollm2_tokenizer_dir):
+    tok = str(smollm2_tokenizer_dir)
     sys.path.insert(0, str(ROOT))
     from tests.datagen_rank import main
 

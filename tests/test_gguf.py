@@ -26,6 +26,7 @@ from tests.helpers import (
     FORMATS,
     K_QUANTS,
     SMALL_V,
+    at_threads,
     chi2_pvalue,
     gguf_runner,
     greedy_taus,
@@ -35,6 +36,8 @@ from tests.helpers import (
     synthetic_gguf,
     tiny_gguf,
 )
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 pytestmark = pytest.mark.skipif(stream.kernel() is None, reason="needs the streaming kernels (x86-64, AVX2)")
 
@@ -91,6 +94,24 @@ def test_every_row_is_bit_identical_to_that_row_alone(fmt):
     mixed = QuantWeight([qtensor("Q4_K", 16, 512)[0], qtensor("Q8_0", 16, 512)[0]], None)  # two kernel calls
     x = torch.randn(8, 512, generator=g)
     assert torch.equal(torch.cat([mixed(x[i:i + 1]) for i in range(8)]), mixed(x))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_row_has_the_same_bits_on_any_number_of_threads(fmt):
+    """Threads split a call's outputs, never a row's reduction: the bits follow neither the thread count nor
+    how many rows share the call (the rest of the suite runs mostly on one thread)."""
+    k = 512 if fmt in K_QUANTS else 352
+    g = torch.Generator().manual_seed(0)
+    lin = QuantWeight([qtensor(fmt, 256, k, 0)[0]], torch.randn(256, generator=g))
+    x = torch.randn(13, k, generator=g)
+    before, got = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append((lin(x), lin(x[5:6])))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -206,15 +227,18 @@ def test_loading_maps_the_file_and_builds_no_float_copy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="compares the AVX-512 build")
-def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
+def test_the_avx2_build_gives_the_avx512_builds_bits():
     """The kernel's AVX2 code (two accumulators, one block at a time; x16: 8 outputs a vector) does per lane
     what its AVX-512 code does (two blocks per vector; x16: 16 outputs): a model gives the same bits on
     either kind of machine."""
-    from torch.utils.cpp_extension import load
 
-    kernel_build.ninja_on_path()
-    avx2 = load("specdec_stream_avx2_test", [str(f) for f in kernel_build.SOURCES], extra_cflags=kernel_build.FLAGS,
-                extra_ldflags=kernel_build.LDFLAGS, build_directory=str(tmp_path))
+    from specdec.files import cache_dir
+
+    # built as the kernel itself is: once per version of the sources (a minute or two), into the cache
+    key = kernel_build.build_key(kernel_build.FLAGS)
+    name, build = f"specdec_stream_avx2_test_{key}", cache_dir() / "kernels" / f"avx2-test-{key}"
+    so = build / f"{name}.so"
+    avx2 = stream._import(name, so) if so.exists() else stream._build(name, kernel_build.FLAGS, build)
     g = torch.Generator().manual_seed(0)
     for fmt in FORMATS:
         k = 512 if fmt in K_QUANTS else 352

@@ -172,7 +172,7 @@ def test_sampling_matches_the_target_distribution():
 
 
 @pytest.mark.slow
-def test_smollm2_repetitive_text_is_lossless_and_accepted():
+def test_smollm2_repetitive_text_is_lossless_and_accepted(two_threads):
     from specdec.api import load
 
     spec, vanilla = load(method="lookahead"), load(method="vanilla")

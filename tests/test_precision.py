@@ -19,6 +19,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
     PROMPTS,
+    at_threads,
     char_tokenizer,
     chi2_pvalue,
     flat_tiny,
@@ -28,6 +29,8 @@ from tests.helpers import (
     sample_first3,
     tiny_model,
 )
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 PRECISIONS = ["fp32", "bf16", "fp16", "int8", "int4"]
 

@@ -11,11 +11,13 @@ from specdec.api import from_models
 from specdec.engine import _advance, _prefill
 from specdec.sampling import SamplingParams
 from specdec.stats import Stats
-from tests.helpers import word_tokenizer
+from tests.helpers import at_threads, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(95)]
 LONG = " ".join(f"w{(7 * i) % 90}" for i in range(150))  # longer than two exact forwards
 OTHER = " ".join(f"w{(11 * i + 3) % 90}" for i in range(100))
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ from specdec.runtime.base import tree_mask
 from specdec.runtime.hf import HFRunner
 from specdec.runtime.lean import LeanRunner
 from specdec.tree import DraftTree
-from tests.helpers import tiny_model
+from tests.helpers import at_threads, tiny_model
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 RUNNERS = {"lean": LeanRunner, "lean-unpacked": lambda m: LeanRunner(m, pack=False), "hf": HFRunner}
 
@@ -15,6 +17,7 @@ RUNNERS = {"lean": LeanRunner, "lean-unpacked": lambda m: LeanRunner(m, pack=Fal
 def reference(model, ids):
     with torch.no_grad():
         out = model(torch.as_tensor(ids)[None], output_hidden_states=True)
+
     return out.logits[0], model.get_decoder()(torch.as_tensor(ids)[None]).last_hidden_state[0]
 
 

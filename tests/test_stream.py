@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from specdec.runtime import kernel_build, stream
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.packed import PRECISIONS, Linear, round_weight
-from tests.helpers import run, tiny_model
+from tests.helpers import at_threads, run, tiny_model
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
     "AVX2", "AVX512")
 needs_kernel = pytest.mark.skipif(not X86_AVX2, reason="the fused ops are part of the x86-64 kernel")
+
+_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 
 def reference(x, w, b, precision):
@@ -51,6 +53,23 @@ def test_every_row_count_gives_each_row_the_same_bits_and_the_rounded_model(prec
     assert torch.equal(lin(x.view(4, 5, k)).view(20, -1), alone)  # batched shapes are rows too
     ref = reference(x, w, b, precision)
     assert (alone - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_row_has_the_same_bits_on_any_number_of_threads(precision):
+    """Threads split a call's outputs, never a row's reduction (the rest of the suite runs mostly on one)."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(256, 1536, generator=g) / 40, torch.randn(256, generator=g)
+    x = torch.randn(13, 1536, generator=g)
+    lin = Linear(w, b, precision=precision)
+    before, got = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append((lin(x), lin(x[5:6])))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)
 
 
 def test_reduced_precisions_round_only_the_weights():

@@ -25,10 +25,16 @@ def cpu_name() -> str:
 
 
 def _cpu_busy_s() -> float | None:
-    """Seconds of CPU time every process on the machine has used (user+nice+system+irq), from /proc/stat."""
+    """Seconds of CPU time every process has used (user+nice+system+irq) on the CPUs this one may use, from
+    /proc/stat's per-CPU lines: pinned to one CPU of two (taskset), the other's load is not contention."""
     try:
-        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        return sum(int(x) for x in f[1:4] + f[6:9]) / os.sysconf("SC_CLK_TCK")
+        mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        total = 0
+        for line in Path("/proc/stat").read_text().splitlines():
+            f = line.split()
+            if f and f[0].startswith("cpu") and f[0] != "cpu" and (mine is None or int(f[0][3:]) in mine):
+                total += sum(int(x) for x in f[1:4] + f[6:9])
+        return total / os.sysconf("SC_CLK_TCK") if total else None
     except (OSError, ValueError, IndexError):
         return None
 
@@ -77,5 +83,6 @@ class ContentionMeter:
         if self.busy0 is None or busy1 is None or wall <= 0:
             return {"other_cpu_frac": None}
         others = max(0.0, (busy1 - self.busy0) - (own1 - self.own0))
-        return {"other_cpu_frac": others / (wall * ncpu), "own_cpu_frac": (own1 - self.own0) / (wall * ncpu),
+        # at most all of them: /proc/stat counts in ticks (10 ms), so a fully loaded short window can read above
+        return {"other_cpu_frac": min(1.0, others / (wall * ncpu)), "own_cpu_frac": (own1 - self.own0) / (wall * ncpu),
                 "loadavg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
