@@ -28,6 +28,19 @@ from tests.helpers import QS, TRAIN_KW, char_tokenizer, make_data, noisy_copy, t
 # model's run on two, and test_gguf compares the kernels' bits across thread counts.
 torch.set_num_threads(1)
 
+@pytest.fixture(autouse=True)
+def no_thread_follower():
+    """A test that loads a model (api.load) starts a thread follower (runtime/threads.py): it goes with the
+    test, and the next starts from the suite's count, not from what the follower left."""
+    from specdec.runtime import threads
+
+    before = torch.get_num_threads()
+    yield
+    if threads.install(None) is not None:
+        torch.set_num_threads(before)
+    threads._usual = None
+
+
 @pytest.fixture
 def two_threads():
     """The real model's tests outside test_smollm2: on two threads, as a 2-core machine runs it."""

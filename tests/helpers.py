@@ -420,3 +420,16 @@ def at_threads(n: int, scope: str = "module"):
         torch.set_num_threads(before)
 
     return threads
+
+
+def same_bits_on_any_thread_count(lin, x) -> bool:
+    """A linear's rows give the same bits at 1, 2 and 3 threads, whole or one row alone: threads split a
+    call's outputs, never a row's reduction."""
+    before, got = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got.append((lin(x), lin(x[5:6])))
+    finally:
+        torch.set_num_threads(before)
+    return all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)

@@ -32,6 +32,7 @@ from tests.helpers import (
     greedy_taus,
     random_blocks,
     runner_first3,
+    same_bits_on_any_thread_count,
     sample_first3,
     synthetic_gguf,
     tiny_gguf,
@@ -104,14 +105,7 @@ def test_every_row_has_the_same_bits_on_any_number_of_threads(fmt):
     g = torch.Generator().manual_seed(0)
     lin = QuantWeight([qtensor(fmt, 256, k, 0)[0]], torch.randn(256, generator=g))
     x = torch.randn(13, k, generator=g)
-    before, got = torch.get_num_threads(), []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            got.append((lin(x), lin(x[5:6])))
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)
+    assert same_bits_on_any_thread_count(lin, x)
 
 
 @pytest.fixture(scope="module", params=FORMATS)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from specdec.runtime import kernel_build, stream
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.packed import PRECISIONS, Linear, round_weight
-from tests.helpers import at_threads, run, tiny_model
+from tests.helpers import at_threads, run, same_bits_on_any_thread_count, tiny_model
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
     "AVX2", "AVX512")
@@ -62,14 +62,7 @@ def test_every_row_has_the_same_bits_on_any_number_of_threads(precision):
     w, b = torch.randn(256, 1536, generator=g) / 40, torch.randn(256, generator=g)
     x = torch.randn(13, 1536, generator=g)
     lin = Linear(w, b, precision=precision)
-    before, got = torch.get_num_threads(), []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            got.append((lin(x), lin(x[5:6])))
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)
+    assert same_bits_on_any_thread_count(lin, x)
 
 
 def test_reduced_precisions_round_only_the_weights():

@@ -14,7 +14,7 @@ from specdec.bench.compare import compare
 from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
-from specdec.bench.outdir import check_out_dir, ensure_writable_dir
+from specdec.bench.outdir import check_out_dir, report_dest, write_report
 from specdec.bench.report import loaded
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
@@ -117,18 +117,8 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    dest = Path(args.compare_out) if args.compare_out else None
-    if dest is not None:  # before the work, like every other check
-        if dest.is_dir():
-            raise SpecdecError(f"--out {dest} is a directory: give a file name")
-        ensure_writable_dir(dest.parent, f"--out {dest}")
-    md = compare(args.a, args.b)
-    sys.stdout.write(md)
-    if dest is not None:
-        try:
-            dest.write_text(md)
-        except OSError as e:
-            raise SpecdecError(f"--out {dest}: cannot write ({e.strerror or e})") from None
+    dest = report_dest(args.compare_out)  # before the work, like every other check
+    write_report(compare(args.a, args.b), dest)
     return 0
 
 

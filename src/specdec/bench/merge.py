@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 from pathlib import Path
 
 from specdec.bench import metrics
 from specdec.bench.audit import agreement
-from specdec.bench.outdir import ensure_writable_dir
+from specdec.bench.outdir import report_dest, write_report
 from specdec.errors import SpecdecError
 
 OVERALL = metrics.OVERALL
@@ -73,16 +72,6 @@ def cmd_merge(args) -> int:
     for d in args.dirs:  # every check before the work
         if not Path(d).is_dir():
             raise SpecdecError(f"{d!r} is not a directory")
-    dest = Path(args.merge_out) if args.merge_out else None
-    if dest is not None:
-        if dest.is_dir():
-            raise SpecdecError(f"--out {dest} is a directory: give a file name")
-        ensure_writable_dir(dest.parent, f"--out {dest}")
-    md = merge(args.dirs)
-    sys.stdout.write(md)
-    if dest is not None:
-        try:
-            dest.write_text(md)
-        except OSError as e:
-            raise SpecdecError(f"--out {dest}: cannot write ({e.strerror or e})") from None
+    dest = report_dest(args.merge_out)
+    write_report(merge(args.dirs), dest)
     return 0

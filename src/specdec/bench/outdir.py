@@ -45,3 +45,25 @@ def clear_out_dir(out: Path) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
+
+
+def report_dest(out: str | None) -> Path | None:
+    """A Markdown report's --out file, checked before the work: not a directory, in a writable one."""
+    dest = Path(out) if out else None
+    if dest is not None:
+        if dest.is_dir():
+            raise SpecdecError(f"--out {dest} is a directory: give a file name")
+        ensure_writable_dir(dest.parent, f"--out {dest}")
+    return dest
+
+
+def write_report(md: str, dest: Path | None) -> None:
+    """The report on stdout, and into --out when given."""
+    import sys
+
+    sys.stdout.write(md)
+    if dest is not None:
+        try:
+            dest.write_text(md)
+        except OSError as e:
+            raise SpecdecError(f"--out {dest}: cannot write ({e.strerror or e})") from None
