@@ -25,14 +25,10 @@ KINDS = ("json_schema", "json_object", "regex", "grammar")  # GenerationParams' 
 FORCED_MAX = 16  # forced tokens drafted at most per step (a long literal keeps coming the next step)
 
 
+@functools.lru_cache(maxsize=64)  # GenerationParams checks it when made, the Decoder reads it per request
 def compile_grammar(kind: str, source: str | bool) -> str:
     """llguidance's grammar text for one constraint, checked: a bad schema, regex or grammar is one
     SpecdecError naming the parameter, before any model loads."""
-    return _compiled(kind, source)
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled(kind: str, source: str | bool) -> str:
     M = llguidance.LLMatcher
     if kind == "json_schema":
         try:
