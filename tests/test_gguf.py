@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from specdec.bench.runner import _model_info
-from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters import registry
+from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.errors import SpecdecError
 from specdec.runtime import kernel_build, stream
 from specdec.runtime.base import tree_mask
 from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight
 from specdec.runtime.lean import LeanRunner
+from specdec.runtime.loading import Runtime
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, TreeBudget
 from tests.helpers import (
@@ -36,6 +38,7 @@ from tests.helpers import (
     sample_first3,
     synthetic_gguf,
     tiny_gguf,
+    tiny_model,
 )
 
 _threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
@@ -251,3 +254,31 @@ def test_the_bench_reports_a_gguf_targets_parameters_and_block_types(tmp_path):
     # every tensor of the file, not only the float ones (the norms) its parameters() yields
     assert info["parameters"] >= sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
     assert info["dtype"].startswith("GGUF blocks (Q4_1")
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K", "Q5_0"])
+def test_a_requantized_matrix_is_the_new_formats_blocks_of_its_values(fmt):
+    qt, _ = qtensor(fmt, 32, 256, seed=4)
+    want = quantize(qt.dequantize().numpy(), GGMLQuantizationType.Q4_0)
+    qt.interleave()  # a weight the kernel already reads re-laid: its values, in the file's layout again
+    q4 = qt.requantized(int(GGMLQuantizationType.Q4_0))
+    assert q4.type_name == "Q4_0" and q4.shape == qt.shape and not q4.x16
+    assert np.array_equal(q4.data.numpy(), want)
+
+
+def test_a_draft_requantized_to_q4_0_keeps_greedy_equal_to_vanilla(tmp_path):
+    path, model = tiny_gguf(tmp_path / "t.gguf", "Q8_0", "llama", seed=2)
+    target = gguf_runner(path, model)
+    draft = registry.Target(None, target, None, GGUFModel(path, model.config), None, Runtime(weights="gguf"))
+    runner = draft_runner(draft, 0, "q4_0")
+    kinds = {p.type_name for b in runner.layers for x in (b.qkv, b.o, b.gate_up, b.down) for p in x.stream.parts}
+    assert kinds == {"Q4_0"} and runner.requantized_to == "Q4_0"
+    assert {p.type_name for p in runner.lm_head.stream.parts} == {"Q4_0"}
+    assert {p.type_name for p in draft_runner(draft, 0, "file").lm_head.stream.parts} == {"Q8_0"}
+    taus = greedy_taus(target, DraftModelDrafter(runner, target.vocab_size, 4), n=32)
+    assert np.mean(taus) > 1.5  # the same model in coarser blocks: close to the target, not equal to it
+
+
+def test_a_float_runner_keeps_its_weights_when_asked_to_requantize():
+    runner = LeanRunner(tiny_model("llama"))
+    assert not runner.requantize(int(GGMLQuantizationType.Q4_0)) and runner.requantized_to is None

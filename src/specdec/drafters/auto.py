@@ -26,7 +26,7 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import menu_from_tuning
 from specdec.drafters.costs import load_costs
-from specdec.drafters.draft_model import DRAFT_VOCAB
+from specdec.drafters.draft_model import DRAFT_VOCAB, DraftQuant, draft_quant_option
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
 from specdec.drafters.headless import build_headless
 from specdec.drafters.registry import Method, Target, option, register
@@ -47,6 +47,7 @@ class AutoOptions(Eagle2Options):
     use_draft: bool = option(True, "with draft=: also chains from the draft model where they pay (false: without them)")
     draft_vocab: int = option(DRAFT_VOCAB, "with draft=: the draft model's LM head scores only this many of the most "
                               "frequent token ids; 0: the whole vocabulary", ge=0)
+    draft_quant: DraftQuant = draft_quant_option()
     children: Literal["topk", "sample"] | None = option(
         None, "at T > 0: children drawn from the draft (sized from the head's sampled acceptance table, "
               "`specdec tune`) or top-k children; default: sample where the table exists (adaptive), else topk",
@@ -68,7 +69,7 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
             raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
                                "pass head=DIR, or drop them")
         return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate,
-                              opts.draft_vocab if opts.use_draft else None)
+                              opts.draft_vocab if opts.use_draft else None, opts.draft_quant)
     runner, head_dir = head_runner(target, opts, "auto")
     tuned = load_tuning(head_dir, auto=True) or {}
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))

@@ -253,6 +253,7 @@ def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafte
            "draft": None if draft is None else [str(getattr(dcfg, "_name_or_path", "")),
                                                 getattr(dcfg, "hidden_size", 0), getattr(dcfg, "num_hidden_layers", 0),
                                                 str(draft.runner.dtype), draft.runner.weights,
+                                                draft.runner.requantized_to,
                                                 draft.runner.vocab_size]}
     return cached_costs(key, lambda: measure_plain_costs(runner, ngram, draft, menu), recalibrate)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import astuple
+from typing import Literal
 
 import torch
 
@@ -18,6 +19,8 @@ from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
 from specdec.vocab import draft_vocab
 
 DRAFT_VOCAB = 32768  # ids a draft model scores by default: see docs/benchmarks.md for the coverage measured
+# blocks a GGUF draft's matrices are re-quantized to by default: see docs/benchmarks.md for what it gives
+DRAFT_QUANT = "q4_0"
 MAX_EXTRA = 2048  # the request's own ids a reduced draft vocabulary scores besides (fp32 rows)
 
 
@@ -163,10 +166,19 @@ def _depth(node: int, parents: list[int]) -> int:
 
 # ---- registration ----
 
+DraftQuant = Literal["file", "q4_0", "q4_1"]
+
+
+def draft_quant_option():
+    return option(DRAFT_QUANT, "a GGUF draft model's matrices re-quantized at load to these blocks (a draft step "
+                  "reads fewer bytes; the target still verifies every token); file: as the file stores them")
+
+
 class DraftVocabOptions(Options):
     draft_vocab: int = option(DRAFT_VOCAB, "the draft model's LM head scores only this many of the most frequent "
                               "token ids (FR-Spec; the target still verifies every draft); 0: the whole vocabulary",
                               ge=0)
+    draft_quant: DraftQuant = draft_quant_option()
 
 
 class ChainOptions(DraftVocabOptions):
@@ -179,8 +191,9 @@ class TreeOptions(DraftVocabOptions):
     tree_size: int = option(8, "nodes kept in the tree", ge=1, aliases=("tree_tokens", "total_tokens"))
 
 
-def draft_runner(target: Target, vocab: int = 0) -> Runner:
-    """The draft model's runner; vocab > 0: its LM head over that many of the most frequent ids (vocab.py)."""
+def draft_runner(target: Target, vocab: int = 0, quant: DraftQuant = "file") -> Runner:
+    """The draft model's runner; vocab > 0: its LM head over that many of the most frequent ids (vocab.py);
+    quant: its matrices' blocks (Runner.requantize)."""
     if target.draft_model is None:
         raise SpecdecError("a draft-model method needs a draft model: pass draft=<HF dir or .gguf>")
     if target.tokenizer is not None and target.draft_tokenizer is not None:
@@ -190,14 +203,19 @@ def draft_runner(target: Target, vocab: int = 0) -> Runner:
     ids = draft_vocab(target.draft_tokenizer or target.tokenizer, runner.vocab_size, vocab)
     if ids is not None:
         runner.restrict_head(ids)
+    if quant != "file":
+        from gguf import GGMLQuantizationType
+
+        runner.requantize(int(GGMLQuantizationType[quant.upper()]))
     return runner
 
 
 register(Method("sps", "a draft LM with the same tokenizer: a sampled chain (Leviathan et al.; Chen et al.)",
                 ChainOptions,
-                lambda t, o: DraftModelDrafter(draft_runner(t, o.draft_vocab), t.runner.vocab_size, o.chain_len),
+                lambda t, o: DraftModelDrafter(draft_runner(t, o.draft_vocab, o.draft_quant), t.runner.vocab_size,
+                                               o.chain_len),
                 needs_draft=True))
 register(Method("sps-tree", "a draft LM with the same tokenizer: an EAGLE-2-style dynamic top-k tree", TreeOptions,
-                lambda t, o: DraftModelDrafter(draft_runner(t, o.draft_vocab), t.runner.vocab_size,
+                lambda t, o: DraftModelDrafter(draft_runner(t, o.draft_vocab, o.draft_quant), t.runner.vocab_size,
                                                tree=TreeBudget(o.depth, o.topk, o.tree_size)),
                 needs_draft=True))

@@ -31,7 +31,7 @@ from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs, load_plain_costs
-from specdec.drafters.draft_model import DRAFT_VOCAB, DraftModelDrafter, draft_runner
+from specdec.drafters.draft_model import DRAFT_QUANT, DRAFT_VOCAB, DraftModelDrafter, DraftQuant, draft_runner
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
 from specdec.drafters.registry import Target
 from specdec.tree import DraftTree, TreeBudget
@@ -247,9 +247,10 @@ def draft_menu() -> list[tuple[TreeBudget, float]]:
 
 
 def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool,
-                   draft_vocab: int | None = DRAFT_VOCAB) -> Drafter:
+                   draft_vocab: int | None = DRAFT_VOCAB, draft_quant: DraftQuant = DRAFT_QUANT) -> Drafter:
     """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none);
-    draft_vocab: the ids the draft model scores (0: all; None: no draft-model chains)."""
+    draft_vocab: the ids the draft model scores (0: all; None: no draft-model chains); draft_quant: the
+    draft's blocks (draft_model.draft_runner)."""
     nodes = NODES if lookup is None else lookup
     if not adaptive:  # the static choice: method `ngram` as registered (lookup: its nodes)
         o = NgramOptions()
@@ -257,7 +258,7 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
     ngram = NgramDrafter(nodes, TOPK, min_value=MIN_VALUE) if nodes else None
     draft = None
     if target.draft_model is not None and draft_vocab is not None:
-        draft = DraftModelDrafter(draft_runner(target, draft_vocab), target.runner.vocab_size)
+        draft = DraftModelDrafter(draft_runner(target, draft_vocab, draft_quant), target.runner.vocab_size)
     if ngram is None and draft is None:
         return NoDrafter()
     menu = draft_menu() if draft is not None else []

@@ -108,6 +108,14 @@ class Runner(Cached, ABC):
         reduced vocabulary, vocab.py). False where this runner cannot: it then scores every id."""
         return False
 
+    def requantize(self, qtype: int) -> bool:
+        """Re-quantize every matrix (layers and LM head) to this GGML block format, in place: a draft model's
+        steps read fewer bytes, and the target still verifies every token. False where this runner cannot
+        (its weights are not GGUF blocks): it keeps them."""
+        return False
+
+    requantized_to: str | None = None  # the block format requantize() gave every matrix (None: the file's own)
+
     def score_also(self, ids: list[int]) -> None:
         """After restrict_head: also score these ids, outside the restricted set, until the next call (the
         request's own tokens); [] drops them. Nothing to do for a head over every id."""

@@ -87,6 +87,15 @@ class QuantTensor:
         data = stream.kernel().unpack16(self.data, self.qtype) if self.x16 else self.data
         return QuantTensor(data[ids.reshape(-1).cpu()].contiguous(), self.qtype, self.shape[1])
 
+    def requantized(self, qtype: int) -> QuantTensor:
+        """The same matrix re-quantized to another block format, from its de-quantized values (gguf's
+        quantizer), in the file's layout."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        blocks = quantize(self.dequantize().numpy(), GGMLQuantizationType(qtype))
+        return QuantTensor(torch.from_numpy(blocks), qtype, self.shape[1])
+
     def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
         """The rows in this order, in place (the bytes stay where the loader put them)."""
         if self.x16:
@@ -117,6 +126,10 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def requantized(self, qtype: int) -> QuantWeight:
+        """The same weight with every part re-quantized to `qtype` (see QuantTensor.requantized)."""
+        return QuantWeight([p.requantized(qtype) for p in self.parts], self.bias)
 
     def call(self, key: str):
         """The kernel op of a group."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from specdec.runtime import stream
 from specdec.runtime.base import ForwardOut, Part, Runner
-from specdec.runtime.gguf import QuantTensor
+from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types
 from specdec.runtime.kv import KVCache
 from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, visible_columns
 from specdec.runtime.packed import HeadRows, Linear, precision_name
@@ -105,6 +105,16 @@ class LeanRunner(Runner):
         if isinstance(self.lm_head, HeadRows):
             self.lm_head = self.lm_head.with_extra(ids)
             self.head_ids, self.vocab_size = self.lm_head.ids.to(self.device), self.lm_head.ids.numel()
+
+    def requantize(self, qtype: int) -> bool:
+        weights = [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
+        weights.append(self.lm_head.linear if isinstance(self.lm_head, HeadRows) else self.lm_head)
+        if not all(isinstance(x.stream, QuantWeight) for x in weights):
+            return False
+        for x in weights:
+            x.stream = x.stream.requantized(qtype)
+        self.requantized_to = quant_types()[qtype][0]
+        return True
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
