@@ -19,7 +19,7 @@ from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.errors import SpecdecError
 from specdec.runtime import kernel_build, stream
 from specdec.runtime.base import tree_mask
-from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight
+from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight, requantized
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.loading import Runtime
 from specdec.sampling import SamplingParams
@@ -261,9 +261,11 @@ def test_a_requantized_matrix_is_the_new_formats_blocks_of_its_values(fmt):
     qt, _ = qtensor(fmt, 32, 256, seed=4)
     want = quantize(qt.dequantize().numpy(), GGMLQuantizationType.Q4_0)
     qt.interleave()  # a weight the kernel already reads re-laid: its values, in the file's layout again
-    q4 = qt.requantized(int(GGMLQuantizationType.Q4_0))
+    other, _ = qtensor("Q4_K", 16, 256, seed=5)
+    q4, q4_other = requantized([qt, other], int(GGMLQuantizationType.Q4_0))
     assert q4.type_name == "Q4_0" and q4.shape == qt.shape and not q4.x16
     assert np.array_equal(q4.data.numpy(), want)
+    assert np.array_equal(q4_other.data.numpy(), quantize(other.dequantize().numpy(), GGMLQuantizationType.Q4_0))
 
 
 def test_a_draft_requantized_to_q4_0_keeps_greedy_equal_to_vanilla(tmp_path):

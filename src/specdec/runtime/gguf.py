@@ -87,15 +87,6 @@ class QuantTensor:
         data = stream.kernel().unpack16(self.data, self.qtype) if self.x16 else self.data
         return QuantTensor(data[ids.reshape(-1).cpu()].contiguous(), self.qtype, self.shape[1])
 
-    def requantized(self, qtype: int) -> QuantTensor:
-        """The same matrix re-quantized to another block format, from its de-quantized values (gguf's
-        quantizer), in the file's layout."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quantize
-
-        blocks = quantize(self.dequantize().numpy(), GGMLQuantizationType(qtype))
-        return QuantTensor(torch.from_numpy(blocks), qtype, self.shape[1])
-
     def permute_rows(self, perm: torch.Tensor) -> QuantTensor:
         """The rows in this order, in place (the bytes stay where the loader put them)."""
         if self.x16:
@@ -126,10 +117,6 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
-
-    def requantized(self, qtype: int) -> QuantWeight:
-        """The same weight with every part re-quantized to `qtype` (see QuantTensor.requantized)."""
-        return QuantWeight([p.requantized(qtype) for p in self.parts], self.bias)
 
     def call(self, key: str):
         """The kernel op of a group."""
@@ -263,6 +250,32 @@ def _matrices(layer) -> tuple:
             m.up_proj.weight, m.down_proj.weight)
 
 
+def _huge_pages(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over one anonymous mapping, backed by huge pages where the OS offers them (it holds the
+    mapping while views of it live)."""
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def requantized(parts: list[QuantTensor], qtype: int) -> list[QuantTensor]:
+    """These matrices re-quantized to another block format from their de-quantized values (gguf's quantizer),
+    in the file's layout, their bytes together in one huge-page mapping as the loader's (_Arena: 4 KB pages
+    stop the hardware prefetcher at every page)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = [torch.from_numpy(quantize(p.dequantize().numpy(), GGMLQuantizationType(qtype))) for p in parts]
+    whole, at, out = _huge_pages(sum(b.numel() for b in blocks)), 0, []
+    for b, p in zip(blocks, parts):
+        data = whole[at:at + b.numel()].view(b.shape)
+        data.copy_(b)
+        out.append(QuantTensor(data, qtype, p.shape[1]))
+        at += b.numel()
+    return out
+
+
 class _Arena:
     """The quantized tensors' bytes read from the file into one anonymous mapping, backed by huge pages
     where the OS offers them. Why not the file's own mapping: its 4 KB page-cache pages cost a decode
@@ -277,17 +290,14 @@ class _Arena:
         for t in tensors:
             self.offsets[t.name] = total
             total += -(-int(t.n_bytes) // self.ALIGN) * self.ALIGN
-        self.buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self.buf.madvise(mmap.MADV_HUGEPAGE)
-        self.whole = torch.frombuffer(self.buf, dtype=torch.uint8)  # holds the mapping while tensors use it
+        self.whole = _huge_pages(total)
 
     def read(self, t) -> torch.Tensor:
         """Tensor `t`'s bytes, shaped as the reader shapes them (rows of blocks)."""
         a, n = self.offsets[t.name], int(t.n_bytes)
         with open(self.path, "rb") as fh:
             fh.seek(int(t.data_offset))
-            if fh.readinto(memoryview(self.buf)[a:a + n]) != n:
+            if fh.readinto(memoryview(self.whole.numpy())[a:a + n]) != n:
                 raise SpecdecError(f"{self.path} ends inside tensor {t.name}: the file is truncated")
         return self.whole[a:a + n].view(tuple(int(d) for d in t.data.shape))
 

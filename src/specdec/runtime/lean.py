@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from specdec.runtime import stream
 from specdec.runtime.base import ForwardOut, Part, Runner
-from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types
+from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types, requantized
 from specdec.runtime.kv import KVCache
 from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, visible_columns
 from specdec.runtime.packed import HeadRows, Linear, precision_name
@@ -111,8 +111,9 @@ class LeanRunner(Runner):
         weights.append(self.lm_head.linear if isinstance(self.lm_head, HeadRows) else self.lm_head)
         if not all(isinstance(x.stream, QuantWeight) for x in weights):
             return False
+        fresh = iter(requantized([p for x in weights for p in x.stream.parts], qtype))
         for x in weights:
-            x.stream = x.stream.requantized(qtype)
+            x.stream = QuantWeight([next(fresh) for _ in x.stream.parts], x.stream.bias)
         self.requantized_to = quant_types()[qtype][0]
         return True
 
