@@ -145,3 +145,25 @@ def test_cli_bad_constrained_option_is_one_line(tmp_path, capsys, argv, msg):
     err = capsys.readouterr().err
     assert err.startswith("specdec: error:") and msg in err and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_runs_the_extraction_set(ascii_models, tmp_path, monkeypatch, capsys):
+    target, tok = ascii_models
+    import specdec.bench.cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "load_model", lambda spec, *a, **k: (target, tok, None))
+    out = tmp_path / "res"
+    rc = main(["bench", "--dataset", "extraction", "--categories", "gsm8k", "--limit", "1", "--demo", "--methods",
+               "vanilla,pld:constrained=false", "--max-new-tokens", "6", "--threads", "1", "--no-progress",
+               "--warmup", "0", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "losslessness audit: PASS" in text and "  vanilla: constrained, JSON 0%" in text  # 6 tokens: cut short
+    assert "  pld:constrained=false: free, JSON 0%" in text and "free of the schema" in text
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["extra"]["dataset"] == "extraction" and run["questions"] == 2
+    assert {m["label"]: m["constrained"] for m in run["methods"]} == {"vanilla": True, "pld:constrained=false": False}
+    # the demo prompt carries no schema: no JSON check, and vanilla still counts as constrained
+    recs = [json.loads(x) for x in (out / "raw" / "vanilla.jsonl").read_text().splitlines()]
+    assert [("json" in r, r.get("constrained")) for r in recs] == [(False, None), (True, True)]
+    assert json.loads((out / "summary.json").read_text())["vanilla"]["overall"]["constrained"] is True

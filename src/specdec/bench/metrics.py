@@ -217,8 +217,9 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
     checked = [r["json"] for r in rs if r.get("json")]
     if checked:  # the extraction set: answers that parse as JSON, and that fit their schema (None: unchecked)
         valid = [c["valid"] for c in checked if c["valid"] is not None]
-        cell.update(constrained=all(r.get("constrained") for r in rs), json_parses=sum(c["parses"] for c in checked)
-                    / len(checked), json_valid=sum(valid) / len(valid) if len(valid) == len(checked) else None)
+        cell.update(constrained=all(r["constrained"] for r in rs if r.get("json")),
+                    json_parses=sum(c["parses"] for c in checked) / len(checked),
+                    json_valid=sum(valid) / len(valid) if len(valid) == len(checked) else None)
     stats = [r["stats"] for r in rs if r.get("stats")]
     if not stats:
         peer = [(r["new_tokens"], r["peer_stats"]["draft_n_accepted"]) for r in rs
