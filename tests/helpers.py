@@ -83,6 +83,23 @@ def char_tokenizer():
     return tok
 
 
+def ascii_tokenizer():
+    """One token per printable ASCII character, space and newline, as byte-level tokens (the decoder llguidance
+    reads, for structured output); the chat template of char_tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level space and newline
+    vocab = {t: i for i, t in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", *chars])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                                                pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")])
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = char_tokenizer().chat_template
+    return tok
+
+
 QS = [Question("81", "writing", ["Write a poem.", "Now shorter."]), Question("7", "qa", ["What is 2+2?"])]
 
 

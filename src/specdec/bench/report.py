@@ -177,6 +177,17 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                    for m in sized]), ""]
     if ours:
         md += ["## τ", "", TAU_NOTE + ".", "", _metric_table(summary, run, ours, lambda c: _f(c.get("tau"))), ""]
+    js = {m: summary[m][OVERALL] for m in methods if "json_parses" in summary[m][OVERALL]}
+    if js:
+        pct = lambda x, nd=0: _f(None if x is None else 100 * x, nd, "%")  # noqa: E731
+        md += ["## Structured output", "", "Each question carries a JSON schema: a constrained method applies it, a "
+               "free one answers without it. JSON: answers that parse; fit: that fit the schema too (jsonschema; — "
+               "unchecked); mask: the grammar's time per target forward, and its share of the decode time.", "",
+               _table(["method", "schema", "JSON", "fit", "τ", "tok/s", "mask ms/step", "mask share"], [
+                   [f"`{m}`", "applied" if c["constrained"] else "free", pct(c["json_parses"]), pct(c["json_valid"]),
+                    _f(c.get("tau", c.get("peer_tau"))), _f(c["tokens_per_s"], 1), _f(c.get("mask_ms_per_step")),
+                    pct(c.get("mask_frac"), 1)]
+                   for m, c in js.items()]), ""]
     ll = [m for m in ours if summary[m][OVERALL].get("loglik_per_token") is not None]
     if ll:
         md += ["## Target log-likelihood of the sampled answers", "",
@@ -248,7 +259,7 @@ def _agreement(run: dict, audit: dict) -> list[str]:
     agr = audit.get("agreement") or {}
     if not agr:
         return []
-    rows = []
+    rows, schemas = [], any(x.get("constrained") for x in run["methods"])
     for m in run["methods"]:
         a, w = agr.get(m["label"]), m.get("weights") or {}
         if a is None:
@@ -259,7 +270,9 @@ def _agreement(run: dict, audit: dict) -> list[str]:
             on = f" on target {m['target']}" if m.get("target") else ""
             ref = (audit.get("references") or {}).get(m["label"])
             w = {"type": f"ours, {m['precision']}{on} "
-                 + (f"(audited against `{ref}`)" if ref else "(the reference of that precision and target)"),
+                 + (f"(audited against `{ref}`)" if ref else "(free of the schema: no free vanilla to audit against)"
+                    if schemas and not m.get("constrained") and m["name"] != "vanilla"
+                    else "(the reference of that precision, target and schema)"),
                  "gguf": "—"}
         ident = f"{a['identical']}/{a['compared']}" + (f" ({100 * a['identical_frac']:.0f}%)" if a["compared"] else "")
         div = "—" if a["first_divergence_mean"] is None else \

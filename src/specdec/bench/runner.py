@@ -21,7 +21,7 @@ import torch
 from specdec.api import from_models
 from specdec.bench import metrics, report
 from specdec.bench.audit import TIE_TOL, audit_groups, runner_logits
-from specdec.bench.data import Question
+from specdec.bench.data import Question, json_record
 from specdec.bench.methods import MethodSpec
 from specdec.bench.ours import OurMethod, lockstep
 from specdec.bench.outdir import check_out_dir, clear_out_dir
@@ -133,13 +133,17 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     def gen_seed(qi: int, turn: int) -> int:
         return cfg.seed * 1_000_003 + qi * 16 + turn
 
-    # warm-up: first calls pay for allocator growth, oneDNN primitive creation, HF's generate setup
+    def schema(lab: str, q: Question) -> str | None:  # what a method's answer to q must fit
+        return q.json_schema if methods[lab].spec.constrained else None
+
+    # warm-up: first calls pay for allocator growth, oneDNN primitive creation, HF's generate setup, and a
+    # constrained method's grammar vocabulary (built on its first schema)
     warm = vanilla.encode([{"role": "user", "content": questions[0].turns[0]}])
     if len(warm) + cfg.warmup_tokens < max_len:
         for _ in range(cfg.warmup):
             for lab in labels:
                 _run_one(methods[lab], warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens),
-                         learn=False)
+                         learn=False, json_schema=schema(lab, questions[0]))
 
     # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
     precisions = {lab: m.precision for lab, m in methods.items() if isinstance(m, OurMethod)}
@@ -152,6 +156,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     other_s, wall_s = dict.fromkeys(labels, 0.0), dict.fromkeys(labels, 0.0)
     records: list[dict] = []
     prompts: dict = {}
+    asked: dict = {}  # (question_id, turn) -> its Question
     skipped: list[dict] = []
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(_progress(n_runs, cfg.progress))
@@ -173,6 +178,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                     bar.update((len(q.turns) - turn) * cfg.repeats * len(labels))
                     break
                 prompts[(q.question_id, turn)] = ids
+                asked[(q.question_id, turn)] = q
                 batch: list[dict] = []
                 try:
                     for rep in range(cfg.repeats):
@@ -188,17 +194,19 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                             one, t0 = ContentionMeter(helpers), time.perf_counter()
                             if len(group) > 1:  # one step each in turn
                                 got = lockstep({lab: methods[lab].start(ids, cfg.temperature, seed, cfg.max_new_tokens,
-                                                                        learn) for lab in group})
+                                                                        learn, schema(lab, q)) for lab in group})
                             else:
                                 got = {group[0]: _run_one(methods[group[0]], ids, cfg.temperature, seed,
-                                                          cfg.max_new_tokens, learn=learn)}
+                                                          cfg.max_new_tokens, learn=learn,
+                                                          json_schema=schema(group[0], q))}
                             load, elapsed = one.result(), time.perf_counter() - t0
                             for lab in group:
                                 _add_load(load, elapsed, lab, other_s, wall_s)
                                 batch.append({"method": lab, "name": methods[lab].spec.name,
                                               "question_id": q.question_id, "category": q.category, "turn": turn,
                                               "repeat": rep, "order": order.index(lab), "prompt_tokens": len(ids),
-                                              "new_tokens": len(got[lab]["tokens"]), **got[lab]})
+                                              "new_tokens": len(got[lab]["tokens"]), **got[lab],
+                                              **json_record(q, schema(lab, q), got[lab]["tokens"], tokenizer)})
                                 bar.update(1)
                 except PeerFailed as e:  # another engine's bug costs this prompt, not the run
                     del prompts[(q.question_id, turn)]
@@ -233,7 +241,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         audit_recs = []
         for key in list(prompts)[: cfg.audit_questions]:
             for lab in labels:
-                r = methods[lab].run(prompts[key], 0.0, 0, cfg.max_new_tokens)
+                r = _run_one(methods[lab], prompts[key], 0.0, 0, cfg.max_new_tokens,
+                             json_schema=schema(lab, asked[key]))
                 audit_recs.append({"method": lab, "question_id": key[0], "turn": key[1], "repeat": 0,
                                    "tokens": r["tokens"]})
     # peers on other weights than our methods' (llama.cpp; hf when --weights differs) are not audited; each
@@ -241,14 +250,24 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     own = own_precision(model)
     other = (cfg.weights or own) != own
     exclude = {s.label for s in cfg.methods if not s.audited or (s.is_peer and other)}
-    groups = _audit_groups(methods, precisions, model, own)
-    groups["vanilla"][0].extend(lab for lab in labels if lab not in precisions)  # in-process HF peers
+    schemas = any(q.json_schema for q in questions)
+    groups = _audit_groups(methods, precisions, model, own, schemas)
+    # in-process HF peers answer freely: under schemas their reference is a free vanilla of the run's own
+    # weights, if one ran
+    free = (precisions["vanilla"], None, False)
+    ref = next((r for r in groups if _audit_key(methods, precisions, r, schemas) == free), None) \
+        if schemas else "vanilla"
+    if ref is not None:
+        groups[ref][0].extend(lab for lab in labels if lab not in precisions)
+    # a method in no group (a free one without a free vanilla): not audited, its agreement is reported
+    exclude |= set(labels) - set(groups) - {lab for members, _ in groups.values() for lab in members}
     aud = audit_groups(audit_recs, prompts, groups, cfg.tie_tol, exclude=exclude)
     n_replay = min(cfg.audit_questions, len(prompts))
     aud["mode"] = "timed outputs (T=0)" if cfg.temperature == 0 else f"greedy replay of {n_replay} prompts (T>0 run)"
 
     timed = metrics.fastest_repeats(records) if cfg.timing == "best" else records
-    baseline = metrics.choose_baseline(timed)
+    # under schemas the HF peers answer freely: the constrained vanilla is the baseline
+    baseline = metrics.choose_baseline(timed, ("vanilla",) if schemas else ("hf", "vanilla"))
     summary = metrics.summarize(timed, baseline, "vanilla")
     for lab, agr in aud["agreement"].items():  # peers outside the audit: their agreement with vanilla
         if lab in summary:
@@ -259,7 +278,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
         "duration_s": time.time() - started, "timed_s": timed_s,
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("methods", "progress")},
         "methods": [{"label": s.label, "name": s.name, "opts": s.opts, "peer": s.is_peer, "audited": s.audited,
-                     "lossy": s.lossy, **({"precision": precisions[s.label]} if s.label in precisions else {}),
+                     "lossy": s.lossy, "constrained": schemas and s.constrained,
+                     **({"precision": precisions[s.label]} if s.label in precisions else {}),
                      **({"target": s.target} if s.target else {}),
                      **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {})}
                     for s in cfg.methods],
@@ -290,20 +310,29 @@ def _add_load(c: dict, wall: float, lab: str, other_s: dict, wall_s: dict) -> No
         wall_s[lab] += wall
 
 
-def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True) -> dict:
-    if isinstance(method, OurMethod):
-        return method.run(ids, temperature, seed, max_new, learn)  # our bugs stop the run: they must be seen
+def _run_one(method, ids: list[int], temperature: float, seed: int, max_new: int, learn: bool = True,
+             json_schema: str | None = None) -> dict:
+    if isinstance(method, OurMethod):  # our bugs stop the run: they must be seen
+        return method.run(ids, temperature, seed, max_new, learn, json_schema)
+    # a peer that cannot apply a schema never gets one (MethodSpec.constrained)
+    schema = {"json_schema": json_schema} if json_schema is not None else {}
     try:
-        return method.run(ids, temperature, seed, max_new)
+        return method.run(ids, temperature, seed, max_new, **schema)
     except Exception as e:  # noqa: BLE001 - any failure of another engine on one prompt
         raise PeerFailed(f"{method.spec.label} failed on it ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
-    """reference label -> (our labels on its precision and target, what judges a tie): `vanilla`'s group
-    first. A tie is judged by the HF model when the precision and target are the run's own, else by that
-    vanilla's runner."""
-    key = {lab: (w, methods[lab].target) for lab, w in precisions.items()}
+def _audit_key(methods: dict, precisions: dict, lab: str, schemas: bool) -> tuple:
+    """What a method is lossless relative to: the target's precision, the target, whether a schema applied."""
+    return precisions[lab], methods[lab].target, schemas and methods[lab].spec.constrained
+
+
+def _audit_groups(methods: dict, precisions: dict, model, own: str, schemas: bool = False) -> dict:
+    """reference label -> (our labels on its precision, target and constraint, what judges a tie): `vanilla`'s
+    group first. A tie is judged by the HF model when the precision and target are the run's own, else by that
+    vanilla's runner. Under schemas (the extraction set) a free method's reference is a free vanilla
+    (`vanilla:constrained=false`); without one it has none (it is in no group)."""
+    key = {lab: _audit_key(methods, precisions, lab, schemas) for lab in precisions}
     refs = {}
     for lab, k in key.items():
         if methods[lab].spec.name == "vanilla" and k not in refs.values():
@@ -312,7 +341,7 @@ def _audit_groups(methods: dict, precisions: dict, model, own: str) -> dict:
     groups = {}
     for ref, k in refs.items():
         members = [lab for lab, kk in key.items() if kk == k and lab != ref]
-        hf_judge = k == (own, None) and not isinstance(model, GGUFModel)  # a GGUF model has no HF forward
+        hf_judge = k[:2] == (own, None) and not isinstance(model, GGUFModel)  # a GGUF model has no HF forward
         groups[ref] = (members, model if hf_judge else runner_logits(methods[ref].dec.runner))
     return groups
 
