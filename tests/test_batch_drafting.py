@@ -8,6 +8,7 @@ from specdec.batch import Batch
 from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.base import TreeDrafter, alone, propose_many
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.headless import HeadlessDrafter, draft_menu
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -55,8 +56,6 @@ def make_drafter(model, method):
     if method == "eagle2":
         return drafter_for(model, make_head(model, seed=1), dynamic=True, depth=4, topk=3, tree_size=8)
     if method in ("fspad", "eagle3"):
-        from specdec.drafters.eagle import EagleDrafter
-
         return EagleDrafter(head_runner(model, method), TreeBudget(3, 3, 7))
     if method == "eagle+pld":
         return UnionDrafter(drafter_for(model, make_head(model, seed=1), dynamic=False), PromptLookupDrafter(3))
