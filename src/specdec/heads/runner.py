@@ -172,13 +172,21 @@ class HeadRunner(Cached):
         Without exact rows each part runs alone."""
         outs: list = []
         group: list[HeadPart] = []
+
+        def run(group: list[HeadPart]) -> None:
+            if len(group) == 1:
+                r, *args = group[0]
+                outs.append(r.forward(*args, draft=draft, feature=feature))
+            else:
+                outs.extend(self._run(group, draft, feature))
+
         for part in parts:
             if group and sum(p[1].numel() for p in group) + part[1].numel() > self.exact_rows:
-                outs += self._run(group, draft, feature)
+                run(group)
                 group = []
             group.append(part)
         if group:
-            outs += self._run(group, draft, feature)
+            run(group)
         return outs
 
     def _plan(self, runner: HeadRunner, tokens: torch.Tensor, positions: torch.Tensor | None,
