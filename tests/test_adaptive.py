@@ -224,16 +224,16 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
         d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, free, 0)
         assert d.catch.row_s == 0.0
         extras = []
-        orig = d.eagle.propose
+        orig = d.eagle.drafting
 
         def slow(ctx, budget=None, orig=orig, d=d, extras=extras):
             extra = max(0, sum(f.shape[0] for f, _ in d.eagle.pending) - 2)
             if len(d.eagle.pending) > 1 and extra:
                 extras.append(extra)
                 clock.now += 0.02 * extra
-            return orig(ctx, budget)
+            return (yield from orig(ctx, budget))
 
-        d.eagle.propose = slow
+        d.eagle.drafting = slow
         run(target, d, PROMPTS[1], SamplingParams(), 40)
         if extras:
             break
@@ -523,8 +523,13 @@ def test_adaptive_sampled_children_match_the_target_distribution(params, coupled
     model = flat_tiny()
     drafter = adaptive_for(model, make_head(model, seed=3), 0.1, lookup=3, sampled=SAMPLED_MENU)
     seen = []
-    orig = drafter.eagle.propose
-    drafter.eagle.propose = lambda ctx, b=None: seen.append(t := orig(ctx, b)) or t
+    orig = drafter.eagle.drafting
+
+    def spy(ctx, b=None):
+        seen.append(t := (yield from orig(ctx, b)))
+        return t
+
+    drafter.eagle.drafting = spy
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
     counts, sizes = sample_first3(target, drafter, prompt, params, coupled=coupled)
@@ -561,14 +566,14 @@ def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
     for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
         lazy = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0)
         lazy_trees = []
-        orig = lazy.eagle.propose
+        orig = lazy.eagle.drafting
 
         def spy(ctx, budget=None, orig=orig, lazy_trees=lazy_trees):
-            t = orig(ctx, budget)
+            t = yield from orig(ctx, budget)
             lazy_trees.append((len(ctx.tokens), t.tokens.tolist()))
             return t
 
-        lazy.eagle.propose = spy
+        lazy.eagle.drafting = spy
         got, stats = run(target, lazy, PROMPTS[1], SamplingParams(), 30)
         assert got == want
         if 0 in stats.tree_sizes and lazy_trees:
@@ -781,15 +786,15 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
         d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0,
                             clock=StepClock())
         wanted, observed = [], []
-        orig = d.eagle.propose
+        orig = d.eagle.drafting
 
         def spy(ctx, budget=None):
             extra = d.catch.extra_rows(d.eagle.pending)
             price = d.ctrl.draft_s[budget] + d.costs.follow_s + d.catch.price(extra)
             wanted.append((d.eagle.unread_steps, extra, price))
-            return orig(ctx, budget)
+            return (yield from orig(ctx, budget))
 
-        d.eagle.propose = spy
+        d.eagle.drafting = spy
         d.clock.observe_draft = lambda seconds, priced: observed.append(priced)
         run(target, d, prompt, SamplingParams(), 40)
         assert observed == [p for _, e, p in wanted if e <= CatchUp.PRICED_ROWS] and all(p > 0 for p in observed)

@@ -177,16 +177,16 @@ def test_sampled_children_options_are_checked():
 
 @pytest.mark.slow
 def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
-    """Why build_sampled_tree keeps the expansion's first nodes instead of the top ones by value: pruning a
+    """Why sampled_tree keeps the expansion's first nodes instead of the top ones by value: pruning a
     sampled node by its own value changes its distribution away from its q (the chi-square test sees it)."""
     import specdec.drafters.eagle as eagle_mod
     import specdec.tree as tree_mod
 
-    def reranked(root, step, depth, topk, size, gen):
-        t = tree_mod.build_sampled_tree(root, step, depth, topk, 10**6, gen)
+    def reranked(root, depth, topk, size, gen):
+        t = yield from tree_mod.sampled_tree(root, depth, topk, 10**6, gen)
         return t.select(torch.argsort(-t.scores, stable=True)[:size].sort().values)
 
-    monkeypatch.setattr(eagle_mod, "build_sampled_tree", reranked)
+    monkeypatch.setattr(eagle_mod, "sampled_tree", reranked)
     model = flat_tiny()
     drafter = drafter_for(model, make_head(model, seed=3), True, depth=3, topk=2, tree_size=3, children="sample")
     counts, _ = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], SamplingParams(1.0), coupled=False)

@@ -76,8 +76,8 @@ class Recording(DraftModelDrafter):
 
     drafted: set
 
-    def propose(self, ctx, budget=None):
-        tree = super().propose(ctx, budget)
+    def drafting(self, ctx, budget=None):
+        tree = yield from super().drafting(ctx, budget)
         self.drafted = getattr(self, "drafted", set()) | set(tree.tokens.tolist())
         return tree
 

@@ -176,8 +176,13 @@ def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
     drafter = HeadlessDrafter(NgramDrafter(8, 2), costs(0.05, draft=0.01),
                               DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97), draft_menu())
     chose = []
-    orig = drafter.draft.propose
-    drafter.draft.propose = lambda ctx, b=None: chose.append(b) or orig(ctx, b)
+    orig = drafter.draft.drafting
+
+    def spy(ctx, b=None):
+        chose.append(b)
+        return (yield from orig(ctx, b))
+
+    drafter.draft.drafting = spy
     for p in PROMPTS + [REPEATS]:
         want, _ = run(target, NoDrafter(), p, SamplingParams(), 30)
         got, _ = run(target, drafter, p, SamplingParams(), 30)

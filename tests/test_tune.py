@@ -215,8 +215,13 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     d.costs = Costs({1: 1.0, 64: 1.0}, dict.fromkeys(d.costs.draft_s, 0.0), 0.0, 0.0,
                                     dict.fromkeys(d.costs.sampled_s, 0.0))
     trees = []
-    orig = d.eagle.propose
-    d.eagle.propose = lambda ctx, b=None: trees.append(t := orig(ctx, b)) or t
+    orig = d.eagle.drafting
+
+    def spy(ctx, b=None):
+        trees.append(t := (yield from orig(ctx, b)))
+        return t
+
+    d.eagle.drafting = spy
     for prompt in PROMPTS[:3]:
         torch.manual_seed(1)
         run(a.runner, d, prompt, SamplingParams(1.0), 24)  # unseeded: children drawn from the draft

@@ -1,12 +1,14 @@
 """Continuous batching: sequences decoded together, each accepting its own number of tokens every step
 (iteration-level scheduling, as in Orca and vLLM). Sequences join and leave between steps.
 
-A step: every sequence's drafter proposes (engine.Sequence.plan, one sequence after another), ONE
-target forward verifies all their rows (Runner.forward_many: the linears run once on every row, each
-sequence attends over its own cache), then each sequence verifies and commits its own rows
-(Sequence.apply). Each sequence owns a fork of the target runner (its KV cache) and of the drafter (its
-state) over shared weights; a row's bits are those it gets decoded alone, so every sequence emits what it
-would emit alone.
+A step: every sequence's drafter proposes (engine.Sequence.draft, then Sequence.rows), the drafts stepped
+together so that the draft models' and heads' forwards of all sequences at one depth run as one packed
+forward (drafters.base.propose_many; n-gram lookups stay per sequence), ONE target forward verifies all
+their rows (Runner.forward_many: the linears run once on every row, each sequence attends over its own
+cache), then each sequence verifies and commits its own rows (Sequence.apply). Each sequence owns a fork of
+the target runner (its KV cache) and of the drafter (its state) over shared weights; a row's bits are those
+it gets decoded alone, the draft models' and heads' rows too, so every sequence drafts and emits what it
+would alone.
 
 A joining sequence's prompt goes in a chunk a step (chunked prefill, as in Sarathi and vLLM), packed into the
 same forward_many as the decoding rows, so a long prompt no longer stalls the running streams for its whole
@@ -27,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, propose_many
 from specdec.engine import Prompt, Sequence
 from specdec.errors import SpecdecError
 from specdec.grammar import Constraint
@@ -57,6 +59,7 @@ class Batch:
         self.joining: list[_Joining] = []  # their prompts going in, in order of arrival
         self._free: list[tuple[Runner, Drafter]] = []  # forks of sequences that left, for the next to join
         self._start: dict[Sequence, float] = {}
+        self.draft_forwards = 0  # the last step's draft-model and head forwards, every sequence's packed
         r, d = runner.fork(), drafter.fork()
         if r is None:
             raise SpecdecError(f"this target's runner ({runner.kernel_path}) cannot decode several sequences at once")
@@ -103,20 +106,32 @@ class Batch:
         exception its drafting or verification raised (it has left). Done sequences leave."""
         threads.tick()  # between forwards: the thread count follows the machine (runtime/threads.py)
         results: list[tuple[Sequence, list[int] | Exception]] = []
-        planned = []
+        drafting = []
         for seq in list(self.active):
             seq.ctx.sharing = len(self.active)  # drafters price their rows as a share of the packed forward
             try:
-                rows = seq.plan()
+                draft = seq.draft()
             except Exception as e:  # this sequence fails, the others go on
                 self.leave(seq)
                 results.append((seq, e))
                 continue
-            if rows is None:
+            if draft is None:
                 self.leave(seq)
                 results.append((seq, []))
             else:
-                planned.append((seq, rows))
+                drafting.append((seq, draft))
+        t = time.perf_counter()
+        trees, self.draft_forwards = propose_many([d for _, d in drafting])
+        share = (time.perf_counter() - t) / max(len(drafting), 1)  # each sequence's draft time: its share
+        planned = []
+        for (seq, _), tree in zip(drafting, trees):
+            try:
+                if isinstance(tree, Exception):
+                    raise tree
+                planned.append((seq, seq.rows(tree, share)))
+            except Exception as e:
+                self.leave(seq)
+                results.append((seq, e))
         parts = [(seq.runner, *rows) for seq, rows in planned]
         logits_rows: list[slice | None] = [None] * len(parts)
         joining = self.joining[0] if self.joining else None

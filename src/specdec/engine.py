@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-from specdec.drafters.base import DecodeContext, Drafter, follow
+from specdec.drafters.base import DecodeContext, Drafter, Drafting, alone, follow
 from specdec.errors import SpecdecError
 from specdec.grammar import Constraint
 from specdec.runtime import threads
@@ -20,6 +20,7 @@ from specdec.tree import DraftTree
 from specdec.verify import Verdict, verify
 
 T = TypeVar("T")
+Rows = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # tokens, positions, mask: Runner.forward's
 
 
 def _clock(device: torch.device) -> float:
@@ -32,7 +33,7 @@ class Sequence:
     """One request's decoding: prefill, then steps split around the target forward. plan() has the
     drafter propose and gives the rows to verify; apply(out) verifies them, commits the accepted rows,
     keeps the stats, has the drafter follow, and gives the new tokens. decode() runs one sequence; a batch
-    (batch.py) runs plan for each, one packed forward, then apply for each.
+    (batch.py) runs every sequence's draft() together, rows() for each, one packed forward, then apply for each.
 
     on_verify(tree, verdict), if given, sees every verified draft (e.g. the benchmark's calibration of
     tree scores vs acceptance); it runs outside the draft/verify timers."""
@@ -122,9 +123,16 @@ class Sequence:
         self.stats.resumes += 1
         self.stats.prefill_time += _clock(self.dev) - t
 
-    def plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    def plan(self) -> Rows | None:
         """The drafter proposes; the rows to verify (tokens, positions, mask: Runner.forward's), or None
         when the context is full (the sequence is then done)."""
+        t = _clock(self.dev)
+        drafting = self.draft()
+        return None if drafting is None else self.rows(alone(drafting), _clock(self.dev) - t)
+
+    def draft(self) -> Drafting | None:
+        """This step's draft, for its caller to run (alone, or with other sequences': drafters.base.propose_many),
+        then rows(); None when the context is full (the sequence is then done)."""
         runner, ctx = self.runner, self.ctx
         room = runner.max_length - runner.length - 1  # rows left after the root
         if room < 0:
@@ -132,15 +140,20 @@ class Sequence:
             return None
         # drafting past what we may still emit (the bonus is always free) is wasted work
         ctx.max_nodes = min(room, self.max_new_tokens - self.n - 1)
+        return self.drafter.drafting(ctx) if ctx.max_nodes > 0 else _nothing()
+
+    def rows(self, tree: DraftTree, draft_s: float) -> Rows:
+        """The rows to verify `tree`, the draft(), which took draft_s seconds (in a batch: its share)."""
+        runner, ctx = self.runner, self.ctx
         t = _clock(self.dev)
-        tree = self.drafter.propose(ctx) if ctx.max_nodes > 0 else DraftTree.empty()
         if len(tree) > ctx.max_nodes:  # nodes are topologically ordered: a prefix is a tree
             tree = tree.select(torch.arange(ctx.max_nodes))
         if self.constraint is not None:
             tree = self.constraint.plan(tree, ctx.max_nodes)
         self._t = _clock(self.dev)
-        self.stats.draft_time += self._t - t
-        ctx.draft_s = self._t - t
+        draft_s += self._t - t
+        self.stats.draft_time += draft_s
+        ctx.draft_s = draft_s
         self._tree = tree
         start, n = runner.length, 1 + len(tree)
         tokens = torch.cat([torch.tensor([ctx.tokens[-1]]), tree.tokens.cpu()])
@@ -250,6 +263,11 @@ def decode(
         if learn:
             seq.finish()
         stats.total_time = _clock(dev) - t0
+
+
+def _nothing() -> Drafting:
+    return DraftTree.empty()
+    yield  # a generator
 
 
 def _advance(parts: Generator[None, None, T], whole: bool = True) -> T | None:

@@ -6,7 +6,7 @@ last accepted token, not yet in the target's KV cache) is implicit and has index
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +160,33 @@ class DraftTree:
 # `tokens`/`parents` describe every node made so far; the callee owns its KV cache and has already
 # cached the nodes of earlier calls (see NodeSlots).
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# A tree being built: it yields each step's arguments and is sent the step's result (a drafter runs the
+# step's forward between, alone or packed with other sequences' drafts: drafters.base.Drafting).
+Growing = Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, "DraftTree"]
+
+
+def grown(tree: Growing, step: StepFn) -> DraftTree:
+    """The tree, each step run by `step`."""
+    try:
+        args = next(tree)
+        while True:
+            args = tree.send(step(*args))
+    except StopIteration as done:
+        return done.value
+
+
+def grow(tree: Growing, step: Callable[..., Generator]) -> Generator:
+    """The tree, each step run by the generator `step` (a drafter's: it yields the forwards it needs)."""
+    try:
+        args = next(tree)
+    except StopIteration as done:
+        return done.value
+    while True:
+        out = yield from step(*args)
+        try:
+            args = tree.send(out)
+        except StopIteration as done:
+            return done.value
 
 
 class NodeSlots:
@@ -184,15 +211,20 @@ class NodeSlots:
         return m
 
 
-def build_dynamic_tree(
+def build_dynamic_tree(root_logprobs: torch.Tensor, step: StepFn, depth: int, topk: int, tree_size: int,
+                       rank_by: str = "value", rerank: bool = True) -> DraftTree:
+    """dynamic_tree with each depth's nodes expanded by `step`."""
+    return grown(dynamic_tree(root_logprobs, depth, topk, tree_size, rank_by, rerank), step)
+
+
+def dynamic_tree(
     root_logprobs: torch.Tensor,
-    step: StepFn,
     depth: int,
     topk: int,
     tree_size: int,
     rank_by: str = "value",
     rerank: bool = True,
-) -> DraftTree:
+) -> Growing:
     """EAGLE-2 context-aware draft tree.
 
     Expansion: at each depth keep the top-k nodes of the newest layer by value V (product of
@@ -221,7 +253,7 @@ def build_dynamic_tree(
             break
         all_tok, all_par = torch.cat(tokens), torch.cat(parents)
         # the step sees only the nodes it has not seen; the selected frontier is new to it
-        child_lp = step(sel, all_tok, all_par)
+        child_lp = yield sel, all_tok, all_par
         c_lp, c_tok = torch.topk(child_lp.float(), topk, dim=-1)  # [k, topk]
         all_v = torch.cat(logv)
         v = all_v[sel].unsqueeze(1) + c_lp
@@ -264,10 +296,15 @@ def draw_children(logp: torch.Tensor, k: int, generator: torch.Generator | None)
     return logp.gather(-1, tok), tok, q, ok
 
 
-def build_sampled_tree(
-    root_logprobs: torch.Tensor, step: StepFn, depth: int, topk: int, tree_size: int,
-    generator: torch.Generator | None,
-) -> DraftTree:
+def build_sampled_tree(root_logprobs: torch.Tensor, step: StepFn, depth: int, topk: int, tree_size: int,
+                       generator: torch.Generator | None) -> DraftTree:
+    """sampled_tree with each depth's nodes expanded by `step`."""
+    return grown(sampled_tree(root_logprobs, depth, topk, tree_size, generator), step)
+
+
+def sampled_tree(
+    root_logprobs: torch.Tensor, depth: int, topk: int, tree_size: int, generator: torch.Generator | None,
+) -> Growing:
     """EAGLE-2's expansion with sampled children (T > 0): at each depth the top-k nodes of the newest
     layer by value V are expanded, best first, and each gets k children drawn without replacement from
     the draft distribution (fewer where its support is smaller); the draft is the first tree_size nodes
@@ -286,7 +323,7 @@ def build_sampled_tree(
         best = torch.topk(frontier_v, min(topk, frontier_v.numel())).indices  # by value, best first
         sel = frontier_ids[best]
         order = torch.argsort(sel)  # the step takes the new nodes in index order (topological)
-        rows = step(sel[order], torch.cat(tokens), torch.cat(parents))[torch.argsort(order)]
+        rows = (yield sel[order], torch.cat(tokens), torch.cat(parents))[torch.argsort(order)]
         lp, tok, q, ok = draw_children(rows, topk, generator)
         v = torch.cat(logv)[sel].unsqueeze(1) + lp
         # boolean indexing flattens row by row: best parent first, each parent's children in draw order

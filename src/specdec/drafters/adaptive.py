@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.base import DecodeContext, Drafter, Drafting, alone
 from specdec.drafters.clock import CatchUp, StepClock
 from specdec.drafters.controller import LOOKUP_PRIOR, LOOKUP_PRIOR_SAMPLED, VANILLA, Controller
 from specdec.drafters.costs import QUIET, Costs, store_learned
@@ -150,6 +150,9 @@ class AdaptiveDrafter(FollowsTheMachine):
         self.eagle.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
+        return alone(self.drafting(ctx))
+
+    def drafting(self, ctx: DecodeContext) -> Drafting:
         self.share(ctx)
         chain = self.pld.lookup(ctx) if self.pld is not None and ctx.max_nodes > 0 else []
         self.rows_ctx = len(ctx.tokens)
@@ -171,7 +174,7 @@ class AdaptiveDrafter(FollowsTheMachine):
         tree = DraftTree.empty()
         expected = 0.0
         if choice.budget is not None:
-            tree = self.eagle.propose(ctx, choice.budget)
+            tree = yield from self.eagle.drafting(ctx, choice.budget)
             b = choice.budget
             expected = self.ctrl.gain[b] * min(len(tree), b.tree_size) / b.tree_size
         eagle_tree = tree if choice.budget is not None else None

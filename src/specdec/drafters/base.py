@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Generator, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +55,23 @@ class SideRows:
         return self.tokens.numel()
 
 
+class DraftForward(ABC):
+    """One model forward a draft asks for (Drafter.drafting). Forwards whose `pack` keys are equal (forks
+    of one model, the same kind of call) run as one packed forward in a batch (run_many), each getting
+    exactly the output it gets run alone."""
+
+    pack: Hashable
+
+    @staticmethod
+    @abstractmethod
+    def run_many(forwards: list[DraftForward]) -> list[Any]:
+        """The forwards' outputs, in order; one forward: run alone."""
+
+
+# a proposal as a generator: it yields the model forwards it needs, is sent each one's output, returns the tree
+Drafting = Generator[DraftForward, Any, "DraftTree"]
+
+
 class Drafter(ABC):
     name: str = "drafter"
     draft_depth: int | None = None  # the deepest draft it proposes (for analysis; None: none or varies)
@@ -93,6 +111,14 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, ctx: DecodeContext) -> DraftTree: ...
 
+    def drafting(self, ctx: DecodeContext) -> Drafting:
+        """propose() as a generator yielding each model forward it runs (a DraftForward) and sent its output,
+        so that a batch packs the forwards of every sequence's draft at one depth into one (propose_many).
+        A drafter that runs a model implements this and proposes through alone(); the default runs no
+        forward of its own (n-gram lookups: nothing to pack)."""
+        return self.propose(ctx)
+        yield  # a generator
+
     def side_rows(self, ctx: DecodeContext) -> SideRows | None:
         """After propose: rows to ride in the same target forward as the draft (None: none)."""
         return None
@@ -115,8 +141,59 @@ class TreeDrafter(Drafter):
     measurement and `specdec tune` price many."""
 
     @abstractmethod
-    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+    def drafting(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> Drafting:
         """budget: this call's tree instead of the drafter's own."""
+
+    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+        return alone(self.drafting(ctx, budget))
+
+
+def alone(drafting: Drafting) -> DraftTree:
+    """A draft run by itself: each forward it asks for runs alone."""
+    try:
+        fwd = next(drafting)
+        while True:
+            fwd = drafting.send(fwd.run_many([fwd])[0])
+    except StopIteration as done:
+        return done.value
+
+
+def propose_many(draftings: list[Drafting]) -> tuple[list[DraftTree | Exception], int]:
+    """Several sequences' drafts stepped together: each round, the forwards they ask for run packed, one
+    forward per pack key (DraftForward.run_many), so every draft is exactly what it is alone. Returns each
+    draft's tree, or the exception it raised (the others go on), and the packed forwards run."""
+    results: list[DraftTree | Exception | None] = [None] * len(draftings)
+    asked: dict[int, DraftForward] = {}
+
+    def advance(i: int, out: Any = None, first: bool = False) -> None:
+        try:
+            asked[i] = next(draftings[i]) if first else draftings[i].send(out)
+        except StopIteration as done:
+            results[i] = done.value
+        except Exception as e:  # this sequence fails, the others go on
+            results[i] = e
+
+    for i in range(len(draftings)):
+        advance(i, first=True)
+    forwards = 0
+    while asked:
+        groups: dict[Hashable, list[int]] = {}
+        for i, fwd in asked.items():
+            groups.setdefault(fwd.pack, []).append(i)
+        now, asked = asked, {}
+        for ids in groups.values():
+            fwds = [now[i] for i in ids]
+            try:
+                outs = type(fwds[0]).run_many(fwds)
+            except Exception as e:
+                for i in ids:
+                    draftings[i].close()
+                    results[i] = e
+                continue
+            forwards += 1
+            for i, out in zip(ids, outs):
+                advance(i, out)
+    return results, forwards
 
 
 class NoDrafter(Drafter):

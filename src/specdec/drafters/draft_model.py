@@ -4,18 +4,19 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import astuple
+from collections.abc import Generator
+from dataclasses import astuple, dataclass
 from typing import Literal
 
 import torch
 
-from specdec.drafters.base import DecodeContext, TreeDrafter
+from specdec.drafters.base import DecodeContext, DraftForward, Drafting, TreeDrafter
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
-from specdec.runtime.base import Runner
+from specdec.runtime.base import ForwardOut, Runner
 from specdec.runtime.loading import Runtime, build_runner, check_same_vocab
 from specdec.sampling import probs_from_logits, sample, tempered_log_probs
-from specdec.tree import DraftTree, NodeSlots, TreeBudget, build_dynamic_tree
+from specdec.tree import DraftTree, NodeSlots, TreeBudget, dynamic_tree, grow
 from specdec.vocab import draft_vocab
 
 DRAFT_VOCAB = 32768  # ids a draft model scores by default: see docs/benchmarks.md for the coverage measured
@@ -69,7 +70,7 @@ class DraftModelDrafter(TreeDrafter):
             self.extra = self.extra + new[:MAX_EXTRA - len(self.extra)]
             self.runner.score_also(self.extra)
 
-    def _catch_up(self, tokens: list[int]) -> torch.Tensor:
+    def _catch_up(self, tokens: list[int]) -> Generator[RunnerForward, ForwardOut, torch.Tensor]:
         """Bring the draft cache to `tokens` (reusing the common prefix); logits after the last one."""
         common = 0
         for a, b in zip(self.cached, tokens):
@@ -81,7 +82,7 @@ class DraftModelDrafter(TreeDrafter):
             self._score_context(tokens)
         self.runner.truncate(common)
         feed = tokens[common:]
-        out = self.runner.forward(torch.tensor(feed), logits_rows=slice(-1, None))
+        out = yield RunnerForward(self.runner, torch.tensor(feed), logits_rows=slice(-1, None))
         self.runner.commit(range(len(feed)))
         self.cached = list(tokens)
         return self._pad(out.logits[-1])
@@ -102,7 +103,7 @@ class DraftModelDrafter(TreeDrafter):
             return logits[..., :v]
         return torch.nn.functional.pad(logits, (0, v - logits.shape[-1]), value=float("-inf"))
 
-    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+    def drafting(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> Drafting:
         """budget: this call's size instead of the drafter's own (a chain drafts budget.depth tokens)."""
         # a draft with a shorter context window than the target's stops drafting where its window ends:
         # the engine then takes plain target steps (still exact) instead of the draft failing mid-answer
@@ -113,9 +114,9 @@ class DraftModelDrafter(TreeDrafter):
         # a tree's expansion feeds up to topk rows per depth through the draft before it is cut down
         if depth <= 0 or (tree is not None and tree.topk * tree.depth > window):
             return DraftTree.empty()
-        logits = self._catch_up(ctx.tokens)
+        logits = yield from self._catch_up(ctx.tokens)
         if tree is not None:
-            return self._tree(ctx, logits, tree.capped(room))
+            return (yield from self._tree(ctx, logits, tree.capped(room)))
         toks, qs = [], []
         for i in range(depth):
             q = probs_from_logits(logits, ctx.params)
@@ -128,12 +129,12 @@ class DraftModelDrafter(TreeDrafter):
             toks.append(x)
             qs.append(q)
             if i + 1 < depth:
-                logits = self._pad(self.runner.forward(torch.tensor([x])).logits[-1])
+                logits = self._pad((yield RunnerForward(self.runner, torch.tensor([x]))).logits[-1])
         self.runner.commit(range(depth - 1))  # a chain continuing ctx: reusable if accepted
         self.cached = ctx.tokens + toks[:-1]
         return DraftTree.chain(torch.tensor(toks), None if ctx.params.greedy else torch.stack(qs))
 
-    def _tree(self, ctx: DecodeContext, logits: torch.Tensor, budget: TreeBudget) -> DraftTree:
+    def _tree(self, ctx: DecodeContext, logits: torch.Tensor, budget: TreeBudget) -> Drafting:
         # top-k children are deterministic: the verifier treats them as point masses (lossless at T>0)
         slots, root_pos = NodeSlots(), len(ctx.tokens) - 1
         committed = self.runner.length
@@ -142,7 +143,7 @@ class DraftModelDrafter(TreeDrafter):
             sel_l, par = sel.tolist(), parents.tolist()
             mask = slots.mask(sel_l, par, committed)
             pos = torch.tensor([root_pos + _depth(n, par) for n in sel_l])
-            out = self.runner.forward(tokens[sel], pos, mask)
+            out = yield RunnerForward(self.runner, tokens[sel], pos, mask)
             lp = tempered_log_probs(self._pad(out.logits), ctx.params)
             # a seeded request: rank by log q + the noise of the target's draw at the children's position
             return lp if coupling is None else coupling.perturb(lp, (pos + 1).tolist())
@@ -151,9 +152,29 @@ class DraftModelDrafter(TreeDrafter):
         root_lp = tempered_log_probs(logits, ctx.params)
         if coupling is not None:
             root_lp = coupling.perturb(root_lp[None], [root_pos + 1])[0]
-        tree = build_dynamic_tree(root_lp, step, *astuple(budget))
+        tree = yield from grow(dynamic_tree(root_lp, *astuple(budget)), step)
         self.runner.rollback()
         return tree
+
+
+@dataclass
+class RunnerForward(DraftForward):
+    """A draft model's forward (Runner.forward's arguments): forks' forwards pack into one forward_many."""
+
+    runner: Runner
+    tokens: torch.Tensor
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    logits_rows: slice | None = None
+
+    @property
+    def pack(self) -> tuple:
+        return RunnerForward, self.runner.family
+
+    @staticmethod
+    def run_many(forwards: list[RunnerForward]) -> list[ForwardOut]:
+        return forwards[0].runner.forward_many([(f.runner, f.tokens, f.positions, f.mask) for f in forwards],
+                                               logits_rows=[f.logits_rows for f in forwards])
 
 
 def _depth(node: int, parents: list[int]) -> int:

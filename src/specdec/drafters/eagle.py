@@ -8,7 +8,7 @@ depth d sits at head position n + d - 1 and reads (its token, the f̂ its parent
 Children are deterministic top-k, so the tree carries no q: the verifier treats them as point masses
 (lossless at T > 0). With `children=sample` (T > 0 only) EAGLE-2's children are drawn without
 replacement from the draft distribution instead, and each carries the q it was drawn from
-(tree.build_sampled_tree).
+(tree.sampled_tree).
 
 An EAGLE-3 head (drafters.eagle3) drafts the same way: a committed row reads runner.target_input (for
 EAGLE-3 the target's aux-layer states, fused), a draft row the head's own output.
@@ -18,29 +18,32 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import astuple
 from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter
+from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
-from specdec.heads.runner import HeadRunner, runner_for
+from specdec.heads.runner import HeadForward, HeadRunner, runner_for
 from specdec.heads.shipped import find_shipped_head, shipped_targets
 from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs
 from specdec.tree import (
     DraftTree,
+    Growing,
     NodeSlots,
     StepFn,
     TreeBudget,
-    build_dynamic_tree,
-    build_sampled_tree,
     check_choices,
+    dynamic_tree,
+    grow,
+    grown,
+    sampled_tree,
 )
 from specdec.tuning import load_tuning
 from specdec.verify import Verdict
@@ -50,8 +53,13 @@ DEFAULT_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1
 
 
 def build_static_tree(root_logprobs: torch.Tensor, step: StepFn, choices: Sequence[Sequence[int]]) -> DraftTree:
+    """static_tree with each depth's nodes expanded by `step`."""
+    return grown(static_tree(root_logprobs, choices), step)
+
+
+def static_tree(root_logprobs: torch.Tensor, choices: Sequence[Sequence[int]]) -> Growing:
     """EAGLE-1 tree: each choice is a path of top-k ranks from the root ((0, 1) = 2nd best child of the
-    best child). One `step` per depth for every node of the previous depth that has children."""
+    best child). One step per depth for every node of the previous depth that has children."""
     ordered = _choices_or_error(choices)
     index: dict[tuple, int] = {(): -1}
     toks: list[int] = []
@@ -67,7 +75,7 @@ def build_static_tree(root_logprobs: torch.Tensor, step: StepFn, choices: Sequen
         parents_here = sorted({index[c[:-1]] for c in layer})
         new = [p for p in parents_here if p not in logp]
         if new:
-            out = step(torch.tensor(new), torch.tensor(toks), torch.tensor(pars))
+            out = yield torch.tensor(new), torch.tensor(toks), torch.tensor(pars)
             for r, p in enumerate(new):
                 logp[p] = out[r]
         for p in parents_here:
@@ -136,11 +144,12 @@ class EagleDrafter(TreeDrafter):
             raise SpecdecError(f"EAGLE-3 needs the target's hidden states entering layers {list(self.aux_layers)} "
                                f"of {what}")
 
-    def _extend(self, tokens: list[int], features: torch.Tensor) -> None:
-        h, g = self.runner.forward(torch.tensor(tokens, device=self.runner.device), features)
+    def _extend(self, tokens: list[int], features: torch.Tensor) -> Generator[HeadForward, tuple, None]:
+        h, _, logits = yield HeadForward(self.runner, torch.tensor(tokens, device=self.runner.device), features,
+                                         logits=slice(-1, None))
         self.runner.commit(range(len(tokens)))
         self.last_hidden = h[-1]
-        self.root_logits = self.runner.logits(g[-1:])[0]
+        self.root_logits = logits[0]
 
     def _fits(self, ctx: DecodeContext) -> bool:
         """A head trained with a shorter window than the target's stops drafting where it ends; the
@@ -172,6 +181,10 @@ class EagleDrafter(TreeDrafter):
 
     def sync(self, ctx: DecodeContext) -> None:
         """Read the queued rows: afterwards the head's cache covers every emitted token but the root."""
+        alone(self.syncing(ctx))
+
+    def syncing(self, ctx: DecodeContext) -> Generator[HeadForward, tuple, None]:
+        """sync() as a drafting generator (Drafter.drafting)."""
         if not self.pending:
             return
         feats, self.pending = self.pending, []
@@ -184,13 +197,13 @@ class EagleDrafter(TreeDrafter):
         feats = self.runner.target_input(join(f), join(aux) if self.aux_layers else None)
         if len(new) != feats.shape[0]:
             raise RuntimeError("EAGLE drafter out of step with the engine")
-        self._extend(new, feats)
+        yield from self._extend(new, feats)
 
-    def propose(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> DraftTree:
+    def drafting(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> Drafting:
         """budget: this call's tree size instead of the drafter's own (`specdec tune` prices many)."""
         if not self._fits(ctx):
             return DraftTree.empty()
-        self.sync(ctx)
+        yield from self.syncing(ctx)
         n = self.runner.length
         if n != len(ctx.tokens) - 1:
             raise RuntimeError("EAGLE drafter out of step with the engine")
@@ -205,7 +218,7 @@ class EagleDrafter(TreeDrafter):
         run = self.runner
         final = budget.depth if budget is not None else max(map(len, self.choices))  # no node deeper is drawn
 
-        def step(sel: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        def step(sel: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> Generator:
             sel_l, par = sel.tolist(), parents.tolist()
             for i in range(len(depth_of), len(par)):  # nodes are topological: parents come first
                 depth_of[i] = 1 if par[i] < 0 else depth_of[par[i]] + 1
@@ -214,25 +227,26 @@ class EagleDrafter(TreeDrafter):
             pos = torch.tensor([n - 1 + depth_of[i] for i in sel_l], device=run.device)
             # children at the tree's last depth are never expanded: their f̂ is not needed (PAD skips it)
             last = all(depth_of[i] + 1 >= final for i in sel_l)
-            h, g = run.forward(tokens[sel].to(run.device), feats, pos, mask, draft=True, feature=not last)
+            h, _, logits = yield HeadForward(run, tokens[sel].to(run.device), feats, pos, mask, draft=True,
+                                             feature=not last)
             for r, i in enumerate(sel_l):
                 hid[i] = None if last else h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
-            lp = tempered_log_probs(run.logits(g), ctx.params)
+            lp = tempered_log_probs(logits, ctx.params)
             return lp if coupling is None else coupling.perturb(lp, [at + depth_of[i] for i in sel_l], run.d2t)
 
         root_lp = tempered_log_probs(self.root_logits, ctx.params)
         if coupling is not None:
             root_lp = coupling.perturb(root_lp[None], [at], run.d2t)[0]
         if budget is not None and sample and coupling is None:
-            tree = build_sampled_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), ctx.generator)
+            tree = yield from grow(sampled_tree(root_lp, *astuple(budget.capped(ctx.max_nodes)), ctx.generator), step)
             run.rollback()
             return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores,
                              self._target_probs(tree.draft_probs))
         if budget is not None:
-            tree = build_dynamic_tree(root_lp, step, *astuple(budget.capped(ctx.max_nodes)), self.rank_by,
-                                      self.rerank)
+            growing = dynamic_tree(root_lp, *astuple(budget.capped(ctx.max_nodes)), self.rank_by, self.rerank)
         else:
-            tree = build_static_tree(root_lp, step, self.choices[:ctx.max_nodes])
+            growing = static_tree(root_lp, self.choices[:ctx.max_nodes])
+        tree = yield from grow(growing, step)
         run.rollback()
         return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, FollowsTheMachine, matched
-from specdec.drafters.base import DecodeContext, Drafter, NoDrafter
+from specdec.drafters.base import DecodeContext, Drafter, Drafting, NoDrafter, alone
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs, load_plain_costs
@@ -187,6 +187,9 @@ class HeadlessDrafter(FollowsTheMachine):
                 d.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
+        return alone(self.drafting(ctx))
+
+    def drafting(self, ctx: DecodeContext) -> Drafting:
         self.share(ctx)
         room = ctx.max_nodes
         ng = self.ngram.propose(ctx) if self.ngram is not None and room > 0 else DraftTree.empty()
@@ -198,7 +201,7 @@ class HeadlessDrafter(FollowsTheMachine):
         tree, drafted, expected = DraftTree.empty(), None, 0.0
         if choice.budget is not None:
             b = choice.budget
-            tree = drafted = self.draft.propose(ctx, b)
+            tree = drafted = yield from self.draft.drafting(ctx, b)
             expected = self.ctrl.gain[b] * min(len(tree), b.tree_size) / b.tree_size
         if choice.chain and room > len(tree):
             part = ng.select(torch.arange(min(choice.chain, room - len(tree))))

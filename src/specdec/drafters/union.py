@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specdec.drafters.base import DecodeContext, Drafter
+from specdec.drafters.base import DecodeContext, Drafter, Drafting, alone
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.tree import DraftTree
 from specdec.verify import Verdict
@@ -37,12 +37,15 @@ class UnionDrafter(Drafter):
             m.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
-        tree = self.members[0].propose(ctx)
+        return alone(self.drafting(ctx))
+
+    def drafting(self, ctx: DecodeContext) -> Drafting:
+        tree = yield from self.members[0].drafting(ctx)
         for m in self.members[1:]:
             room = ctx.max_nodes - len(tree)
             if room <= 0:
                 break
-            tree = tree.union(m.propose(replace(ctx, max_nodes=room)))
+            tree = tree.union((yield from m.drafting(replace(ctx, max_nodes=room))))
         return tree
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
@@ -74,7 +77,10 @@ class GreedyOnly(Drafter):
         self.inner.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
-        return self.inner.propose(ctx) if ctx.params.greedy else DraftTree.empty()
+        return alone(self.drafting(ctx))
+
+    def drafting(self, ctx: DecodeContext) -> Drafting:
+        return (yield from self.inner.drafting(ctx)) if ctx.params.greedy else DraftTree.empty()
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         self.inner.accept(ctx, verdict)

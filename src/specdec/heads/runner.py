@@ -5,21 +5,40 @@ and the same commit/rollback protocol as the target runners."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from specdec.drafters.base import DraftForward
 from specdec.errors import SpecdecError
 from specdec.heads.fspad import feature_sampler, gated_sample, pad_outputs
 from specdec.runtime.base import Cached
 from specdec.runtime.kv import KVCache
-from specdec.runtime.llama import Block, Rope, chain_attention
+from specdec.runtime.lean import EXACT_ROWS
+from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention
 from specdec.runtime.packed import Linear
 
 if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): drafting does not need them
     from specdec.heads.model import EagleHead
+
+
+# one sequence's rows of a packed head forward: (its runner, tokens [n], features [n, H], positions, mask)
+HeadPart = tuple["HeadRunner", torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+class _Rows(NamedTuple):
+    """A fork's new rows in a head forward (HeadRunner._plan)."""
+    kv: KVCache
+    start: int
+    n: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    few: bool  # few enough to attend row by row
 
 
 class PadBlock(Block):
@@ -77,6 +96,11 @@ class HeadRunner(Cached):
         # so over the draft vocabulary it is a table: one projection fewer per draft step. A full-vocabulary
         # head would need a table the size of the target's embeddings, so it keeps computing it.
         self.token_table = None if self.d2t is None else self._token_table()
+        # forks' forwards pack (forward_many) only where every linear is row-invariant
+        blocks = [x for b in self.layers for x in (b.qkv, b.o, b.gate_up, b.down)]
+        linears = [self.lm, self.fc, getattr(self, "fc_f", None), *(self.sampler or []), *blocks,
+                   getattr(self.pad_block, "tail", None)]
+        self.exact_rows = EXACT_ROWS if all(getattr(x, "invariant", False) for x in linears if x is not None) else 0
 
     def fork(self) -> HeadRunner:
         """The same head with an empty cache of its own. Forks share the layers' per-forward scratch (PAD's
@@ -125,7 +149,11 @@ class HeadRunner(Cached):
         e = F.embedding(tokens, self.embed).to(self.dtype)
         return self.fc(torch.cat([e, f], dim=-1)) if self.fc is not None else feature_sampler(e, f, *self.sampler)
 
-    @torch.inference_mode()
+    @property
+    def family(self) -> int:
+        """Runners whose forwards forward_many may pack (forks of this one) share this."""
+        return id(self.layers)
+
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, draft: bool = False,
                 feature: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -134,25 +162,86 @@ class HeadRunner(Cached):
         (f̂_{t+1}, the LM head's input) [n, H] each: the same tensor unless PAD (then f and f̃: draft on with f̂).
         feature=False: no draft step continues from these rows (a tree's last depth), so PAD skips f's half
         of its doubled down_proj and f̂ comes back None."""
+        return self._run([(self, tokens, features, positions, mask)], draft, feature)[0]
+
+    def forward_many(self, parts: Sequence[HeadPart], draft: bool = False,
+                     feature: bool = True) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """forward for each part (a fork of this runner, tokens, features, positions, mask), each into its own
+        cache, packed as LeanRunner.forward_many packs: the linears run once on all rows of forwards of at most
+        exact_rows rows, each sequence attends over its own cache, and each row gets the bits it gets alone.
+        Without exact rows each part runs alone."""
+        outs: list = []
+        group: list[HeadPart] = []
+
+        def run(group: list[HeadPart]) -> None:
+            if len(group) == 1:
+                r, *args = group[0]
+                outs.append(r.forward(*args, draft=draft, feature=feature))
+            else:
+                outs.extend(self._run(group, draft, feature))
+
+        for part in parts:
+            if group and sum(p[1].numel() for p in group) + part[1].numel() > self.exact_rows:
+                run(group)
+                group = []
+            group.append(part)
+        if group:
+            run(group)
+        return outs
+
+    def _plan(self, runner: HeadRunner, tokens: torch.Tensor, positions: torch.Tensor | None,
+              mask: torch.Tensor | None) -> _Rows:
+        """Where a fork's new rows go in its cache and what they attend to."""
         n = tokens.numel()
-        start, positions = self._new_rows(n, positions, mask)
-        kv = self.cache
+        start, positions = runner._new_rows(n, positions, mask)
+        kv = runner.cache
         if start + n > kv.capacity:
             kv.reserve(n)
             self.rope.grow(kv.capacity)
-        h = self._connect(tokens.to(self.device), features.to(self.dtype), draft)[None]
         cos, sin = self.rope(positions)
         causal = False
         if mask is None:
             mask, causal = chain_attention(start, n, self.device)
         else:
             mask = mask.to(self.device)
+        return _Rows(kv, start, n, cos, sin, mask, causal, n <= EXACT_ROWS)
+
+    @torch.inference_mode()
+    def _run(self, parts: Sequence[HeadPart], draft: bool,
+             feature: bool) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """One forward over the new rows of several forks of this runner (one: a plain forward)."""
+        plans = [self._plan(r, t, pos, m) for r, t, _, pos, m in parts]
+        join = (lambda xs: xs[0]) if len(parts) == 1 else torch.cat
+        h = self._connect(join([p[1].to(self.device) for p in parts]),
+                          join([p[2].to(self.dtype) for p in parts]), draft)[None]
         if self.pad_block is not None:
             self.pad_block.tail_only = not feature
-        for layer in self.layers:  # the fused kernels attend row by row (cheaper than SDPA for a few rows)
-            h = layer(h, cos, sin, kv, start, mask, causal, True if layer.fused is not None and n <= 64 else None)
-        kv.n_pending += n
-        return self._outputs(h[0], feature)
+        sizes = [p.n for p in plans]
+        packed = None
+        if len(parts) > 1 and all(b.fused is not None for b in self.layers) and all(p.few for p in plans):
+            packed = PackedRows(torch.cat([p.cos.reshape(p.n, -1) for p in plans]),
+                                torch.cat([p.sin.reshape(p.n, -1) for p in plans]),
+                                [p.kv.k for p in plans], [p.kv.v for p in plans], [p.start for p in plans], sizes,
+                                {None: [None if p.mask is None else p.mask.reshape(p.n, -1) for p in plans]})
+        for layer in self.layers:
+            # the fused kernels attend row by row (cheaper than SDPA for a few rows)
+            args = [(p.cos, p.sin, p.kv, p.start, p.mask, p.causal, True if layer.fused is not None and p.few else None)
+                    for p in plans]
+            if len(parts) == 1:
+                h = layer(h, *args[0])
+                continue
+            qkv = layer.project(h)
+            if packed is not None:
+                a = layer.attend_many(qkv, packed, None)
+            else:
+                a = torch.cat([layer.attend(x, *arg) for x, arg in zip(qkv.split(sizes, dim=1), args)], dim=1)
+            h = layer.finish(a, h)
+        for p in plans:
+            p.kv.n_pending += p.n
+        f, g = self._outputs(h[0], feature)
+        if len(parts) == 1:
+            return [(f, g)]
+        return list(zip([None] * len(parts) if f is None else f.split(sizes), g.split(sizes)))
 
     def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(what the next draft step reads, the LM head's input) from the last layer's output [n, H]."""
@@ -181,6 +270,10 @@ class _HiddenQkv:
 
     def __init__(self, qkv: Linear, hidden_norm: torch.Tensor, eps: float) -> None:
         self.qkv, self.norm, self.eps, self.tokens = qkv, hidden_norm, eps, None
+
+    @property
+    def invariant(self) -> bool:
+        return self.qkv.invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, self.norm.shape, self.norm, self.eps)
@@ -221,6 +314,40 @@ class Eagle3Runner(HeadRunner):
     def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         self.qkv.tokens = None
         return h, F.rms_norm(h, self.norm.shape, self.norm, self.eps)
+
+
+@dataclass
+class HeadForward(DraftForward):
+    """A head forward a draft asks for, and the LM head's logits of its rows `logits` (None: none): forks'
+    forwards of the same kind pack into one (HeadRunner.forward_many, then one LM head call). Output:
+    (f̂, the LM head's input, logits or None)."""
+
+    runner: HeadRunner
+    tokens: torch.Tensor
+    features: torch.Tensor
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    draft: bool = False
+    feature: bool = True
+    logits: slice | None = field(default_factory=lambda: slice(None))
+
+    @property
+    def pack(self) -> tuple:
+        return HeadForward, self.runner.family, self.draft, self.feature
+
+    @staticmethod
+    def run_many(forwards: list[HeadForward]) -> list[tuple]:
+        first = forwards[0]
+        outs = first.runner.forward_many([(f.runner, f.tokens, f.features, f.positions, f.mask) for f in forwards],
+                                         first.draft, first.feature)
+        wanted = [(i, g[f.logits]) for i, (f, (_, g)) in enumerate(zip(forwards, outs)) if f.logits is not None]
+        logits: list = [None] * len(forwards)
+        if wanted:
+            rows = [g for _, g in wanted]
+            lm = first.runner.logits(rows[0] if len(rows) == 1 else torch.cat(rows))
+            for (i, _), lg in zip(wanted, lm.split([g.shape[0] for g in rows])):
+                logits[i] = lg
+        return [(f, g, lg) for (f, g), lg in zip(outs, logits)]
 
 
 def runner_for(head: EagleHead, embed: torch.Tensor,

@@ -125,6 +125,11 @@ class Runner(Cached, ABC):
         (forward_many). None: this runner cannot (its sequences then decode one at a time)."""
         return None
 
+    @property
+    def family(self) -> int:
+        """Runners whose forwards forward_many may pack (forks of one runner) share this."""
+        return id(self)
+
     def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = (),
                      logits_rows: Sequence[slice | None] | None = None) -> list[ForwardOut]:
         """Runner.forward for each part (a fork of this runner, tokens, positions, mask), each into its

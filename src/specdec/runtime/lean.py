@@ -168,6 +168,10 @@ class LeanRunner(Runner):
         r.cache = self.cache.fresh(FORK_CAPACITY)
         return r
 
+    @property
+    def family(self) -> int:
+        return id(self.layers)
+
     def forward_many(self, parts: Sequence[Part], aux_layers: tuple[int, ...] = (),
                      logits_rows: Sequence[slice | None] | None = None) -> list[ForwardOut]:
         """Sequences packed into forwards of at most exact_rows rows: their linears run once on all their rows,
@@ -239,7 +243,11 @@ class LeanRunner(Runner):
             return [ForwardOut(self.lm_head(wanted), feats, aux_t)]
         fs = feats.split(sizes)
         wanted = [f if lr is None else f[lr] for f, lr in zip(fs, logits_rows)]
-        logits = self.lm_head(torch.cat(wanted)).split([x.shape[0] for x in wanted])
+        heads = [r.lm_head for r, _, _, _ in seqs]
+        if all(h is self.lm_head for h in heads):
+            logits = self.lm_head(torch.cat(wanted)).split([x.shape[0] for x in wanted])
+        else:  # forks of a draft scoring each request's own ids too (score_also): each its own head
+            logits = [h(x) for h, x in zip(heads, wanted)]
         auxs = aux_t.split(sizes) if aux_t is not None else [None] * len(seqs)
         return [ForwardOut(lg, f, a) for lg, f, a in zip(logits, fs, auxs)]
 
