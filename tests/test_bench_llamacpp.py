@@ -344,7 +344,7 @@ def test_cli_prints_the_peers_agreement(models, fake, tmp_path, monkeypatch, cap
                "--threads", "1", "--no-progress", "--out", str(tmp_path / "res")])
     out = capsys.readouterr().out
     assert rc == 0 and "losslessness audit: PASS" in out  # a diverging peer does not fail the run
-    assert f"  {label} (Q4_1 weights, not audited): 0/1 outputs identical to vanilla, the others first diverge " \
-           f"at token {DIVERGE_AT:.1f} on average" in out
+    assert f"  {label} (Q4_1 weights, not audited): 0/1 outputs identical to the baseline `vanilla`, the others " \
+           f"first diverge at token {DIVERGE_AT:.1f} on average" in out
     row = next(line for line in out.splitlines() if line.startswith(label))
     assert row.split("  other load")[0].split()[-1] == "-"  # no share of the fp32 memory floor for other weights

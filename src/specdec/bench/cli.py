@@ -297,7 +297,7 @@ def _print_summary(res: dict, out: Path) -> bool:
             what = f"{precision[m]} weights{on.get(m, '')}, the reference of that precision and target"
         else:
             what = "LOSSY, not audited" if m in lossy else f"{weights.get(m, {}).get('type', '?')} weights, not audited"
-        print(f"  {m} ({what}): {a['identical']}/{a['compared']} outputs identical to vanilla{div}")
+        print(f"  {m} ({what}): {a['identical']}/{a['compared']} outputs identical to the baseline `vanilla`{div}")
     print(f"report: {out / 'report.md'}")
     return aud["ok"]
 
