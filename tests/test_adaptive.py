@@ -610,13 +610,13 @@ def test_the_catch_up_per_row_is_measured_at_load(tiny, trained, monkeypatch):
     monkeypatch.setattr(costs_mod, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     eagle = drafter_for(tiny, head, True)
-    real = eagle.sync
+    real = eagle.syncing
 
-    def slow(ctx):
+    def slow(ctx):  # the reading of the queued rows, as drafting() runs it
         clock.now += 0.001 * sum(f.shape[0] for f, _ in eagle.pending)
-        real(ctx)
+        yield from real(ctx)
 
-    eagle.sync = slow
+    eagle.syncing = slow
     c = measure_costs(LeanRunner(tiny), eagle, MENU, 6, ctx_len=64)
     assert c.follow_s == pytest.approx(0.002) and c.catch_row_s == pytest.approx(0.001), (c.follow_s, c.catch_row_s)
     assert Costs.from_json(c.to_json()).catch_row_s == pytest.approx(c.catch_row_s, abs=1e-7)
