@@ -9,12 +9,13 @@ from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.base import TreeDrafter, alone, propose_many
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.forwards import HeadForward
 from specdec.drafters.headless import HeadlessDrafter, draft_menu
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.union import UnionDrafter
 from specdec.engine import Sequence
-from specdec.heads.runner import HeadForward, runner_for
+from specdec.heads.runner import runner_for
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
 from specdec.stats import Stats

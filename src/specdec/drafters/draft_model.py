@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Generator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from typing import Literal
 
 import torch
 
-from specdec.drafters.base import DecodeContext, DraftForward, Drafting, TreeDrafter
+from specdec.drafters.base import DecodeContext, Drafting, TreeDrafter
+from specdec.drafters.forwards import RunnerForward
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.runtime.base import ForwardOut, Runner
@@ -155,26 +156,6 @@ class DraftModelDrafter(TreeDrafter):
         tree = yield from grow(dynamic_tree(root_lp, *astuple(budget)), step)
         self.runner.rollback()
         return tree
-
-
-@dataclass
-class RunnerForward(DraftForward):
-    """A draft model's forward (Runner.forward's arguments): forks' forwards pack into one forward_many."""
-
-    runner: Runner
-    tokens: torch.Tensor
-    positions: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    logits_rows: slice | None = None
-
-    @property
-    def pack(self) -> tuple:
-        return RunnerForward, self.runner.family
-
-    @staticmethod
-    def run_many(forwards: list[RunnerForward]) -> list[ForwardOut]:
-        return forwards[0].runner.forward_many([(f.runner, f.tokens, f.positions, f.mask) for f in forwards],
-                                               logits_rows=[f.logits_rows for f in forwards])
 
 
 def _depth(node: int, parents: list[int]) -> int:

@@ -26,10 +26,11 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
+from specdec.drafters.forwards import HeadForward
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
-from specdec.heads.runner import HeadForward, HeadRunner, runner_for
+from specdec.heads.runner import HeadRunner, runner_for
 from specdec.heads.shipped import find_shipped_head, shipped_targets
 from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.base import DraftForward
 from specdec.errors import SpecdecError
 from specdec.heads.fspad import feature_sampler, gated_sample, pad_outputs
 from specdec.runtime.base import Cached
@@ -314,40 +312,6 @@ class Eagle3Runner(HeadRunner):
     def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         self.qkv.tokens = None
         return h, F.rms_norm(h, self.norm.shape, self.norm, self.eps)
-
-
-@dataclass
-class HeadForward(DraftForward):
-    """A head forward a draft asks for, and the LM head's logits of its rows `logits` (None: none): forks'
-    forwards of the same kind pack into one (HeadRunner.forward_many, then one LM head call). Output:
-    (f̂, the LM head's input, logits or None)."""
-
-    runner: HeadRunner
-    tokens: torch.Tensor
-    features: torch.Tensor
-    positions: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    draft: bool = False
-    feature: bool = True
-    logits: slice | None = field(default_factory=lambda: slice(None))
-
-    @property
-    def pack(self) -> tuple:
-        return HeadForward, self.runner.family, self.draft, self.feature
-
-    @staticmethod
-    def run_many(forwards: list[HeadForward]) -> list[tuple]:
-        first = forwards[0]
-        outs = first.runner.forward_many([(f.runner, f.tokens, f.features, f.positions, f.mask) for f in forwards],
-                                         first.draft, first.feature)
-        wanted = [(i, g[f.logits]) for i, (f, (_, g)) in enumerate(zip(forwards, outs)) if f.logits is not None]
-        logits: list = [None] * len(forwards)
-        if wanted:
-            rows = [g for _, g in wanted]
-            lm = first.runner.logits(rows[0] if len(rows) == 1 else torch.cat(rows))
-            for (i, _), lg in zip(wanted, lm.split([g.shape[0] for g in rows])):
-                logits[i] = lg
-        return [(f, g, lg) for (f, g), lg in zip(outs, logits)]
 
 
 def runner_for(head: EagleHead, embed: torch.Tensor,
