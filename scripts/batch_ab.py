@@ -39,9 +39,9 @@ forwards = collections.defaultdict(list)  # packed rows -> seconds, over all thr
 def timed(batch: Batch) -> None:
     run = batch.runner.forward_many
 
-    def forward_many(parts, aux_layers=()):
+    def forward_many(parts, aux_layers=(), logits_rows=None):
         t = time.perf_counter()
-        out = run(parts, aux_layers)
+        out = run(parts, aux_layers, logits_rows)
         forwards[sum(p[1].numel() for p in parts)].append(time.perf_counter() - t)
         return out
 
