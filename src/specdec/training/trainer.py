@@ -138,7 +138,12 @@ class Trainer:
         summary |= self.finish(acc.unwrap_model(module).head, step, seconds)
         acc.wait_for_everyone()
         if own and acc.num_processes > 1:
-            # a process that exits with its gloo group alive can abort in the group's threads' teardown
+            # DDP's reducer frees without releasing the GIL: if it held the last reference to the gloo group, the
+            # group's teardown would join a worker thread that waits for the GIL (a hang). Free it first, while the
+            # group is still registered, then end the group (which does release the GIL); a process that exits
+            # with its group alive can abort in the group's threads' teardown.
+            self.module = module = None
+            acc.free_memory()
             acc.end_training()
         return summary
 
