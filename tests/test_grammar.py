@@ -187,6 +187,40 @@ def test_a_forbidden_draft_token_is_never_verified(vocab):
     assert done == got
 
 
+class RecordingDraft(DraftModelDrafter):
+    blind = False  # drafts as if there were no grammar
+
+    def drafting(self, ctx, budget=None):
+        if self.blind:
+            ctx.allowed = None
+        tree = yield from super().drafting(ctx, budget)
+        self.proposed.append((list(ctx.tokens[ctx.prompt_len:]), tree))
+        return tree
+
+
+@pytest.mark.parametrize("tree", [None, TreeBudget(3, 2, 5)])
+def test_a_draft_model_proposes_under_the_grammar(vocab, tree):
+    regex = "(a|b)(c|a)(b|c)(a|b)(c|a)(b|c)[abc]*"  # two of three letters allowed at each of six places
+
+    def forbidden(done, t):  # the draft's nodes the grammar forbids after what was emitted
+        m = vocab.constraint(compile_grammar("regex", regex)).m
+        toks = t.tokens.tolist()
+        return sum(m.validate_tokens(done + [toks[j] for j in t.path_to(i)]) < len(done) + len(t.path_to(i))
+                   for i in range(len(t)))
+
+    model = flat_tiny()
+    want, _ = constrained_run(LeanRunner(model), NoDrafter(), [4], SamplingParams(), 12, vocab, regex)
+    seen = {}
+    for blind in (False, True):
+        drafter = RecordingDraft(LeanRunner(noisy_copy(model, 0.5)), SMALL_V, 3, tree)
+        drafter.proposed, drafter.blind = [], blind
+        got, _ = constrained_run(LeanRunner(model), drafter, [4], SamplingParams(), 12, vocab, regex)
+        assert got == want
+        seen[blind] = sum(forbidden(done, t) for done, t in drafter.proposed), sum(len(t) for _, t in drafter.proposed)
+    assert seen[False][0] == 0 and seen[False][1] > 0
+    assert seen[True][0] > 0  # the same draft blind to the grammar proposes what it forbids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3), SamplingParams(1.2, top_p=0.85)],
@@ -221,7 +255,7 @@ def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla():
 
     prompt = [{"role": "user", "content": "Describe Ana, 31, who lives in Lisbon, as JSON."}]
     answers = {}
-    for method in ("vanilla", "auto"):
+    for method in ("vanilla", "auto", "eagle2"):
         dec = specdec.load(method=method)
         for kw in ({"json_schema": SCHEMA}, {"regex": r"(yes|no), because [a-z ]{3,30}\."}):
             g = dec.generate(prompt, max_new_tokens=64, **kw)
@@ -231,8 +265,10 @@ def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla():
             else:
                 assert g.text.startswith(("yes, because ", "no, because ")) and g.text.endswith(".")
             assert g.finish_reason == "stop"
-    for kind, (vanilla, auto) in answers.items():
-        assert auto == vanilla, kind
+            if method == "eagle2":  # the head (over its reduced vocabulary) drafts under the grammar
+                assert g.stats.pruned == 0 and g.stats.tau > 1.5, (kw, g.stats.pruned, g.stats.tau)
+    for kind, (vanilla, *others) in answers.items():
+        assert all(o == vanilla for o in others), kind
 
 
 @pytest.mark.slow

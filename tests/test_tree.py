@@ -109,3 +109,61 @@ def test_node_slots_mask():
     assert m2[0].tolist() == [True] * 3 + [True, False, True, False]
     m3 = slots.mask([4], parents, 3)
     assert m3[0].tolist() == [True] * 3 + [True, False, True, False, True]
+
+
+def _path_step(vocab, seed):
+    """A drafter whose child log-probs are a random function of the node's whole path."""
+    def step(sel, tokens, parents):
+        rows = []
+        for i in sel.tolist():
+            path = []
+            while i >= 0:
+                path.append(int(tokens[i]))
+                i = int(parents[i])
+            g = torch.Generator().manual_seed(hash((seed, *path)) % (1 << 31))
+            rows.append(torch.log_softmax(3 * torch.randn(vocab, generator=g), -1))
+        return torch.stack(rows)
+    return step
+
+
+def _paths(tree: DraftTree) -> dict[tuple, float]:
+    toks = tree.tokens.tolist()
+    return {tuple(toks[j] for j in tree.path_to(i)): round(float(tree.scores[i]), 5) for i in range(len(tree))}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_grammar_drafts_the_tree_its_mask_would(seed):
+    """Drafting under a grammar (each node's children among what it allows after the node's path) is the tree
+    drafted from log-probs masked by the grammar at every node, less the masked nodes; no node is forbidden."""
+    vocab = 10  # fewer than WIDEN * topk: every allowed token is within reach
+
+    def ok(path, x):
+        return (x + 2 * len(path) + sum(path)) % 3 != 0 and not (seed % 2 and path == [] and x % 2)
+
+    def allowed(path, candidates, k):
+        return [i for i, x in enumerate(candidates) if ok(path, x)][:k]
+
+    def masked(step):
+        def inner(sel, tokens, parents):
+            lp = step(sel, tokens, parents).clone()
+            for r, i in enumerate(sel.tolist()):
+                path = []
+                while i >= 0:
+                    path.insert(0, int(tokens[i]))
+                    i = int(parents[i])
+                lp[r, [x for x in range(vocab) if not ok(path, x)]] = float("-inf")
+            return lp
+        return inner
+
+    g = torch.Generator().manual_seed(seed)
+    root = torch.log_softmax(3 * torch.randn(vocab, generator=g), -1)
+    root_masked = root.masked_fill(torch.tensor([not ok([], x) for x in range(vocab)]), float("-inf"))
+    for depth, topk, size in ((3, 2, 6), (4, 3, 12), (2, 4, 20)):
+        step = _path_step(vocab, seed)
+        under = build_dynamic_tree(root, step, depth, topk, size, allowed=allowed)
+        want = build_dynamic_tree(root_masked, masked(step), depth, topk, size)
+        want_paths = {p: v for p, v in _paths(want).items() if v != float("-inf")}
+        assert _paths(under) == want_paths and len(under) > 0
+        assert all(ok(list(p[:-1]), p[-1]) for p in _paths(under))
+        free = build_dynamic_tree(root, step, depth, topk, size)
+        assert any(not ok(list(p[:-1]), p[-1]) for p in _paths(free))  # the grammar did shape the draft

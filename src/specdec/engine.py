@@ -104,7 +104,8 @@ class Sequence:
             self.constraint.consume([first])
         self.ctx = DecodeContext(list(self.prompt_ids) + [first], self.params, self.gen, len(self.prompt_ids),
                                  out.features, aux_features=out.aux, coupling=self.coupling,
-                                 eos_ids=frozenset(self.eos_ids))
+                                 eos_ids=frozenset(self.eos_ids),
+                                 allowed=None if self.constraint is None else self.constraint.allowed)
         self.drafter.begin(self.ctx)
         self.n = stats.new_tokens = 1
         stats.finish_reason = "stop" if first in self.eos_ids else "length"
@@ -196,7 +197,7 @@ class Sequence:
         stats.new_tokens = self.n
         if self.constraint is not None:
             self.constraint.consume(new)
-            stats.mask_time = self.constraint.mask_s
+            stats.mask_time, stats.pruned = self.constraint.mask_s, self.constraint.pruned
         rows = torch.tensor(keep, device=out.features.device)
         follow(self.drafter, ctx, new, out.features[rows], None if out.aux is None else out.aux[rows], verdict)
         return new

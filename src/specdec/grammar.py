@@ -94,6 +94,7 @@ class Constraint:
         self.words = (vocab_size + 31) // 32
         self._masks = torch.zeros(0, self.words, dtype=torch.int32)
         self.mask_s = 0.0  # seconds spent on the grammar (the benchmark's mask time per step)
+        self.pruned = 0  # drafted nodes it forbade
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, if any (a key, `": "`, a closing brace)."""
@@ -139,11 +140,25 @@ class Constraint:
 
         visit(-1)
         keep.sort()
+        self.pruned += len(tree) - len(keep)
         if len(keep) < len(tree):
             tree = tree.select(torch.tensor(keep, dtype=torch.long))
         self._masks = torch.stack([bits_of[-1]] + [bits_of[i] for i in keep])
         self.mask_s += time.perf_counter() - t0
         return tree
+
+    def allowed(self, path: list[int], candidates: list[int], k: int) -> list[int]:
+        """tree.Allowed: the indices of the first k candidates the grammar allows after `path` (tokens drafted
+        after the root, each allowed), checked one by one without computing a mask."""
+        t0 = time.perf_counter()
+        out, n, m = [], len(path) + 1, self.m
+        for i, x in enumerate(candidates):
+            if m.validate_tokens(path + [x]) == n:
+                out.append(i)
+                if len(out) == k:
+                    break
+        self.mask_s += time.perf_counter() - t0
+        return out
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """The planned rows' logits, what each row's state forbids set to -inf."""

@@ -32,6 +32,7 @@ class Stats:
     costs: str = ""  # how the step costs the drafter chose by were obtained ("": it uses none)
     kernels: str = ""  # the target's kernel path (Runner.kernel_path): the streaming kernel or a fallback
     mask_time: float = 0.0  # seconds a grammar's masks took (within draft and verify time)
+    pruned: int = 0  # drafted nodes the grammar forbade (dropped before the verify: drafted blind to it)
 
     @property
     def tau(self) -> float:
@@ -93,5 +94,5 @@ class Stats:
                      "verify": self.verify_time, "overhead": self.overhead_time, "wait": self.wait_time,
                      "mask": self.mask_time},
             "finish_reason": self.finish_reason, "resumes": self.resumes, "acceptance": self.acceptance,
-            "drafter": self.drafter,
+            "drafter": self.drafter, "pruned": self.pruned,
         }

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# a grammar's view for drafting under its mask: (a path of drafted tokens after the root, candidate tokens
+# best first, k) -> the indices of the first k candidates it allows after that path
+Allowed = Callable[[list[int], list[int], int], list[int]]
+WIDEN = 8  # a node's children are looked for among its WIDEN * topk likeliest tokens
+
 
 @dataclass(frozen=True)
 class TreeBudget:
@@ -212,9 +217,9 @@ class NodeSlots:
 
 
 def build_dynamic_tree(root_logprobs: torch.Tensor, step: StepFn, depth: int, topk: int, tree_size: int,
-                       rank_by: str = "value", rerank: bool = True) -> DraftTree:
+                       rank_by: str = "value", rerank: bool = True, allowed: Allowed | None = None) -> DraftTree:
     """dynamic_tree with each depth's nodes expanded by `step`."""
-    return grown(dynamic_tree(root_logprobs, depth, topk, tree_size, rank_by, rerank), step)
+    return grown(dynamic_tree(root_logprobs, depth, topk, tree_size, rank_by, rerank, allowed), step)
 
 
 def dynamic_tree(
@@ -224,6 +229,7 @@ def dynamic_tree(
     tree_size: int,
     rank_by: str = "value",
     rerank: bool = True,
+    allowed: Allowed | None = None,
 ) -> Growing:
     """EAGLE-2 context-aware draft tree.
 
@@ -231,14 +237,20 @@ def dynamic_tree(
     confidences along the path) or by their own confidence (ablation), run one `step` for all of
     them, and give each its top-k children. Reranking: keep the tree_size nodes of highest V
     (ties -> shallower; V never grows along a path so the kept set is connected); without reranking
-    the draft is the nodes chosen for expansion at each depth, shallow first.
+    the draft is the nodes chosen for expansion at each depth, shallow first. With `allowed` (a
+    grammar) a node's children are its top-k tokens the grammar allows after its path: the draft is
+    proposed under the mask, and a forbidden token takes no node.
     """
     if rank_by not in ("value", "confidence"):
         raise ValueError("rank_by must be 'value' or 'confidence'")
     topk = min(topk, root_logprobs.shape[-1])
     if rank_by == "value" and rerank:  # a kept node's ancestors and elder siblings are kept: no more is needed
         topk, depth = min(topk, tree_size), min(depth, tree_size)
-    lp, tok = torch.topk(root_logprobs.float(), topk)
+    paths: list[list[int]] = []  # with a grammar: each node's tokens from the root's child down
+    lp, tok = _children(root_logprobs[None], topk, [[]], allowed)
+    lp, tok = lp[0], tok[0]
+    if allowed is not None:
+        paths += [[t] for t in tok.tolist()]
     tokens, parents, logv = [tok], [torch.full((topk,), -1, device=tok.device)], [lp]
     frontier_ids = torch.arange(topk, device=tok.device)
     frontier_v, frontier_c = lp, lp
@@ -248,13 +260,21 @@ def dynamic_tree(
         key = frontier_v if rank_by == "value" else frontier_c
         k = min(topk, key.numel())
         sel = frontier_ids[torch.topk(key, k).indices.sort().values]
+        if allowed is not None:  # a token the grammar forbids is no node
+            sel = sel[torch.isfinite(torch.cat(logv)[sel])]
+            if sel.numel() == 0:
+                break
         expanded.append(sel)
         if d == depth:
             break
         all_tok, all_par = torch.cat(tokens), torch.cat(parents)
         # the step sees only the nodes it has not seen; the selected frontier is new to it
         child_lp = yield sel, all_tok, all_par
-        c_lp, c_tok = torch.topk(child_lp.float(), topk, dim=-1)  # [k, topk]
+        k = sel.numel()
+        sel_l = sel.tolist()
+        c_lp, c_tok = _children(child_lp, topk, [paths[i] for i in sel_l] if allowed else [], allowed)  # [k, topk]
+        if allowed is not None:
+            paths += [paths[i] + [t] for i, row in zip(sel_l, c_tok.tolist()) for t in row]
         all_v = torch.cat(logv)
         v = all_v[sel].unsqueeze(1) + c_lp
         tokens.append(c_tok.reshape(-1))
@@ -264,7 +284,7 @@ def dynamic_tree(
         frontier_v, frontier_c = v.reshape(-1), c_lp.reshape(-1)
         n += k * topk
     all_tok, all_par, all_v = torch.cat(tokens), torch.cat(parents), torch.cat(logv)
-    m = min(tree_size, n)
+    m = min(tree_size, n if allowed is None else int(torch.isfinite(all_v).sum()))
     if rerank:
         # stable sort: ties keep index order, i.e. shallower first; since V never grows along a
         # path, every kept node's parent ranks before it and the kept set is connected
@@ -273,6 +293,20 @@ def dynamic_tree(
         keep = torch.cat(expanded)[:m]
     keep = keep.sort().values
     return DraftTree(all_tok, all_par, all_v).select(keep)
+
+
+def _children(logprobs: torch.Tensor, k: int, paths: list[list[int]], allowed: Allowed | None):
+    """Each row's k best children (log-probs, tokens [R, k]); with a grammar, the k best it allows after the
+    row's path, found among the row's WIDEN * k best tokens (fewer: -inf log-probs fill the row)."""
+    if allowed is None:
+        return torch.topk(logprobs.float(), k, dim=-1)
+    c_lp, c_tok = torch.topk(logprobs.float(), min(k * WIDEN, logprobs.shape[-1]), dim=-1)
+    lp = c_lp.new_full((logprobs.shape[0], k), float("-inf"))
+    tok = c_tok.new_zeros(logprobs.shape[0], k)
+    for r, (path, row) in enumerate(zip(paths, c_tok.tolist())):
+        idx = torch.tensor(allowed(path, row, k), dtype=torch.long, device=c_tok.device)
+        lp[r, : idx.numel()], tok[r, : idx.numel()] = c_lp[r, idx], c_tok[r, idx]
+    return lp, tok
 
 
 def draw_children(logp: torch.Tensor, k: int, generator: torch.Generator | None):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdec.sampling import Coupling, SamplingParams
-from specdec.tree import DraftTree, TreeBudget
+from specdec.tree import Allowed, DraftTree, TreeBudget
 from specdec.verify import Typical, Verdict
 
 if TYPE_CHECKING:  # the runners import this module's types
@@ -38,6 +38,9 @@ class DecodeContext:
     coupling: Coupling | None = None
     eos_ids: frozenset[int] = frozenset()  # tokens that end the request: no draft token after one is emitted
     sharing: int = 1  # sequences whose rows share this step's verify forward (a batch's), this one included
+    # the answer's grammar (structured output), or None: a drafter proposes under it (tree.Allowed); the
+    # verify still masks every row, so a drafter that ignores it stays exact
+    allowed: Allowed | None = None
 
 
 @dataclass

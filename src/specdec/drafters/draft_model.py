@@ -17,7 +17,7 @@ from specdec.errors import SpecdecError
 from specdec.runtime.base import ForwardOut, Runner
 from specdec.runtime.loading import Runtime, build_runner, check_same_vocab
 from specdec.sampling import probs_from_logits, sample, tempered_log_probs
-from specdec.tree import DraftTree, NodeSlots, TreeBudget, dynamic_tree, grow
+from specdec.tree import WIDEN, Allowed, DraftTree, NodeSlots, TreeBudget, dynamic_tree, grow
 from specdec.vocab import draft_vocab
 
 DRAFT_VOCAB = 32768  # ids a draft model scores by default: see docs/benchmarks.md for the coverage measured
@@ -122,7 +122,10 @@ class DraftModelDrafter(TreeDrafter):
         for i in range(depth):
             q = probs_from_logits(logits, ctx.params)
             if ctx.params.greedy:
-                x = int(q.argmax())
+                x = _best_allowed(q, toks, ctx.allowed)
+                if x is None:  # the grammar allows none of the likeliest tokens here: the chain ends
+                    depth = i
+                    break
             elif ctx.coupling is not None:  # the likeliest match of the target's draw at this position
                 x = ctx.coupling.pick(q, len(ctx.tokens) + i)
             else:
@@ -131,6 +134,8 @@ class DraftModelDrafter(TreeDrafter):
             qs.append(q)
             if i + 1 < depth:
                 logits = self._pad((yield RunnerForward(self.runner, torch.tensor([x]))).logits[-1])
+        if not toks:
+            return DraftTree.empty()
         self.runner.commit(range(depth - 1))  # a chain continuing ctx: reusable if accepted
         self.cached = ctx.tokens + toks[:-1]
         return DraftTree.chain(torch.tensor(toks), None if ctx.params.greedy else torch.stack(qs))
@@ -153,9 +158,18 @@ class DraftModelDrafter(TreeDrafter):
         root_lp = tempered_log_probs(logits, ctx.params)
         if coupling is not None:
             root_lp = coupling.perturb(root_lp[None], [root_pos + 1])[0]
-        tree = yield from grow(dynamic_tree(root_lp, *astuple(budget)), step)
+        tree = yield from grow(dynamic_tree(root_lp, *astuple(budget), allowed=ctx.allowed), step)
         self.runner.rollback()
         return tree
+
+
+def _best_allowed(q: torch.Tensor, path: list[int], allowed: Allowed | None) -> int | None:
+    """The likeliest token (under a grammar: the likeliest of the WIDEN it allows after path; None: none)."""
+    if allowed is None:
+        return int(q.argmax())
+    top = torch.topk(q, min(WIDEN, q.numel())).indices.tolist()
+    ok = allowed(path, top, 1)
+    return top[ok[0]] if ok else None
 
 
 def _depth(node: int, parents: list[int]) -> int:

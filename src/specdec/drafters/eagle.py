@@ -244,7 +244,8 @@ class EagleDrafter(TreeDrafter):
             return DraftTree(run.to_target(tree.tokens.to(run.device)), tree.parents, tree.scores,
                              self._target_probs(tree.draft_probs))
         if budget is not None:
-            growing = dynamic_tree(root_lp, *astuple(budget.capped(ctx.max_nodes)), self.rank_by, self.rerank)
+            growing = dynamic_tree(root_lp, *astuple(budget.capped(ctx.max_nodes)), self.rank_by, self.rerank,
+                                   run.over_draft_ids(ctx.allowed))
         else:
             growing = static_tree(root_lp, self.choices[:ctx.max_nodes])
         tree = yield from grow(growing, step)
@@ -395,3 +396,4 @@ register(Method("eagle", "EAGLE-1 head (feature-level draft), static tree of top
                 build_eagle))
 register(Method("eagle2", "EAGLE-2: the same head, dynamic tree (expand by value, rerank to the top tree_size)",
                 Eagle2Options, build_eagle2))
+

@@ -18,6 +18,7 @@ from specdec.runtime.kv import KVCache
 from specdec.runtime.lean import EXACT_ROWS
 from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention
 from specdec.runtime.packed import Linear
+from specdec.tree import Allowed
 
 if TYPE_CHECKING:  # heads.model imports transformers' Llama modules (seconds): drafting does not need them
     from specdec.heads.model import EagleHead
@@ -83,6 +84,7 @@ class HeadRunner(Cached):
         else:
             raise SpecdecError("a full-vocabulary EAGLE head needs the target's LM head")
         self.d2t = None if head.d2t is None else head.d2t.detach().clone()
+        self._d2t_ids: list[int] | None = None  # d2t as a list, for a grammar's checks
         self.hidden_size = cfg.hidden_size
         self.max_length = cfg.max_position_embeddings
         self.device, self.dtype = embed.device, head.layers[0].self_attn.q_proj.weight.dtype
@@ -259,6 +261,15 @@ class HeadRunner(Cached):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    def over_draft_ids(self, allowed: Allowed | None) -> Allowed | None:
+        """A grammar's check (tree.Allowed, over target ids) taking this head's draft ids."""
+        if allowed is None or self.d2t is None:
+            return allowed
+        if self._d2t_ids is None:
+            self._d2t_ids = self.d2t.tolist()
+        ids = self._d2t_ids
+        return lambda path, candidates, k: allowed([ids[x] for x in path], [ids[x] for x in candidates], k)
 
 
 class _HiddenQkv:
