@@ -41,9 +41,9 @@ def vocab():
     return Vocabulary(letters_tokenizer(), SMALL_V, {EOS})
 
 
-def constrained_run(runner, drafter, prompt, params, n, vocab, regex=REGEX, on_verify=None):
+def constrained_run(runner, drafter, prompt, params, n, vocab, regex=REGEX, on_verify=None, greedy=None):
     stats = Stats()
-    c = vocab.constraint(compile_grammar("regex", regex))
+    c = vocab.constraint(compile_grammar("regex", regex), params.greedy if greedy is None else greedy)
     out = [t for step in decode(runner, drafter, prompt, params, n, {EOS}, stats, on_verify=on_verify,
                                 constraint=c) for t in step]
     return out, stats
@@ -129,6 +129,38 @@ def test_a_sampled_forbidden_node_stays_without_its_subtree(vocab):
     assert torch.equal(got.draft_probs, q[[0, 2, 3]])
 
 
+def test_greedy_pruning_and_masks_follow_the_grammar(vocab):
+    c = vocab.constraint(compile_grammar("regex", REGEX), greedy=True)
+    tree = DraftTree(torch.tensor([A, B, A, B, C, C, A]), torch.tensor([-1, 0, 1, -1, 3, -1, 5]))
+    got = c.plan(tree, 16)
+    assert got.tokens.tolist() == [A, B, A, C] and got.parents.tolist() == [-1, 0, 1, -1]
+    logits = torch.randn(5, SMALL_V, generator=torch.Generator().manual_seed(0))
+    # the argmax: forbidden after the root and after [A]; allowed after [A, B], [A, B, A] and [C]
+    for row, best in ((0, B), (1, A), (2, C), (3, EOS), (4, C)):
+        logits[row, best] = 9.0
+    masked = c.mask(logits)
+    paths = ([], [A], [A, B], [A, B, A], [C])
+    for r, path in enumerate(paths):
+        if r in (0, 1):  # the argmax is forbidden: the row is masked by its own state
+            assert masked[r].isfinite().tolist() == [t in allowed_after(path) for t in range(SMALL_V)]
+        else:  # the argmax is allowed: the row is left as it is (its argmax is the masked one)
+            assert torch.equal(masked[r], logits[r])
+        assert int(masked[r].argmax()) == max(allowed_after(path), key=lambda t: logits[r, t])
+
+
+def test_the_end_is_allowed_once_the_grammar_is_complete(vocab):
+    # a complete grammar's matcher stops and validates nothing more, yet the end token is what it allows
+    for greedy in (True, False):
+        c = vocab.constraint(compile_grammar("regex", "ab"), greedy)
+        assert c.allowed([A], [EOS, A], 2) == [] and c.allowed([A, B], [A, EOS, C], 2) == [1]
+        c.consume([A, B])
+        assert c.allowed([], [C, EOS], 2) == [1]
+        assert c.plan(DraftTree.chain(torch.tensor([EOS])), 4).tokens.tolist() == [EOS] and c.pruned == 0
+        logits = torch.zeros(2, SMALL_V)
+        logits[:, EOS] = 1.0
+        assert c.mask(logits)[0].isfinite().sum() == (SMALL_V if greedy else 1)
+
+
 def test_forced_tokens_join_the_draft(vocab):
     c = vocab.constraint(compile_grammar("regex", "abc(a|b)"))
     got = c.plan(DraftTree.empty(), 8)
@@ -154,6 +186,9 @@ def test_greedy_under_a_grammar_equals_vanilla_under_it(vocab, shape):
         want, _ = constrained_run(target, NoDrafter(), prompt, SamplingParams(), 12, vocab)
         got, st = constrained_run(target, drafters(model)[shape], prompt, SamplingParams(), 12, vocab)
         assert got == want
+        # every row masked (the sampling path's masks) gives the same answer
+        assert constrained_run(target, drafters(model)[shape], prompt, SamplingParams(), 12, vocab,
+                               greedy=False)[0] == want
         assert want[0] in (A, C) and (len(want) < 2 or want[1] in (B, C)) and 0 not in want
         assert len(want) == 12 or want[-1] == EOS
 

@@ -102,7 +102,7 @@ class Decoder:
         with self._tok_lock:
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.tokenizer, self.runner.vocab_size, self.eos_ids)
-        return self._vocabulary.constraint(grammar)
+        return self._vocabulary.constraint(grammar, params.greedy)
 
     @property
     def weights(self) -> str:

@@ -19,6 +19,7 @@ import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from specdec.errors import SpecdecError
+from specdec.sampling import argmax_rows
 from specdec.tree import DraftTree
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # GenerationParams' fields that constrain
@@ -79,20 +80,24 @@ class Vocabulary:
                                                         eos_token=sorted(self.eos_ids) or None)
             return self._ll
 
-    def constraint(self, grammar: str) -> Constraint:
-        return Constraint(llguidance.LLMatcher(self.get(), grammar), self.vocab_size, self.eos_ids)
+    def constraint(self, grammar: str, greedy: bool = False) -> Constraint:
+        return Constraint(llguidance.LLMatcher(self.get(), grammar), self.vocab_size, self.eos_ids, greedy)
 
 
 class Constraint:
     """One request's grammar state. Each step: `plan(tree)` prunes the draft to what the grammar allows
-    and computes every row's mask along the tree's paths (consume a node's token going down, roll back
-    coming up); `mask(logits)` applies them to the verify forward's rows; `consume(tokens)` advances by
-    what was emitted."""
+    along the tree's paths (consume a node's token going down, roll back coming up); `mask(logits)` masks
+    the verify forward's rows by their own states; `consume(tokens)` advances by what was emitted.
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]) -> None:
-        self.m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+    Greedy (`greedy`): the verifier reads each row's argmax alone, and where the grammar allows the raw
+    argmax it is the masked one too (masking only lowers other tokens), so a row's mask is computed only
+    when its argmax is forbidden; otherwise every row's mask is computed at plan()."""
+
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], greedy: bool = False) -> None:
+        self.m, self.vocab_size, self.eos_ids, self.greedy = matcher, vocab_size, eos_ids, greedy
         self.words = (vocab_size + 31) // 32
         self._masks = torch.zeros(0, self.words, dtype=torch.int32)
+        self._paths: list[list[int]] = []  # greedy: each planned row's path of tokens after the root
         self.mask_s = 0.0  # seconds spent on the grammar (the benchmark's mask time per step)
         self.pruned = 0  # drafted nodes it forbade
 
@@ -101,11 +106,11 @@ class Constraint:
         return list(self.m.compute_ff_tokens()[:FORCED_MAX])
 
     def plan(self, tree: DraftTree, max_nodes: int) -> DraftTree:
-        """The draft cut to the grammar, every kept row's mask computed for `mask`. A node whose token its
-        parent's state forbids is dropped with its subtree: p(x) = 0 rejects it surely, and for a point
-        mass that rejection leaves p as it was. A sampled node (T > 0) stays, without its subtree: its
-        rejection moves the residual its later siblings are judged by, so dropping it would not be exact.
-        Forced tokens join a deterministic draft as a chain, before the drafter's nodes."""
+        """The draft cut to the grammar (and, unless greedy, every kept row's mask computed for `mask`). A
+        node whose token its parent's state forbids is dropped with its subtree: p(x) = 0 rejects it surely,
+        and for a point mass that rejection leaves p as it was. A sampled node (T > 0) stays, without its
+        subtree: its rejection moves the residual its later siblings are judged by, so dropping it would not
+        be exact. Forced tokens join a deterministic draft as a chain, before the drafter's nodes."""
         t0 = time.perf_counter()
         if tree.draft_probs is None and max_nodes > 0:
             forced = self.forced()
@@ -115,21 +120,24 @@ class Constraint:
                 if len(tree) > max_nodes:  # topological order: a prefix is a tree
                     tree = tree.select(torch.arange(max_nodes))
         toks, children = tree.tokens.tolist(), tree.children()
-        sampled = tree.draft_probs is not None
+        sampled = tree.draft_probs is not None and not self.greedy
         keep: list[int] = []
         bits_of: dict[int, torch.Tensor] = {}  # node (-1: the root) -> the mask of its row
+        path_of: dict[int, list[int]] = {-1: []}
         m = self.m
 
         def visit(node: int) -> None:  # the matcher stands at the state after node's path
-            bits = bits_of[node] = self._fill()
+            bits = None if self.greedy else self._fill()
+            bits_of[node] = bits
             for c in children[node + 1]:
                 x = toks[c]
-                if not (bits[x >> 5] >> (x & 31)) & 1:
+                if not (self._allows([], x) if bits is None else (bits[x >> 5] >> (x & 31)) & 1):
                     if sampled:
                         keep.append(c)
                         bits_of[c] = bits  # never read: the node is surely rejected
                     continue
                 keep.append(c)
+                path_of[c] = path_of[node] + [x]
                 if x in self.eos_ids:  # the answer ends there: nothing below it is verified
                     bits_of[c] = bits
                     continue
@@ -143,7 +151,10 @@ class Constraint:
         self.pruned += len(tree) - len(keep)
         if len(keep) < len(tree):
             tree = tree.select(torch.tensor(keep, dtype=torch.long))
-        self._masks = torch.stack([bits_of[-1]] + [bits_of[i] for i in keep])
+        if self.greedy:
+            self._paths = [[]] + [path_of[i] for i in keep]
+        else:
+            self._masks = torch.stack([bits_of[-1]] + [bits_of[i] for i in keep])
         self.mask_s += time.perf_counter() - t0
         return tree
 
@@ -151,9 +162,9 @@ class Constraint:
         """tree.Allowed: the indices of the first k candidates the grammar allows after `path` (tokens drafted
         after the root, each allowed), checked one by one without computing a mask."""
         t0 = time.perf_counter()
-        out, n, m = [], len(path) + 1, self.m
+        out = []
         for i, x in enumerate(candidates):
-            if m.validate_tokens(path + [x]) == n:
+            if self._allows(path, x):
                 out.append(i)
                 if len(out) == k:
                     break
@@ -161,15 +172,31 @@ class Constraint:
         return out
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """The planned rows' logits, what each row's state forbids set to -inf."""
+        """The planned rows' logits, what each row's state forbids set to -inf (greedy: only in rows whose
+        argmax it forbids; the other rows' argmax is already the masked one)."""
         t0 = time.perf_counter()
-        bits = self._masks[: logits.shape[0]].numpy().view(np.uint8)
-        allowed = torch.from_numpy(np.unpackbits(bits, axis=-1, bitorder="little").view(np.bool_))
-        v = logits.shape[-1]
-        if allowed.shape[-1] < v:  # ids past the tokenizer's vocabulary (padding rows of an LM head)
-            allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], v - allowed.shape[-1])], -1)
-        out = torch.where(allowed[:, :v].to(logits.device), logits, float("-inf"))
+        if self.greedy:
+            out = self._greedy_mask(logits)
+        else:
+            out = _masked(logits, self._masks[: logits.shape[0]])
         self.mask_s += time.perf_counter() - t0
+        return out
+
+    def _greedy_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        m, out = self.m, logits
+        for r, x in enumerate(argmax_rows(logits)):
+            path = self._paths[r]
+            if path and path[-1] in self.eos_ids:  # nothing follows an end: the row is never read
+                continue
+            if self._allows(path, x):
+                continue
+            for t in path:
+                m.consume_token(t)
+            bits = self._fill()
+            m.rollback(len(path))
+            if out is logits:
+                out = logits.clone()
+            out[r] = _masked(logits[r : r + 1], bits[None])[0]
         return out
 
     def consume(self, tokens: list[int]) -> None:
@@ -180,7 +207,32 @@ class Constraint:
             if not self.m.consume_token(x):
                 raise RuntimeError(f"the grammar refused the emitted token {x}: {self.m.get_error()}")
 
+    def _allows(self, path: list[int], x: int) -> bool:
+        """Whether the grammar allows x after path (from the current state), without a mask. A stopped matcher
+        (the grammar complete) validates nothing, though its mask allows the end: checked apart."""
+        if x >= self.vocab_size:
+            return False
+        n = self.m.validate_tokens(path + [x])
+        if n == len(path) + 1:
+            return True
+        if n < len(path) or x not in self.eos_ids:
+            return False
+        for t in path:
+            self.m.consume_token(t)
+        stopped = self.m.is_stopped()
+        self.m.rollback(len(path))
+        return stopped
+
     def _fill(self) -> torch.Tensor:
         bits = torch.empty(self.words, dtype=torch.int32)
         self.m.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
         return bits
+
+
+def _masked(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] with what each row's mask bits [n, words] forbid set to -inf."""
+    allowed = torch.from_numpy(np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little").view(np.bool_))
+    v = logits.shape[-1]
+    if allowed.shape[-1] < v:  # ids past the tokenizer's vocabulary (padding rows of an LM head)
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], v - allowed.shape[-1])], -1)
+    return torch.where(allowed[:, :v].to(logits.device), logits, float("-inf"))
