@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from specdec.api import GenerationParams
 from specdec.drafters.base import NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import decode
 from specdec.errors import SpecdecError
@@ -193,11 +194,17 @@ def test_greedy_under_a_grammar_equals_vanilla_under_it(vocab, shape):
         assert len(want) == 12 or want[-1] == EOS
 
 
-class RecordingLookup(PromptLookupDrafter):
-    def propose(self, ctx):
-        tree = super().propose(ctx)
-        self.proposed.append((list(ctx.tokens[ctx.prompt_len:]), tree))
-        return tree
+def recording(cls):
+    class Recording(cls):
+        blind = False  # drafts as if there were no grammar
+
+        def propose(self, ctx):
+            if self.blind:
+                ctx.allowed = None
+            tree = super().propose(ctx)
+            self.proposed.append((list(ctx.tokens[ctx.prompt_len:]), tree))
+            return tree
+    return Recording
 
 
 def forbidden_nodes(tree: DraftTree, done: list[int]) -> int:
@@ -205,21 +212,26 @@ def forbidden_nodes(tree: DraftTree, done: list[int]) -> int:
     return sum(x not in allowed_after(done + [toks[j] for j in tree.path_to(i)][:-1]) for i, x in enumerate(toks))
 
 
-def test_a_forbidden_draft_token_is_never_verified(vocab):
+@pytest.mark.parametrize("blind", [True, False])
+@pytest.mark.parametrize("make", [lambda: recording(PromptLookupDrafter)(chain_len=3),
+                                  lambda: recording(NgramDrafter)(tree_size=6, topk=2)], ids=["pld", "ngram"])
+def test_a_forbidden_draft_token_is_never_verified(vocab, blind, make):
     model = flat_tiny()
     steps = []
-    drafter = RecordingLookup(chain_len=3)
-    drafter.proposed = []
+    drafter = make()
+    drafter.proposed, drafter.blind = [], blind
     # the lookup drafts what the prompt repeats: "b" first where the grammar forbids it
     prompt = [B, C, A, B, C, A, B, C, A, B]
     got, _ = constrained_run(LeanRunner(model), drafter, prompt, SamplingParams(), 10, vocab,
                              on_verify=lambda tree, verdict: steps.append((tree, verdict.tokens)))
-    assert any(forbidden_nodes(tree, done) for done, tree in drafter.proposed)  # the drafter did propose them
+    # blind, the drafter proposes them; under the grammar (what it forbids never drafted) it does not
+    assert any(forbidden_nodes(tree, done) for done, tree in drafter.proposed) == blind
     done = got[:1]  # the prefill's token
     for tree, emitted in steps:
         assert forbidden_nodes(tree, done) == 0
         done = done + emitted
     assert done == got
+    assert any(len(tree) for _, tree in drafter.proposed)
 
 
 class RecordingDraft(DraftModelDrafter):

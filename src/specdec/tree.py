@@ -17,6 +17,15 @@ Allowed = Callable[[list[int], list[int], int], list[int]]
 WIDEN = 8  # a node's children are looked for among its WIDEN * topk likeliest tokens
 
 
+def allowed_prefix(allowed: Allowed | None, chain: list[int]) -> list[int]:
+    """The longest prefix of a drafted chain that the grammar allows (all of it without one)."""
+    if allowed is not None:
+        for i, x in enumerate(chain):
+            if not allowed(chain[:i], [x], 1):
+                return chain[:i]
+    return chain
+
+
 @dataclass(frozen=True)
 class TreeBudget:
     """The size of a dynamic draft tree: `depth` draft steps, `topk` children per expanded node, the

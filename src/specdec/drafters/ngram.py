@@ -34,7 +34,7 @@ from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.drafters.registry import Method, Options, option, register
 from specdec.errors import SpecdecError
-from specdec.tree import DraftTree
+from specdec.tree import Allowed, DraftTree
 
 KAPPA = 2.0  # pseudo-count of a continuation not seen yet, over the match length
 MAX_MATCH = 64  # longest match measured (beyond it a copy is as sure as it gets)
@@ -120,20 +120,23 @@ class NgramDrafter(Drafter):
         # (-value, push order, parent, token, path to it, the n-gram its parent matched)
         heap: list[tuple[float, int, int, int, tuple, int]] = []
         order = itertools.count()  # equal values: the earlier pushed first (a parent's better child first)
-        self._push(heap, order, toks, (), -1, 1.0, self.max_ngram)
+        self._push(heap, order, toks, (), -1, 1.0, self.max_ngram, ctx.allowed)
         while heap and len(tokens) < k:
             neg, _, parent, tok, path, n = heapq.heappop(heap)
             tokens.append(tok)
             parents.append(parent)
             logv.append(math.log(-neg))
             if len(tokens) < k:  # a node matches at most one token more than its parent did
-                self._push(heap, order, toks, path, len(tokens) - 1, -neg, n + 1)
+                self._push(heap, order, toks, path, len(tokens) - 1, -neg, n + 1, ctx.allowed)
         if not tokens:
             return DraftTree.empty()
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(logv))
 
-    def _push(self, heap: list, order, toks: list[int], path: tuple, node: int, value: float, longest: int) -> None:
+    def _push(self, heap: list, order, toks: list[int], path: tuple, node: int, value: float, longest: int,
+              allowed: Allowed | None) -> None:
         found, n = self.continuations(toks, path, longest)
+        if allowed is not None and found:  # under a grammar: the likeliest continuations it allows
+            found = [found[i] for i in allowed(list(path), [x for x, _ in found], self.topk)]
         for tok, conf in found[: self.topk]:
             v = value * conf
             if v > self.min_value:

@@ -9,7 +9,7 @@ import torch
 from specdec.drafters.base import DecodeContext, Drafter
 from specdec.drafters.registry import Method, Options, option, register
 from specdec.errors import SpecdecError
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, allowed_prefix
 
 
 class PromptLookupDrafter(Drafter):
@@ -46,7 +46,7 @@ class PromptLookupDrafter(Drafter):
             end = index.latest(toks[-n:])
             if end is not None:
                 self.last_ngram = n
-                chain = toks[end:end + k]
+                chain = allowed_prefix(ctx.allowed, toks[end:end + k])
                 if not ctx.eos_ids.isdisjoint(chain):  # nothing after an end token is emitted: a chain that
                     # copies the chat template on (a phrase of the prompt restated, then <|im_end|>...) stops there
                     return chain[:next(i for i, t in enumerate(chain) if t in ctx.eos_ids) + 1]
