@@ -75,3 +75,27 @@ def test_datagen_default_data_and_benchmark_filter_from_packaged_files(fresh_clo
 def test_datagen_missing_gsm8k_file_is_one_line(fresh_clone):
     with pytest.raises(SpecdecError, match="GSM8K train file not found at .*nope.jsonl"):
         check_run(fresh_clone / "out", 1, Plan(sources=["gsm8k"]), 4, fresh_clone / "nope.jsonl", None, "float16")
+
+
+def test_the_long_context_set_grows_by_length_and_asks_for_what_its_text_holds():
+    from specdec.bench.long_context import LENGTHS, PER_LENGTH
+
+    qs = load_questions("long")
+    rag = load_questions("spec_bench", categories=["rag"])
+    assert len(qs) == 3 * len(LENGTHS) * PER_LENGTH and len({q.question_id for q in qs}) == len(qs)
+    assert [q.turns for q in qs] == [q.turns for q in load_questions("long")]  # the same set every time
+    for kind in ("summarize", "rag", "code"):
+        sizes = [len(q.turns[0]) for label in LENGTHS for q in qs if q.category == f"{kind}-{label}"]
+        assert len(sizes) == len(LENGTHS) * PER_LENGTH
+        first = sizes[::PER_LENGTH]  # the first prompt of each length: each about twice the one before
+        assert all(1.8 * a < b < 2.2 * a for a, b in zip(first, first[1:]))
+    for q in qs:
+        if q.category.startswith("code"):
+            name = re.search(r"Rename the function `(\w+)`", q.turns[0])[1]
+            assert re.search(rf"def {name}\(", q.turns[0])
+        if q.category.startswith("rag"):  # the question of a passage the prompt holds
+            asked = q.turns[0].rsplit("Answer from the passages above: ", 1)[1]
+            assert asked and any(r.turns[0].endswith(asked) and r.turns[0].rsplit("\n", 1)[0][:200] in q.turns[0]
+                                 for r in rag)
+    picked = load_questions("long", categories=["code-8k"])
+    assert [q.category for q in picked] == ["code-8k"] * PER_LENGTH

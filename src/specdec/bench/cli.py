@@ -61,7 +61,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dataset", default=None, choices=DATASETS,
                    help="default spec_bench (mt_bench = its 8 MT-bench categories; extraction = 40 prompts asking "
                         "for a passage's fields as JSON, each with its JSON schema, which methods apply unless "
-                        "constrained=false)")
+                        "constrained=false; long = 24 prompts of ~2k-16k tokens, categories summarize-, rag- and "
+                        "code-<2k|4k|8k|16k>)")
     b.add_argument("--categories", default=None, help="comma list of categories to keep")
     b.add_argument("--limit", type=arg_type(int, ge=1), default=None, help="first N questions (after --categories)")
     b.add_argument("--last", type=arg_type(int, ge=1), default=None,

@@ -21,7 +21,7 @@ from specdec.errors import SpecdecError
 from specdec.files import data_roots, find_data
 from specdec.grammar import compile_grammar
 
-DATASETS = ("spec_bench", "mt_bench", "humaneval", "gsm8k", "extraction")
+DATASETS = ("spec_bench", "mt_bench", "humaneval", "gsm8k", "extraction", "long")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 # each dataset's file under a data root ($SPECDEC_DATA, then the package's data/); MT-bench is
 # Spec-Bench's first 80 questions
@@ -135,14 +135,18 @@ def load_questions(
     categories: list[str] | None = None,
     limit: int | None = None,
 ) -> list[Question]:
-    """dataset picks the default file and, for mt_bench, the categories (extraction: the set built in
-    code); a path may hold any of the three formats (detected per record; a Spec-Bench record may carry a
+    """dataset picks the default file and, for mt_bench, the categories (extraction and long: the sets built
+    in code); a path may hold any of the three formats (detected per record; a Spec-Bench record may carry a
     `json_schema`)."""
     dataset = dataset or "spec_bench"
     if dataset not in DATASETS:
         raise SpecdecError(f"unknown dataset {dataset!r}; choose one of: {', '.join(DATASETS)}")
     if path is None and dataset == "extraction":
         qs, path = extraction_questions(), "the extraction set"
+    elif path is None and dataset == "long":
+        from specdec.bench.long_context import long_context_questions
+
+        qs, path = long_context_questions(read_jsonl(default_path("spec_bench"))), "the long-context set"
     else:
         if path is None:
             path = humaneval_path() if dataset == "humaneval" else default_path(dataset)
