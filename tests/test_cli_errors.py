@@ -10,7 +10,7 @@ import pytest
 import specdec.api
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from tests.helpers import tiny_model, word_tokenizer
+from tests.helpers import cli_fed, tiny_model, word_tokenizer
 
 
 @pytest.fixture
@@ -90,22 +90,7 @@ def subprocess_devnull():
 
 
 def _generate_fed(argv, stdin, monkeypatch, capsys):
-    """`specdec generate` in this process with stdin a real descriptor, as a shell gives it: a pipe holding
-    `stdin` and then closed, or /dev/null for None (what read_prompt looks at: isatty, select, read)."""
-    import os
-    import sys
-
-    if stdin is None:
-        r = os.open(os.devnull, os.O_RDONLY)
-    else:
-        r, w = os.pipe()
-        os.write(w, stdin.encode())
-        os.close(w)
-    with os.fdopen(r) as f:
-        monkeypatch.setattr(sys, "stdin", f)
-        code = main(["generate", *argv])
-    got = capsys.readouterr()
-    return code, got.out, got.err
+    return cli_fed(["generate", *argv], stdin, monkeypatch, capsys)
 
 
 def test_a_piped_prompt_is_the_prompt_and_dash_reads_stdin(tmp_path, monkeypatch, capsys):
