@@ -450,3 +450,28 @@ def same_bits_on_any_thread_count(lin, x) -> bool:
     finally:
         torch.set_num_threads(before)
     return all(torch.equal(y, got[0][0]) and torch.equal(one, got[0][0][5:6]) for y, one in got)
+
+
+# ---- the CLI in this process ----
+
+def cli_fed(argv, stdin, monkeypatch, capsys):
+    """`specdec ARGV` through main() in this process with stdin a real descriptor, as a shell gives it: a pipe
+    holding `stdin` and then closed, or /dev/null for None (what the CLI looks at: isatty, select, read).
+    (exit code, stdout, stderr). For what does not depend on being a fresh process: library noise at start-up,
+    signals and exit codes of the process itself are checked on a subprocess."""
+    import os
+    import sys
+
+    from specdec.cli import main
+
+    if stdin is None:
+        r = os.open(os.devnull, os.O_RDONLY)
+    else:
+        r, w = os.pipe()
+        os.write(w, stdin.encode())
+        os.close(w)
+    with os.fdopen(r) as f:
+        monkeypatch.setattr(sys, "stdin", f)
+        code = main(argv)
+    got = capsys.readouterr()
+    return code, got.out, got.err

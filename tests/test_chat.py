@@ -16,7 +16,7 @@ import pytest
 
 from specdec.api import GenerationParams, from_models
 from specdec.cli.chat import Conversation
-from tests.helpers import tiny_model, word_tokenizer
+from tests.helpers import cli_fed, tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(5)]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # each message's words, in order
@@ -204,12 +204,11 @@ def test_a_conversation_on_a_terminal_keeps_its_history_until_reset_and_ends_at_
 
 
 @pytest.mark.slow
-def test_color_draft_paints_the_same_text(model_dir):
+def test_color_draft_paints_the_same_text(model_dir, monkeypatch, capsys):
     base = ["--model", model_dir, "--method", "pld", "--max-new-tokens", "12", "--threads", "1"]
     turns = "w1 w2 w1 w2\nw3 w1 w2\n"
-    plain = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", *base], input=turns, text=True,
-                           capture_output=True, timeout=300)
-    assert plain.returncode == 0 and "\x1b" not in plain.stdout
+    code, plain, _ = cli_fed(["chat", *base], turns, monkeypatch, capsys)  # the uncoloured answers, piped
+    assert code == 0 and "\x1b" not in plain
     with Session(*base, "--color-draft") as s:
         s.expect(">>> ")
         for n, line in enumerate(turns.splitlines(), 2):
@@ -220,7 +219,7 @@ def test_color_draft_paints_the_same_text(model_dir):
     screen = s.text()
     assert code == 0 and "colours:" in err
     assert "\x1b[32m" in screen and "\x1b[33m" in screen  # accepted drafts (depth 1) and target tokens
-    assert [ANSI.sub("", a) for a in _answers(screen)] == plain.stdout.splitlines()
+    assert [ANSI.sub("", a) for a in _answers(screen)] == plain.splitlines()
     # the per-turn statistics count the accepted drafts the colours show
     painted = [len(re.findall(r"\x1b\[3[2-6]m", a)) for a in _answers(screen)]
     accepted = [int(n) for n in re.findall(r"(\d+) draft tokens accepted", err)]
@@ -263,14 +262,13 @@ def test_ctrl_c_stops_an_answer_and_returns_to_the_prompt():
     assert "draft tokens accepted" not in err  # the stopped answer has no statistics line
 
 
-@pytest.mark.slow
-def test_a_turn_beyond_the_context_or_an_unknown_command_is_one_line_and_the_chat_goes_on(model_dir):
+def test_a_turn_beyond_the_context_or_an_unknown_command_is_one_line_and_the_chat_goes_on(model_dir, monkeypatch,
+                                                                                            capsys):
     turns = " ".join(["w1"] * 600) + "\n/nonsense\nw2\n"  # the tiny model's context is 512 tokens
-    run = subprocess.run([sys.executable, "-m", "specdec.cli", "chat", "--model", model_dir, "--method", "pld",
-                          "--max-new-tokens", "4", "--threads", "1"], input=turns, text=True, capture_output=True,
-                         timeout=300)
-    assert run.returncode == 0 and len(run.stdout.splitlines()) == 1  # only w2 was answered
-    errors = [line for line in run.stderr.splitlines() if line.startswith("specdec: error:")]
+    code, out, err = cli_fed(["chat", "--model", model_dir, "--method", "pld", "--max-new-tokens", "4", "--threads",
+                              "1"], turns, monkeypatch, capsys)
+    assert code == 0 and len(out.splitlines()) == 1  # only w2 was answered
+    errors = [line for line in err.splitlines() if line.startswith("specdec: error:")]
     assert len(errors) == 1 and "context" in errors[0] and "/reset" in errors[0]
-    assert sum(line.startswith("unknown command /nonsense") for line in run.stderr.splitlines()) == 1
-    assert "Traceback" not in run.stderr
+    assert sum(line.startswith("unknown command /nonsense") for line in err.splitlines()) == 1
+    assert "Traceback" not in err

@@ -10,7 +10,7 @@ import pytest
 import specdec.api
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from tests.helpers import tiny_model, word_tokenizer
+from tests.helpers import cli_fed, tiny_model, word_tokenizer
 
 
 @pytest.fixture
@@ -83,25 +83,28 @@ def _cli(args, **kw):
                           timeout=300, **kw)
 
 
-@pytest.mark.slow
-def test_a_piped_prompt_is_the_prompt_and_dash_reads_stdin(tmp_path):
-    model = _tiny_dir(tmp_path)
-    base = ["--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]
-    want = _cli(["w1 w2 w3", *base], stdin=subprocess_devnull())
-    assert want.returncode == 0, want.stderr
-    piped = _cli(base, input="w1 w2 w3")
-    dash = _cli(["-", *base], input="w1 w2 w3")
-    assert piped.returncode == dash.returncode == 0 and piped.stdout == dash.stdout == want.stdout
-    default = _cli(base, stdin=subprocess_devnull())  # nothing piped: the demo prompt, and it says so
-    assert default.returncode == 0 and "no prompt given" in default.stderr
-    empty = _cli(["-", *base], input="  \n")
-    assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "stdin gave no text" in empty.stderr
-
-
 def subprocess_devnull():
     import subprocess
 
     return subprocess.DEVNULL
+
+
+def _generate_fed(argv, stdin, monkeypatch, capsys):
+    return cli_fed(["generate", *argv], stdin, monkeypatch, capsys)
+
+
+def test_a_piped_prompt_is_the_prompt_and_dash_reads_stdin(tmp_path, monkeypatch, capsys):
+    model = _tiny_dir(tmp_path)
+    base = ["--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]
+    run = lambda argv, stdin: _generate_fed(argv, stdin, monkeypatch, capsys)
+    want = run(["w1 w2 w3", *base], None)
+    assert want[0] == 0, want[2]
+    piped, dash = run(base, "w1 w2 w3"), run(["-", *base], "w1 w2 w3")
+    assert piped[0] == dash[0] == 0 and piped[1] == dash[1] == want[1]
+    default = run(base, None)  # nothing piped: the demo prompt, and it says so
+    assert default[0] == 0 and "no prompt given" in default[2]
+    code, _, err = run(["-", *base], "  \n")
+    assert code == 2 and err.count("\n") == 1 and "stdin gave no text" in err
 
 
 @pytest.mark.slow
@@ -160,7 +163,7 @@ def _busy_process():
 
 
 @pytest.mark.slow
-def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
+def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path, monkeypatch, capsys):
     """Beside a busy process the default thread count drops to the free CPUs, and says so; an explicit
     --threads stays as given."""
     from specdec.runtime.cpus import free_cpus, usable_cpus
@@ -177,9 +180,9 @@ def test_threads_follow_the_cpus_another_process_leaves_free(tmp_path):
         note = Runtime().apply()
         assert __import__("torch").get_num_threads() <= n - 1 and "another process" in note
         model = _tiny_dir(tmp_path)
-        run = _cli(["w1 w2", "--raw", "--model", model, "--max-new-tokens", "40", "--method", "vanilla"],
-                   stdin=subprocess_devnull())
-        assert run.returncode == 0 and re.search(rf"another process is keeping \d+ of {n} CPUs", run.stderr)
+        code, _, err = _generate_fed(["w1 w2", "--raw", "--model", model, "--max-new-tokens", "40", "--method",
+                                      "vanilla"], None, monkeypatch, capsys)
+        assert code == 0 and re.search(rf"another process is keeping \d+ of {n} CPUs", err)
     finally:
         p.kill()
         __import__("torch").set_num_threads(torch_threads)
@@ -248,18 +251,22 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(phase):
 
 
 @pytest.mark.slow
-def test_quiet_prints_nothing_on_stderr_and_the_default_only_our_lines(tmp_path):
+def test_quiet_prints_nothing_on_stderr_and_the_default_only_our_lines(tmp_path, monkeypatch, capsys):
     model = _tiny_dir(tmp_path)
     base = ["w1 w2", "--raw", "--model", model, "--max-new-tokens", "6", "--method", "pld"]
+    # fresh processes: library noise (a warning shown once, the `Loading weights` bar) is what a process
+    # starting up prints, which this one, having loaded models already, would not show again
     quiet, normal = _cli([*base, "-q"], stdin=subprocess_devnull()), _cli(base, stdin=subprocess_devnull())
     assert quiet.returncode == normal.returncode == 0
     assert quiet.stderr == "" and quiet.stdout == normal.stdout
     # no library noise (the `Loading weights` bar, warnings): the statistics line and our notes
     assert all(line.startswith(("[pld, ", "specdec: ")) for line in normal.stderr.splitlines()), normal.stderr
-    verbose = _cli([*base, "-v"], stdin=subprocess_devnull())
-    assert "alpha by depth" in verbose.stderr.splitlines()[-1]
-    both = _cli([*base, "-q", "-v"], stdin=subprocess_devnull())
-    assert both.returncode == 2 and "not allowed with" in both.stderr
+    # what -v adds, and -q with -v refused, are the command's own: checked in this process
+    code, out, err = _generate_fed([*base, "-v"], None, monkeypatch, capsys)
+    assert code == 0 and out == normal.stdout and "alpha by depth" in err.splitlines()[-1]
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *base, "-q", "-v"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 # ---- every other command: paths, output places and option combinations before any model loads ----

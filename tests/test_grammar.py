@@ -294,8 +294,17 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age", "city"], "additionalProperties": False}
 
 
+@pytest.fixture(scope="module")
+def smol_auto():
+    """The embedded SmolLM2 under `auto`, loaded once for both tests here (greedy answers do not depend on
+    what it has drafted before)."""
+    import specdec
+
+    return specdec.load(method="auto")
+
+
 @pytest.mark.slow
-def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla():
+def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla(smol_auto):
     import jsonschema
 
     import specdec
@@ -303,7 +312,7 @@ def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla():
     prompt = [{"role": "user", "content": "Describe Ana, 31, who lives in Lisbon, as JSON."}]
     answers = {}
     for method in ("vanilla", "auto", "eagle2"):
-        dec = specdec.load(method=method)
+        dec = smol_auto if method == "auto" else specdec.load(method=method)
         for kw in ({"json_schema": SCHEMA}, {"regex": r"(yes|no), because [a-z ]{3,30}\."}):
             g = dec.generate(prompt, max_new_tokens=64, **kw)
             answers.setdefault(next(iter(kw)), []).append(g.token_ids)
@@ -319,14 +328,13 @@ def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla():
 
 
 @pytest.mark.slow
-def test_the_openai_client_gets_json_that_fits_its_response_format():
+def test_the_openai_client_gets_json_that_fits_its_response_format(smol_auto):
     import jsonschema
     import openai
 
-    import specdec
     from tests.test_serve import Server
 
-    dec = specdec.load(method="auto")
+    dec = smol_auto
     server = Server(dec)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)

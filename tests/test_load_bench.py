@@ -11,6 +11,7 @@ import pytest
 
 from specdec.bench.load import soak_plan
 from specdec.bench.load_report import Result, markdown, percentile, ratios
+from specdec.cli import main
 from specdec.cli.commands import build_parser
 from specdec.errors import SpecdecError
 from tests.helpers import tiny_model, word_tokenizer
@@ -33,12 +34,14 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def bench(tiny_dir, out, *flags):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--model", str(tiny_dir),
-                        "--questions", str(tiny_dir / "questions.jsonl"), "--out", str(out), *flags],
-                       capture_output=True, text=True, env=env, timeout=600)
-    return r, json.loads((out / "load.json").read_text())["results"] if (out / "load.json").exists() else []
+def bench(tiny_dir, out, capsys, *flags):
+    """`specdec bench serve` through main() in this process (its servers are processes of their own):
+    (exit code, stdout, stderr, the results it wrote)."""
+    code = main(["bench", "serve", "--model", str(tiny_dir), "--questions", str(tiny_dir / "questions.jsonl"),
+                 "--out", str(out), *flags])
+    got = capsys.readouterr()
+    results = json.loads((out / "load.json").read_text())["results"] if (out / "load.json").exists() else []
+    return code, got.out, got.err, results
 
 
 def test_percentiles_and_the_soak_plan():
@@ -70,10 +73,10 @@ def test_ratios_pair_each_method_with_the_first_in_the_same_round_and_limit():
 
 
 @pytest.mark.slow
-def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path):
-    r, results = bench(tiny_dir, tmp_path / "out", "--methods", "vanilla,pld", "--limits", "1,3",
-                       "--clients", "4", "--requests", "8", "--max-tokens", "64")
-    assert r.returncode == 0, r.stderr
+def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path, capsys):
+    code, out, err, results = bench(tiny_dir, tmp_path / "out", capsys, "--methods", "vanilla,pld", "--limits", "1,3",
+                                    "--clients", "4", "--requests", "8", "--max-tokens", "64")
+    assert code == 0, err
     # at each limit the methods in turn, so each pair ran on the same machine
     assert [(x["method"], x["max_batch"]) for x in results] == [("vanilla", 1), ("pld", 1), ("vanilla", 3), ("pld", 3)]
     for x in results:
@@ -88,15 +91,15 @@ def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path):
     lines = (tmp_path / "out" / "load.md").read_text().splitlines()
     assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 11
     assert lines[9].startswith("| 1 | pld | ") and lines[10].startswith("| 3 | pld | ")  # pld over vanilla per limit
-    assert r.stdout.splitlines() == lines
+    assert out.splitlines() == lines
     assert markdown([Result(**x) for x in results]).splitlines() == lines
 
 
 @pytest.mark.slow
-def test_soak_every_answer_equals_the_request_alone(tiny_dir, tmp_path):
-    r, results = bench(tiny_dir, tmp_path / "out", "--soak", "--methods", "pld", "--limits", "4",
-                       "--clients", "8", "--requests", "60", "--max-tokens", "16", "--malformed", "0.1")
-    assert r.returncode == 0, r.stderr
+def test_soak_every_answer_equals_the_request_alone(tiny_dir, tmp_path, capsys):
+    code, _, err, results = bench(tiny_dir, tmp_path / "out", capsys, "--soak", "--methods", "pld", "--limits", "4",
+                                  "--clients", "8", "--requests", "60", "--max-tokens", "16", "--malformed", "0.1")
+    assert code == 0, err
     [x] = results
     s = x["soak"]
     assert s["server_alive"] and s["mismatched"] == 0 and x["errors"] == 0

@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scipy.stats import kendalltau
-
 from specdec.bench.data import MT_BENCH_CATEGORIES, Question, load_questions
 from specdec.bench.methods import MethodSpec, parse_method
 from specdec.errors import SpecdecError
@@ -127,6 +125,8 @@ def kendall(paper: dict[str, float], ours: dict[str, float]) -> tuple[float | No
     common = [m for m in paper if m in ours]
     if len(common) < 2:
         return None, common
+    from scipy.stats import kendalltau  # here, not at import: scipy.stats costs ~1 s of every CLI start-up
+
     tau = kendalltau([paper[m] for m in common], [ours[m] for m in common]).statistic
     return (None if math.isnan(tau) else float(tau)), common
 
