@@ -317,7 +317,7 @@ def _tensor(tensors: dict, path: Path, arena: _Arena, name: str, optional: bool 
     if t is None:
         if optional:
             return None
-        raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2 GGUF file")
+        raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2/Gemma 3 GGUF file")
     qtype = int(t.tensor_type)
     if qtype in quant_types():
         k = int(t.shape[0])  # GGUF lists dimensions innermost first
