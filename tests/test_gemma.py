@@ -57,6 +57,17 @@ def test_the_window_and_the_local_rope_matter(model):
     assert (logits(one_rope) - want).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("backend", RUNNERS)
+def test_final_logit_softcapping_as_hf_applies_it(backend):
+    model = tiny_model("gemma3", final_logit_softcapping=3.0)
+    ids = torch.arange(3, 23)
+    got = RUNNERS[backend](model).forward(ids).logits
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    assert want.abs().max() < 3.0 and (got.abs() - 3.0).abs().min() > 0  # capped, not clipped
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("runner_name", [*RUNNERS, "lean-unpacked"])
 def test_tree_forward_equals_per_path(runner_name, monkeypatch):
     """test_runner's checks on Gemma 3 (its prompt of 11 and trees of depth 4 cross the window)."""
