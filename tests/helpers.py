@@ -12,7 +12,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from specdec.bench.data import Question
 from specdec.drafters.base import NoDrafter
@@ -40,17 +40,34 @@ _COMMON = dict(
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides):
     """A random-weight model built from a config: fast, and every family we claim to support."""
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma3": Gemma3TextConfig}[family]
     kw = dict(_COMMON, **overrides)
     if family == "mistral":
         kw.setdefault("sliding_window", 4096)
+    if family == "gemma3":
+        kw = dict(_gemma3(kw), **overrides)
     cfg = cls(**kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     # random init gives near-uniform logits; scale the head so greedy choices are not ties
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+        if family == "gemma3":  # Gemma's norms start at w = 0 (a scale of 1): random ones test the 1 + w
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     return model
+
+
+def _gemma3(kw: dict) -> dict:
+    """A tiny Gemma 3: local (window 8) and global layers alternating, the global RoPE base and a linear
+    scaling of their own (as the 4B model has), an attention scale other than head_dim's, tied embeddings."""
+    n = kw["num_hidden_layers"]
+    return dict(kw, head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=8,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
+                query_pre_attn_scalar=24, tie_word_embeddings=True)
 
 
 def word_tokenizer(words):
@@ -271,7 +288,8 @@ def _interleave(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: int = 97, head_scale: float = 8,
               **overrides):
-    """(GGUF path, the HF model holding the same weights de-quantized). Hidden 256 so that K-quants fit."""
+    """(GGUF path, the HF model holding the same weights de-quantized). Hidden 256 so that K-quants fit.
+    Gemma 3 as llama.cpp writes it: norms stored as 1 + w, four per layer and q/k's, the head tied."""
     kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=vocab_size)
     model = tiny_model(family, seed=seed, **{**kw, **overrides})
@@ -279,6 +297,7 @@ def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: 
     qtype = GGMLQuantizationType[fmt]
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), family)
+    gemma = family == "gemma3"
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -286,7 +305,12 @@ def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: 
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else 10000.0)
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": 10000.0}
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"] if gemma else rope["rope_theta"])
+    if gemma:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
     sd = {}
 
     def quant(name: str, hf_name: str, weight: torch.Tensor, n_head: int | None = None, scale: float = 1.0):
@@ -299,10 +323,19 @@ def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: 
     def f32(name: str, t: torch.Tensor):
         w.add_tensor(name, t.detach().float().numpy().copy())
 
+    def norm(name: str, hf_name: str):
+        if not gemma:
+            return f32(name, sdm[hf_name])
+        stored = sdm[hf_name].float() + 1
+        f32(name, stored)
+        sd[hf_name] = stored - 1  # what transformers' loader (and ours) read back
+
     sdm = model.state_dict()
-    quant("token_embd.weight", "model.embed_tokens.weight", sdm["model.embed_tokens.weight"], scale=20)
-    quant("output.weight", "lm_head.weight", sdm["lm_head.weight"], scale=head_scale)  # 8: greedy never ties
-    f32("output_norm.weight", sdm["model.norm.weight"])
+    # tied (Gemma): the table is the head too, scaled so that sqrt(hidden) * a row is of unit size
+    quant("token_embd.weight", "model.embed_tokens.weight", sdm["model.embed_tokens.weight"], scale=4 if gemma else 20)
+    if not gemma:
+        quant("output.weight", "lm_head.weight", sdm["lm_head.weight"], scale=head_scale)  # 8: greedy never ties
+    norm("output_norm.weight", "model.norm.weight")
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
@@ -313,14 +346,20 @@ def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: 
                 f32(b + gg + ".bias", sdm[p + f"self_attn.{hf}.bias"])
         for hf, gg in {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}.items():
             quant(b + gg + ".weight", p + f"mlp.{hf}.weight", sdm[p + f"mlp.{hf}.weight"])
-        f32(b + "attn_norm.weight", sdm[p + "input_layernorm.weight"])
-        f32(b + "ffn_norm.weight", sdm[p + "post_attention_layernorm.weight"])
+        norms = GEMMA3_NORMS if gemma else {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+        for gg, hf in norms.items():
+            norm(b + gg + ".weight", p + hf + ".weight")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     model.load_state_dict(sd, strict=False)
     return path, model
+
+
+GEMMA3_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 def gguf_runner(path, model):

@@ -186,6 +186,32 @@ def tree_mask(n_cached: int, ancestors: torch.Tensor) -> torch.Tensor:
     return m
 
 
+def layer_windows(cfg, n_layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: it sees every earlier row) from an HF config: `layer_types` names
+    the sliding layers where the config has them (Gemma 3), else one window for all (Mistral, Qwen2)."""
+    w = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not w or (cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False)):
+        return [None] * n_layers
+    if types:
+        return [w if t == "sliding_attention" else None for t in types]
+    return [w] * n_layers
+
+
+def in_window(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """mask [n, cols] also hiding every column `window` or more positions behind its row (HF's sliding window:
+    positions, not column indices, since tree rows share positions)."""
+    if window is None:
+        return mask
+    return mask & ((q_pos[:, None] - k_pos[None, :]) < window)
+
+
+def soft_capped(logits: torch.Tensor, cfg) -> torch.Tensor:
+    """The config's final logit soft-capping, cap * tanh(logits / cap), as HF applies it (Gemma 2 and 3)."""
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def side_mask(n_cached: int, ancestors: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
     """tree_mask's rows, then side rows (drafters.base.SideRows) that see the cached rows, the root and the
     side rows `sees` names; no tree row sees a side row."""

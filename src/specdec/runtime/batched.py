@@ -35,8 +35,8 @@ def batch_generate(
     """Returns each prompt's answer (cut after its first EOS, which is kept) and, if asked, the features
     [len(prompt) + len(answer), H * (1 + len(aux_layers))] (fp32, on the CPU) of prompt + answer: the
     final-norm feature, then the hidden state entering each layer of `aux_layers` (EAGLE-3's inputs)."""
-    if any(w is not None for w in runner.windows):
-        raise ValueError("batch_generate does not implement sliding-window attention")
+    if not runner.batchable:
+        raise ValueError("batch_generate implements the Llama layer without sliding-window attention only")
     dev = runner.device
     b = len(prompts)
     width = max(len(p) for p in prompts)

@@ -29,7 +29,11 @@ from specdec.runtime import stream
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 X16_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3_text")  # the HF model types of the archs it loads
+# HF norm -> the file's tensor, per layer: llama.cpp names the MLP's input norm ffn_norm in both families
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 @functools.cache
@@ -185,6 +189,9 @@ class GGUFModel:
         cfg = config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         permute = arch in ("llama", "mistral")  # llama.cpp's converter interleaves these archs' q/k rows
+        is_gemma = arch == "gemma3_text"
+        # llama.cpp stores Gemma's norm weights as 1 + w: back to HF's w, as transformers' loader does
+        offset = 1.0 if is_gemma else 0.0
 
         def layer(i: int) -> SimpleNamespace:
             p = f"blk.{i}."
@@ -199,15 +206,18 @@ class GGUFModel:
                 o_proj=proj(get(p + "attn_output.weight"), get(p + "attn_output.bias", True)))
             mlp = SimpleNamespace(gate_proj=proj(get(p + "ffn_gate.weight")), up_proj=proj(get(p + "ffn_up.weight")),
                                   down_proj=proj(get(p + "ffn_down.weight")))
-            norm = lambda n: SimpleNamespace(weight=get(p + n))  # noqa: E731
-            return SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=norm("attn_norm.weight"),
-                                   post_attention_layernorm=norm("ffn_norm.weight"))
+            norm = lambda n: SimpleNamespace(weight=get(p + n + ".weight") - offset)  # noqa: E731
+            if is_gemma:
+                attn.scaling = cfg.query_pre_attn_scalar ** -0.5
+                attn.q_norm, attn.k_norm = norm("attn_q_norm"), norm("attn_k_norm")
+            return SimpleNamespace(self_attn=attn, mlp=mlp,
+                                   **{hf: norm(g) for hf, g in (GEMMA_NORMS if is_gemma else NORMS).items()})
 
         embed = get("token_embd.weight")
         out = get("output.weight", True)
         self._embed = _Embedding(embed)
         self._head = SimpleNamespace(weight=out if out is not None else embed, bias=None)
-        self._norm = get("output_norm.weight")
+        self._norm = get("output_norm.weight") - offset
         self._decoder = SimpleNamespace(embed_tokens=SimpleNamespace(weight=embed),
                                         layers=[layer(i) for i in range(cfg.num_hidden_layers)],
                                         norm=SimpleNamespace(weight=self._norm), rotary_emb=_rotary(cfg))
@@ -307,7 +317,7 @@ def _tensor(tensors: dict, path: Path, arena: _Arena, name: str, optional: bool 
     if t is None:
         if optional:
             return None
-        raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2 GGUF file")
+        raise SpecdecError(f"{path} has no tensor {name!r}: not a supported Llama/Qwen2/Gemma 3 GGUF file")
     qtype = int(t.tensor_type)
     if qtype in quant_types():
         k = int(t.shape[0])  # GGUF lists dimensions innermost first

@@ -1,4 +1,5 @@
-"""A lean forward for the Llama family (Llama, Qwen2, Mistral) that reads a stock HF model's weights:
+"""A lean forward for the Llama family (Llama, Qwen2, Mistral; Gemma 3 on gemma.GemmaBlock) that reads a
+stock HF model's weights:
 llama.Block per layer over one preallocated kv.KVCache (docs/design.md, "CPU costs"). The HF model stays the
 reference: tests compare the two.
 """
@@ -13,14 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime import stream
-from specdec.runtime.base import ForwardOut, Part, Runner
+from specdec.runtime import gemma, stream
+from specdec.runtime.base import ForwardOut, Part, Runner, in_window, layer_windows, soft_capped
 from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types, requantized
 from specdec.runtime.kv import KVCache
 from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, visible_columns
 from specdec.runtime.packed import HeadRows, Linear, precision_name
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "mistral", *gemma.MODEL_TYPES)
 # Forwards of up to this many rows (decode steps, verify trees) attend row by row, which makes a row's
 # output independent of its forward's other rows (llama.attend_rows); longer ones (prompt prefill, which
 # vanilla and speculative decoding share) use one attention call per layer.
@@ -32,10 +33,11 @@ FORK_CAPACITY = 256  # a fork's first cache rows (it grows by doubling)
 def supports(model) -> bool:
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    ropes = rope.values() if gemma.is_gemma(cfg) else [rope]  # Gemma: parameters per layer type
     return (
         cfg.model_type in SUPPORTED
-        and getattr(cfg, "hidden_act", "silu") == "silu"
-        and rope.get("rope_type", "default") != "dynamic"  # dynamic NTK depends on sequence length
+        and (gemma.supported(cfg) if gemma.is_gemma(cfg) else getattr(cfg, "hidden_act", "silu") == "silu")
+        and all(r.get("rope_type", "default") != "dynamic" for r in ropes)  # dynamic NTK depends on length
     )
 
 
@@ -54,16 +56,18 @@ class LeanRunner(Runner):
         self.max_length = cfg.max_position_embeddings
         embed = base.embed_tokens.weight
         self.embed = embed if isinstance(embed, QuantTensor) else embed.detach()  # GGUF: rows looked up quantized
+        self.embed_scale = gemma.embed_scale(cfg, self.dtype)
         self.weights = weights or precision_name(self.dtype)  # what decoding is lossless relative to
         # exact rows by default only where they matter: a reduced-precision target amplifies 1e-7 into other
         # tokens; at the model's own precision the fast path (one attention call, GEMV decode steps) keeps
         # greedy equal up to numerical ties. Why not always: a tree row's gathered K/V copy costs ~2x at
         # 700 cached rows, and one-row steps must use the many-row kernel.
         exact = self.weights != precision_name(self.dtype) if exact is None else exact
-        self.layers = [Block(layer, i, self.eps, pack, weights, exact) for i, layer in enumerate(base.layers)]
+        block = gemma.GemmaBlock if gemma.is_gemma(cfg) else Block
+        self.layers = [block(layer, i, self.eps, pack, weights, exact) for i, layer in enumerate(base.layers)]
         self.n_layers = len(self.layers)
         self.n_heads, self.n_kv, self.head_dim = self.layers[0].n_heads, self.layers[0].n_kv, self.layers[0].head_dim
-        self.norm = base.norm.weight.detach()
+        self.norm = gemma.norm_scale(base.norm) if gemma.is_gemma(cfg) else base.norm.weight.detach()
         head = model.get_output_embeddings()
         self._head = (head.weight, getattr(head, "bias", None), (pack, weights, exact))  # restrict_head's source
         self.lm_head: Linear | HeadRows = Linear(head.weight, self._head[1], pack, weights, exact)
@@ -73,11 +77,16 @@ class LeanRunner(Runner):
         exact = exact or self.fused is not None
         self.exact_rows = EXACT_ROWS if exact and all(x.invariant for x in linears) else 0
         self.vocab_size = head.weight.shape[0]
-        self.windows = self._windows(cfg, len(self.layers))
+        self.windows = layer_windows(cfg, len(self.layers))
+        # batched data generation (runtime/batched.py) runs the plain Llama layer without windows only
+        self.batchable = block is Block and all(w is None for w in self.windows)
         self.cache = KVCache(len(self.layers), self.n_kv, self.head_dim, self.max_length, self.device, self.dtype,
                              initial_capacity, positions=True)
-        self.rope = Rope(base.rotary_emb, self.device, self.dtype, self.max_length)
-        self.rope.grow(self.cache.capacity)  # positions never exceed the number of cache rows
+        self.rope_kinds = gemma.rope_kinds(cfg, len(self.layers))
+        self.ropes = {k: Rope(base.rotary_emb, self.device, self.dtype, self.max_length, k)
+                      for k in dict.fromkeys(self.rope_kinds)}
+        for rope in self.ropes.values():
+            rope.grow(self.cache.capacity)  # positions never exceed the number of cache rows
         self.decode_kernel = self._pick_decode_kernel(linears)
         # which build of the kernels ran (their source hash): costs measured on another build are stale
         self.kernel_build = stream.kernel().__name__ if self.decode_kernel == "stream" else ""
@@ -153,15 +162,11 @@ class LeanRunner(Runner):
         use(best)
         return "gemv" if best else "packed"
 
-    @staticmethod
-    def _windows(cfg, n_layers: int) -> list[int | None]:
-        w = getattr(cfg, "sliding_window", None)
-        types = getattr(cfg, "layer_types", None)
-        if not w or (cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False)):
-            return [None] * n_layers
-        if types:
-            return [w if t == "sliding_attention" else None for t in types]
-        return [w] * n_layers
+    @property
+    def rope(self) -> Rope:
+        """The RoPE table of a model with one (every family but Gemma)."""
+        (rope,) = self.ropes.values()
+        return rope
 
     def fork(self) -> LeanRunner:
         r = copy.copy(self)  # layers, RoPE tables and LM head shared: only the cache is the fork's own
@@ -219,28 +224,29 @@ class LeanRunner(Runner):
         tokens = seqs[0][1] if len(seqs) == 1 else torch.cat([t for _, t, _, _ in seqs])
         h = (self.embed.rows(tokens)[None] if isinstance(self.embed, QuantTensor)
              else F.embedding(tokens[None], self.embed))
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         packed = _packed(plans, sizes) if len(seqs) > 1 and self.fused else None
         aux = []
-        for i, (layer, w) in enumerate(zip(self.layers, self.windows)):
+        for i, (layer, w, r) in enumerate(zip(self.layers, self.windows, self.rope_kinds)):
             if i in aux_layers:
                 aux.append(h[0])
             qkv = layer.project(h)
             if len(seqs) == 1:
                 p = plans[0]
-                a = layer.attend(qkv, p.cos, p.sin, p.kv, p.start, *p.masks[w])
+                a = layer.attend(qkv, *p.rope[r], p.kv, p.start, *p.masks[w])
             elif packed is not None:
                 a = layer.attend_many(qkv, packed, w)
             else:
                 parts = qkv.split(sizes, dim=1)
-                a = torch.cat([layer.attend(x, p.cos, p.sin, p.kv, p.start, *p.masks[w])
+                a = torch.cat([layer.attend(x, *p.rope[r], p.kv, p.start, *p.masks[w])
                                for x, p in zip(parts, plans)], dim=1)
             h = layer.finish(a, h)
-        feats = (self.fused.rms_norm(h[0], self.norm, self.eps) if self.fused
-                 else F.rms_norm(h[0], (self.hidden_size,), self.norm, self.eps))
+        feats = self.fused.rms_norm(h[0], self.norm, self.eps) if self.fused else self.layers[-1].norm(h[0], self.norm)
         aux_t = torch.cat(aux, -1) if aux_layers else None
         if len(seqs) == 1:
             wanted = feats if logits_rows[0] is None else feats[logits_rows[0]]
-            return [ForwardOut(self.lm_head(wanted), feats, aux_t)]
+            return [ForwardOut(soft_capped(self.lm_head(wanted), self.config), feats, aux_t)]
         fs = feats.split(sizes)
         wanted = [f if lr is None else f[lr] for f, lr in zip(fs, logits_rows)]
         heads = [r.lm_head for r, _, _, _ in seqs]
@@ -249,7 +255,7 @@ class LeanRunner(Runner):
         else:  # forks of a draft scoring each request's own ids too (score_also): each its own head
             logits = [h(x) for h, x in zip(heads, wanted)]
         auxs = aux_t.split(sizes) if aux_t is not None else [None] * len(seqs)
-        return [ForwardOut(lg, f, a) for lg, f, a in zip(logits, fs, auxs)]
+        return [ForwardOut(soft_capped(lg, self.config), f, a) for lg, f, a in zip(logits, fs, auxs)]
 
     def _attention_plan(self, runner: LeanRunner, tokens: torch.Tensor, positions: torch.Tensor,
                         mask: torch.Tensor | None) -> _Plan:
@@ -260,9 +266,10 @@ class LeanRunner(Runner):
         end = start + n
         if end > kv.capacity:
             kv.reserve(n)
-            self.rope.grow(kv.capacity)
+            for rope in self.ropes.values():
+                rope.grow(kv.capacity)
         kv.pos[start:end] = positions
-        cos, sin = self.rope(positions)
+        rope = {k: r(positions) for k, r in self.ropes.items()}
         causal, chain = False, mask is None
         if mask is None:
             mask, causal = chain_attention(start, n, self.device)
@@ -273,20 +280,19 @@ class LeanRunner(Runner):
             if w is not None and end > w:  # sliding window: also hide rows `w` or more positions back
                 base = mask if mask is not None else (
                     torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start))
-                m, c = base & ((positions[:, None] - kv.pos[None, :end]) < w), False
+                m, c = in_window(base, positions, kv.pos[:end], w), False
             rows = None
             if exact:  # the fused kernels read the mask themselves
                 rows = True if self.fused else visible_columns(None if chain and m is mask else m, start, n)
             masks[w] = (m, c, rows)
-        return _Plan(kv, start, cos, sin, masks)
+        return _Plan(kv, start, rope, masks)
 
 
 @dataclass
 class _Plan:
     kv: KVCache
     start: int
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rope: dict  # RoPE table (LeanRunner.rope_kinds) -> (cos, sin) of the new rows
     masks: dict  # sliding window (None: none) -> (mask, causal, rows) for Block.attend
 
 
@@ -296,8 +302,8 @@ def _packed(plans: list[_Plan], sizes: list[int]) -> PackedRows | None:
     windows = plans[0].masks.keys()
     if not all(rows is not None or n == 1 for p, n in zip(plans, sizes) for _, _, rows in p.masks.values()):
         return None
-    return PackedRows(torch.cat([p.cos.reshape(n, -1) for p, n in zip(plans, sizes)]),
-                      torch.cat([p.sin.reshape(n, -1) for p, n in zip(plans, sizes)]),
+    return PackedRows(torch.cat([p.rope[None][0].reshape(n, -1) for p, n in zip(plans, sizes)]),
+                      torch.cat([p.rope[None][1].reshape(n, -1) for p, n in zip(plans, sizes)]),
                       [p.kv.k for p in plans], [p.kv.v for p in plans], [p.start for p in plans], sizes,
                       {w: [None if p.masks[w][0] is None else p.masks[w][0].reshape(n, -1)
                            for p, n in zip(plans, sizes)] for w in windows})

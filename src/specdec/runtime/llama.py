@@ -1,5 +1,6 @@
-"""The Llama-family decoder block (Llama, Qwen2, Mistral; EAGLE's head layers), written once for the
-lean target runner, batched data generation and the EAGLE head runner.
+"""The Llama-family decoder block (Llama, Qwen2, Mistral; EAGLE's head layers; Gemma 3's, with the
+differences in gemma.py), written once for the lean target runner, batched data generation and the EAGLE
+head runner.
 
 Why not call the HF module: on a 2-core CPU a small model's decode step is dominated by per-op Python
 overhead and MKL's small-batch GEMMs (docs/design.md, "CPU costs"). Here q/k/v and gate/up are fused into one
@@ -25,8 +26,10 @@ class Rope:
     a forward indexes them instead of calling the module. `sin` carries rotate_half's sign (-sin on the
     first half), so applying it is a flip and two products (apply_rope)."""
 
-    def __init__(self, rotary: nn.Module, device: torch.device, dtype: torch.dtype, max_length: int) -> None:
+    def __init__(self, rotary: nn.Module, device: torch.device, dtype: torch.dtype, max_length: int,
+                 kind: str | None = None) -> None:
         self.rotary, self.max_length = rotary, max_length
+        self.kind = () if kind is None else (kind,)  # the layer type of a module with one table per type
         self.like = torch.empty(0, device=device, dtype=dtype)  # the module reads only device and dtype
         self.cos = self.sin = torch.empty(0, device=device, dtype=dtype)
 
@@ -34,7 +37,7 @@ class Rope:
         """Tables for positions < n (capped at max_length)."""
         n = min(n, self.max_length)
         if self.cos.shape[0] < n:
-            cos, sin = self.rotary(self.like, torch.arange(n, device=self.like.device)[None])
+            cos, sin = self.rotary(self.like, torch.arange(n, device=self.like.device)[None], *self.kind)
             sin = sin[0].to(self.like.dtype)
             half = sin.shape[-1] // 2
             self.cos, self.sin = cos[0].to(self.like.dtype), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
@@ -64,14 +67,15 @@ def visible_columns(mask: torch.Tensor | None, start: int, n: int) -> list[slice
     return out
 
 
-def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, gqa: bool) -> torch.Tensor:
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list, gqa: bool,
+                scale: float | None = None) -> torch.Tensor:
     """Attention one query row at a time, each over exactly its visible K/V rows in cache order.
 
     Why: SDPA's result for a row depends on how many rows share the call (measured: 1e-7 apart), and
     reduced-precision weights amplify that into different tokens. Called this way, row i of a verify
     forward makes the very call a one-token decode step at the same point makes: bit-identical output,
     so speculative decoding matches vanilla exactly, at any weight precision (docs/design.md, "Batch invariance")."""
-    outs = [F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, c], v[:, :, c], enable_gqa=gqa)
+    outs = [F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, c], v[:, :, c], enable_gqa=gqa, scale=scale)
             for i, c in enumerate(rows)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -105,6 +109,8 @@ class Block:
     """One HF decoder layer's weights, fused (qkv, gate_up) and pre-packed. Optional q/k/v biases (Qwen2);
     no input norm when the layer has nn.Identity there (EAGLE's first head layer)."""
 
+    scale: float | None = None  # attention's scale (None: SDPA's 1 / sqrt(head_dim))
+
     def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True, weights: str | None = None,
                  invariant: bool = True) -> None:
         a, m = layer.self_attn, layer.mlp
@@ -127,7 +133,6 @@ class Block:
         self.post_norm = layer.post_attention_layernorm.weight.detach()
         if self.in_norm is not None:
             self.in_norm = self.in_norm.detach()
-        self.norm_shape = (self.post_norm.shape[0],)
         # the streaming kernel's per-layer ops (kernels/fused.cpp) where every linear streams (CPU, fp32)
         self.fused = fused_ops(self)
 
@@ -150,8 +155,16 @@ class Block:
         if self.fused is not None and h.shape[0] == 1:
             x = h[0] if self.in_norm is None else self.fused.rms_norm(h[0], self.in_norm, self.eps)
             return self.qkv(x)[None]
-        x = h if self.in_norm is None else F.rms_norm(h, self.norm_shape, self.in_norm, self.eps)
+        x = h if self.in_norm is None else self.norm(h, self.in_norm)
         return self.qkv(x)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm over the last dimension."""
+        return F.rms_norm(x, (weight.shape[-1],), weight, self.eps)
+
+    def qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """q and k [B, n, heads + kv heads, head_dim] before RoPE: as they are (Gemma normalizes them)."""
+        return qk
 
     def attend_many(self, qkv: torch.Tensor, rows: PackedRows, window: int | None) -> torch.Tensor:
         """attend for several sequences' rows packed in qkv [1, R, ...] on the fused kernels: one call for
@@ -175,20 +188,21 @@ class Block:
             end = start + n  # a long prefill: one SDPA call
             a = F.scaled_dot_product_attention(q.view(1, n, nh, hd).transpose(1, 2), kc[None, :, :end],
                                                vc[None, :, :end], attn_mask=mask, is_causal=causal,
-                                               enable_gqa=self.gqa)
+                                               enable_gqa=self.gqa, scale=self.scale)
             return a.transpose(1, 2).reshape(1, n, nh * hd)
         end = start + n
-        qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(b, n, nh + nkv, hd), cos.unsqueeze(-2), sin.unsqueeze(-2))
+        qk = apply_rope(self.qk_norm(qkv[..., :(nh + nkv) * hd].view(b, n, nh + nkv, hd)), cos.unsqueeze(-2),
+                        sin.unsqueeze(-2))
         q = qk[:, :, :nh].transpose(1, 2)
         kv.k[li, :, :, start:end] = qk[:, :, nh:].transpose(1, 2)
         kv.v[li, :, :, start:end] = qkv[..., (nh + nkv) * hd:].view(b, n, nkv, hd).transpose(1, 2)
         if rows is not None:
             if rows is True:
                 rows = visible_columns(None if mask is None else mask.reshape(n, -1), start, n)
-            a = attend_rows(q, kv.k[li], kv.v[li], rows, self.gqa)
+            a = attend_rows(q, kv.k[li], kv.v[li], rows, self.gqa, self.scale)
         else:
-            a = F.scaled_dot_product_attention(q, kv.k[li, :, :, :end], kv.v[li, :, :, :end],
-                                               attn_mask=mask, is_causal=causal, enable_gqa=self.gqa)
+            a = F.scaled_dot_product_attention(q, kv.k[li, :, :, :end], kv.v[li, :, :, :end], attn_mask=mask,
+                                               is_causal=causal, enable_gqa=self.gqa, scale=self.scale)
         return a.transpose(1, 2).reshape(b, n, nh * hd)
 
     def finish(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -199,7 +213,7 @@ class Block:
             y = ops.silu_mul(self.gate_up(ops.rms_norm(h, self.post_norm, self.eps)))
             return self.mlp_out(y, h, fused=True)[None]
         h = h + self.o(a)
-        x = F.rms_norm(h, self.norm_shape, self.post_norm, self.eps)
+        x = self.norm(h, self.post_norm)
         g, u = self.gate_up(x).chunk(2, dim=-1)
         return self.mlp_out(F.silu(g) * u, h, fused=False)
 

@@ -279,7 +279,7 @@ def build_runner(model, rt: Runtime) -> Runner:
             raise SpecdecError("backend=hf cannot run a GGUF file's own weights: use backend auto or lean, or "
                                "weights=fp32")
         if not supports(model):
-            raise SpecdecError(f"weights=gguf runs Llama, Qwen2 and Mistral models; this one is "
+            raise SpecdecError(f"weights=gguf runs Llama, Qwen2, Mistral and Gemma 3 models; this one is "
                                f"{model.config.model_type!r}: use weights=fp32")
         return LeanRunner(model, weights="gguf")
     if weights == "gguf":
@@ -288,8 +288,8 @@ def build_runner(model, rt: Runtime) -> Runner:
         raise SpecdecError("weights=int4 runs on the CPU's quantized kernels (x86-64 with AVX2); use int8 or fp16")
     if backend == "hf" or (backend == "auto" and not supports(model)):
         if weights and FLOAT.get(weights) != next(model.parameters()).dtype:
-            raise SpecdecError(f"weights={weights} needs the lean runner (Llama, Qwen2 or Mistral, backend auto or "
-                               "lean); this target runs on the HF runner")
+            raise SpecdecError(f"weights={weights} needs the lean runner (Llama, Qwen2, Mistral or Gemma 3, backend "
+                               "auto or lean); this target runs on the HF runner")
         return HFRunner(model)
     return LeanRunner(model, weights=weights)
 

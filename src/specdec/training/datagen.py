@@ -204,7 +204,7 @@ class AnswerMaker:
         self.runner = None
         if lean and lean_mod.supports(model):
             runner = lean_mod.LeanRunner(model)
-            if all(w is None for w in runner.windows):
+            if runner.batchable:
                 self.runner = runner
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_ids: set[int],

@@ -1,0 +1,77 @@
+"""Gemma 3's decoder on the Llama block (llama.Block): everything its layers do differently, in one place.
+
+- RMSNorm scales by (1 + w), computed in fp32; four norms a layer: before and after attention, before and
+  after the MLP (the "after" ones on the branch, before the residual add);
+- QK-norm: a per-head RMSNorm of q and k before RoPE;
+- GeGLU (gelu, tanh approximation) in place of SwiGLU;
+- attention scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5.
+
+The runner-level differences (the embedding times sqrt(hidden_size), a RoPE table per layer type: local
+layers have their own base) are embed_scale and rope_kinds here; sliding windows and logit soft-capping are
+generic (base.layer_windows, base.soft_capped). No fused kernels: they implement the Llama layer only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdec.runtime.llama import Block
+
+MODEL_TYPES = ("gemma3_text",)
+
+
+def is_gemma(cfg) -> bool:
+    return cfg.model_type in MODEL_TYPES
+
+
+def supported(cfg) -> bool:
+    """What GemmaBlock implements (anything else runs on the HF runner)."""
+    return (getattr(cfg, "hidden_activation", None) == "gelu_pytorch_tanh"
+            and getattr(cfg, "attn_logit_softcapping", None) is None
+            and not getattr(cfg, "use_bidirectional_attention", False))
+
+
+def norm_scale(norm) -> torch.Tensor:
+    """What a Gemma RMSNorm multiplies by: 1 + w, in fp32 as HF computes it."""
+    return 1 + norm.weight.detach().float()
+
+
+def embed_scale(cfg, dtype: torch.dtype) -> torch.Tensor | None:
+    """sqrt(hidden_size) rounded to the model's dtype, as HF's scaled embedding multiplies (None: no scale)."""
+    return torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if is_gemma(cfg) else None
+
+
+def rope_kinds(cfg, n_layers: int) -> list[str | None]:
+    """Each layer's RoPE table: its layer type for Gemma (local and global bases differ), else the one (None)."""
+    return list(cfg.layer_types) if is_gemma(cfg) else [None] * n_layers
+
+
+class GemmaBlock(Block):
+    """A Gemma 3 decoder layer: the Llama block's fused q/k/v and gate/up linears, with Gemma's norms,
+    QK-norm, GeGLU and attention scale."""
+
+    def __init__(self, layer, index: int, eps: float, pack: bool = True, weights: str | None = None,
+                 invariant: bool = True) -> None:
+        super().__init__(layer, index, eps, pack, weights, invariant)
+        a = layer.self_attn
+        self.fused = None
+        self.scale = a.scaling
+        self.in_norm = norm_scale(layer.input_layernorm)
+        self.attn_out_norm = norm_scale(layer.post_attention_layernorm)
+        self.post_norm = norm_scale(layer.pre_feedforward_layernorm)  # the MLP's input norm, as in Block
+        self.mlp_out_norm = norm_scale(layer.post_feedforward_layernorm)
+        # one [heads + kv heads, head_dim] table: q's and k's norms in one op over the rows RoPE reads
+        self.qk_scale = torch.cat([norm_scale(a.q_norm).expand(self.n_heads, -1),
+                                   norm_scale(a.k_norm).expand(self.n_kv, -1)])
+
+    def norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (scale.shape[-1],), eps=self.eps).mul(scale).to(x.dtype)
+
+    def qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        return self.norm(qk, self.qk_scale)
+
+    def finish(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.norm(self.o(a), self.attn_out_norm)
+        g, u = self.gate_up(self.norm(h, self.post_norm)).chunk(2, dim=-1)
+        return h + self.norm(self.down(F.gelu(g, approximate="tanh") * u), self.mlp_out_norm)
