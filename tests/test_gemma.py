@@ -15,7 +15,7 @@ from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from tests import test_runner
-from tests.helpers import PROMPTS, gguf_runner, noisy_copy, run, tiny_gguf, tiny_model
+from tests.helpers import PROMPTS, gguf_runner, noisy_copy, run, tiny_gguf, tiny_model, word_tokenizer
 from tests.test_engine import hf_greedy
 
 RUNNERS = {"lean": LeanRunner, "lean-exact": lambda m: LeanRunner(m, exact=True), "hf": HFRunner}
@@ -165,3 +165,23 @@ def test_speculative_greedy_on_the_gguf_file_equals_vanilla(tiny):
     want, _ = run(target, NoDrafter(), PROMPTS[3], SamplingParams(), 24)
     got, stats = run(target, drafter, PROMPTS[3], SamplingParams(), 24)
     assert got == want and np.mean(stats.accept_lengths) > 0.5
+
+
+def test_a_gemma_tokenizer_without_a_chat_template_gets_gemmas():
+    from specdec.runtime.gemma import chat_ready
+
+    tok = word_tokenizer(["<start_of_turn>", "<end_of_turn>", "hi", "there"])
+    tok.bos_token = "<s>"
+    cfg = tiny_model("gemma3").config
+    cfg.eos_token_id = 1
+    chat_ready(tok, cfg)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "there"}, {"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == ("<s><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nthere<end_of_turn>\n"
+                    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+    assert cfg.eos_token_id == [1, tok.convert_tokens_to_ids("<end_of_turn>")]
+    llama = tiny_model("llama").config
+    other = word_tokenizer(["<end_of_turn>"])
+    chat_ready(other, llama)  # not Gemma: left as it is
+    assert other.chat_template is None

@@ -42,6 +42,28 @@ def embed_scale(cfg, dtype: torch.dtype) -> torch.Tensor | None:
     return torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if is_gemma(cfg) else None
 
 
+# Gemma's turn format (its instruction-tuned models' template; a system message opens the first user turn):
+# a base model's GGUF carries no template, yet its vocabulary holds the turn tokens
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\\n\\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ ((first if loop.first else '') + m['content']) | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def chat_ready(tokenizer, cfg) -> None:
+    """A Gemma 3 tokenizer without a chat template gets Gemma's, and `<end_of_turn>` ends a generation."""
+    if not is_gemma(cfg) or tokenizer.chat_template is not None:
+        return
+    eot = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    if eot is None or eot == tokenizer.unk_token_id:
+        return
+    tokenizer.chat_template = CHAT_TEMPLATE
+    eos = cfg.eos_token_id
+    cfg.eos_token_id = sorted({*([] if eos is None else [eos] if isinstance(eos, int) else eos), eot})
+
+
 def rope_kinds(cfg, n_layers: int) -> list[str | None]:
     """Each layer's RoPE table: its layer type for Gemma (local and global bases differ), else the one (None)."""
     return list(cfg.layer_types) if is_gemma(cfg) else [None] * n_layers

@@ -20,7 +20,7 @@ from pydantic import field_validator
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, cache_dir
 from specdec.options import Options, option
-from specdec.runtime import stream, threads
+from specdec.runtime import gemma, stream, threads
 from specdec.runtime.base import Runner
 from specdec.runtime.cpus import usable_cpus
 from specdec.runtime.gguf import GGUFModel
@@ -247,8 +247,9 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
     if native_gguf(spec, device, weights, flag):
         path = resolve(spec, flag)
         d = gguf_meta(path)
-        tok = AutoTokenizer.from_pretrained(d)
-        return GGUFModel(path, AutoConfig.from_pretrained(d)), tok, d
+        tok, cfg = AutoTokenizer.from_pretrained(d), AutoConfig.from_pretrained(d)
+        gemma.chat_ready(tok, cfg)
+        return GGUFModel(path, cfg), tok, d
     d = materialize(spec, flag)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -259,6 +260,7 @@ def load_model(spec, device: str | torch.device | None = None, dtype: torch.dtyp
         raise SpecdecError(f"could not load a model from {d}: {e}") from None
     except Exception as e:
         raise SpecdecError(f"could not load a model from {d}: {type(e).__name__}: {e}") from None
+    gemma.chat_ready(tok, model.config)
     return model, tok, d
 
 
