@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.bench.long_context import long_context_prompts
 from specdec.errors import SpecdecError
 from specdec.files import data_roots, find_data
 from specdec.grammar import compile_grammar
@@ -144,9 +145,8 @@ def load_questions(
     if path is None and dataset == "extraction":
         qs, path = extraction_questions(), "the extraction set"
     elif path is None and dataset == "long":
-        from specdec.bench.long_context import long_context_questions
-
-        qs, path = long_context_questions(read_jsonl(default_path("spec_bench"))), "the long-context set"
+        qs = [Question(i, c, [p]) for i, c, p in long_context_prompts(read_jsonl(default_path("spec_bench")))]
+        path = "the long-context set"
     else:
         if path is None:
             path = humaneval_path() if dataset == "humaneval" else default_path(dataset)

@@ -53,10 +53,8 @@ def _module_sources(start: int):
         yield f"# file: {name}.py\n{src}\n"
 
 
-def long_context_questions(spec_bench: list) -> list:
-    """The set's Questions (category `<kind>-<length>`), from Spec-Bench's questions."""
-    from specdec.bench.data import Question
-
+def long_context_prompts(spec_bench: list) -> list[tuple[str, str, str]]:
+    """The set's (question id, category `<kind>-<length>`, prompt), from Spec-Bench's questions."""
     news = [q.turns[0].removeprefix("Summarize:").strip() for q in spec_bench if q.category == "summarization"]
     rag = [q.turns[0].rsplit("\n", 1) for q in spec_bench if q.category == "rag"]
     if len(news) < 2 or len(rag) < 2:
@@ -68,15 +66,15 @@ def long_context_questions(spec_bench: list) -> list:
             start = i * len(news) // PER_LENGTH
             docs = _fill((f"Document {k + 1}:\n{d}\n\n" for k, d in enumerate(news[start:] + news[:start])),
                          chars["summarize"])
-            out.append(Question(f"summarize-{label}-{i}", f"summarize-{label}",
-                                [f"{docs}\n\nSummarize the documents above in one paragraph."]))
+            out.append((f"summarize-{label}-{i}", f"summarize-{label}",
+                        f"{docs}\n\nSummarize the documents above in one paragraph."))
             start = i * len(rag) // PER_LENGTH
             passages = _fill((p + "\n\n" for p, _ in rag[start:] + rag[:start]), chars["rag"])
-            out.append(Question(f"rag-{label}-{i}", f"rag-{label}",
-                                [f"{passages}\n\nAnswer from the passages above: {rag[start][1].strip()}"]))
+            out.append((f"rag-{label}-{i}", f"rag-{label}",
+                        f"{passages}\n\nAnswer from the passages above: {rag[start][1].strip()}"))
             code = _fill(_module_sources(i * len(MODULES) // PER_LENGTH), chars["code"])
             name = re.search(r"^\s*def ((?!__)\w+)\(", code, re.M)  # the first function or method, not a dunder
-            out.append(Question(f"code-{label}-{i}", f"code-{label}", [
-                f"```python\n{code}```\n\nRename the function `{name[1]}` to `{name[1]}_v2` everywhere in the code "
-                "above, and output the whole updated code, nothing else."]))
+            out.append((f"code-{label}-{i}", f"code-{label}",
+                        f"```python\n{code}```\n\nRename the function `{name[1]}` to `{name[1]}_v2` everywhere in the "
+                        "code above, and output the whole updated code, nothing else."))
     return out
