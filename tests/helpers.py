@@ -514,3 +514,31 @@ def cli_fed(argv, stdin, monkeypatch, capsys):
         code = main(argv)
     got = capsys.readouterr()
     return code, got.out, got.err
+
+
+def assert_tree_rows_are_steps(new_runner) -> None:
+    """Exact rows: each row of a verify forward (a 7-node tree after a 13-token prompt) has the bits of the
+    one-token decode step at its point. new_runner() -> a fresh runner of the model under test."""
+    from specdec.runtime.base import tree_mask
+    from specdec.tree import DraftTree
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 97, (13,), generator=g).tolist()
+    tree = DraftTree(torch.randint(0, 97, (7,), generator=g), torch.tensor([-1, 0, 0, -1, 1, 3, 4]))
+
+    def prefilled():
+        r = new_runner()
+        r.forward(torch.tensor(prompt))
+        r.commit(range(len(prompt)))
+        return r
+
+    r = prefilled()
+    toks = torch.cat([torch.tensor([5]), tree.tokens])
+    out = r.forward(toks, r.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]),
+                    tree_mask(r.length, tree.ancestor_mask()))
+    for node in range(-1, len(tree)):
+        ref = prefilled()
+        for t in [5] + ([] if node < 0 else tree.tokens[tree.path_to(node)].tolist()):
+            last = ref.forward(torch.tensor([t])).logits[0]
+            ref.commit([0])
+        assert torch.equal(out.logits[node + 1], last), f"node {node}"

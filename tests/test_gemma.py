@@ -9,13 +9,20 @@ import torch
 from specdec.drafters import registry
 from specdec.drafters.base import NoDrafter
 from specdec.runtime import stream
-from specdec.runtime.base import tree_mask
 from specdec.runtime.hf import HFRunner
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
-from specdec.tree import DraftTree
 from tests import test_runner
-from tests.helpers import PROMPTS, gguf_runner, noisy_copy, run, tiny_gguf, tiny_model, word_tokenizer
+from tests.helpers import (
+    PROMPTS,
+    assert_tree_rows_are_steps,
+    gguf_runner,
+    noisy_copy,
+    run,
+    tiny_gguf,
+    tiny_model,
+    word_tokenizer,
+)
 from tests.test_engine import hf_greedy
 
 RUNNERS = {"lean": LeanRunner, "lean-exact": lambda m: LeanRunner(m, exact=True), "hf": HFRunner}
@@ -78,26 +85,7 @@ def test_tree_forward_equals_per_path(runner_name, monkeypatch):
 
 def test_a_tree_row_equals_decoding_its_path_bitwise(model):
     """Exact rows: a verify row has the bits of the one-token step at its point, past the window too."""
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 97, (13,), generator=g).tolist()
-    tree = DraftTree(torch.randint(0, 97, (7,), generator=g), torch.tensor([-1, 0, 0, -1, 1, 3, 4]))
-
-    def prefilled():
-        r = LeanRunner(model, exact=True)
-        r.forward(torch.tensor(prompt))
-        r.commit(range(len(prompt)))
-        return r
-
-    r = prefilled()
-    toks = torch.cat([torch.tensor([5]), tree.tokens])
-    out = r.forward(toks, r.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]),
-                    tree_mask(r.length, tree.ancestor_mask()))
-    for node in range(-1, len(tree)):
-        ref = prefilled()
-        for t in [5] + ([] if node < 0 else tree.tokens[tree.path_to(node)].tolist()):
-            last = ref.forward(torch.tensor([t])).logits[0]
-            ref.commit([0])
-        assert torch.equal(out.logits[node + 1], last), f"node {node}"
+    assert_tree_rows_are_steps(lambda: LeanRunner(model, exact=True))
 
 
 HEAD_METHODS = {"eagle", "eagle2", "fspad", "eagle3", "medusa", "hydra"}  # need a trained head

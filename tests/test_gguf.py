@@ -18,16 +18,16 @@ from specdec.drafters import registry
 from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.errors import SpecdecError
 from specdec.runtime import kernel_build, stream
-from specdec.runtime.base import tree_mask
 from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight, requantized
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.loading import Runtime
 from specdec.sampling import SamplingParams
-from specdec.tree import DraftTree, TreeBudget
+from specdec.tree import TreeBudget
 from tests.helpers import (
     FORMATS,
     K_QUANTS,
     SMALL_V,
+    assert_tree_rows_are_steps,
     at_threads,
     chi2_pvalue,
     gguf_runner,
@@ -133,26 +133,7 @@ def test_the_file_decodes_as_the_dequantized_model_does(tiny, tmp_path):
 
 def test_a_tree_row_equals_decoding_its_path_bitwise(tiny):
     _, path, model = tiny
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 97, (13,), generator=g).tolist()
-    tree = DraftTree(torch.randint(0, 97, (7,), generator=g), torch.tensor([-1, 0, 0, -1, 1, 3, 4]))
-
-    def prefilled():
-        r = gguf_runner(path, model)
-        r.forward(torch.tensor(prompt))
-        r.commit(range(len(prompt)))
-        return r
-
-    r = prefilled()
-    toks = torch.cat([torch.tensor([5]), tree.tokens])
-    out = r.forward(toks, r.length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]),
-                    tree_mask(r.length, tree.ancestor_mask()))
-    for node in range(-1, len(tree)):
-        ref = prefilled()
-        for t in [5] + ([] if node < 0 else tree.tokens[tree.path_to(node)].tolist()):
-            last = ref.forward(torch.tensor([t])).logits[0]
-            ref.commit([0])
-        assert torch.equal(out.logits[node + 1], last), f"node {node}"
+    assert_tree_rows_are_steps(lambda: gguf_runner(path, model))
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
