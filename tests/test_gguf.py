@@ -136,6 +136,56 @@ def test_a_tree_row_equals_decoding_its_path_bitwise(tiny):
     assert_tree_rows_are_steps(lambda: gguf_runner(path, model))
 
 
+def test_the_layers_in_one_native_call_give_the_layer_loops_bits(tiny, tmp_path):
+    """llama.native_stack: a forward's layers in one native call. Every row's logits, features and aux-layer
+    states equal the layer-by-layer path's, at N = 1...64 rows (chains and trees), on each format, on Qwen2's
+    biased q/k/v, and on an EAGLE head over the file's blocks."""
+    from specdec.heads.model import EagleHead
+    from specdec.heads.runner import runner_for
+    from specdec.runtime.base import tree_mask
+    from specdec.tree import DraftTree
+
+    fmt, path, model = tiny
+    qwen_path, qwen = tiny_gguf(tmp_path / "q.gguf", "Q4_K", "qwen2", seed=3)
+    g = torch.Generator().manual_seed(0)
+    for r in (gguf_runner(path, model), gguf_runner(qwen_path, qwen)):
+        assert r.stack is not None
+        stack, prompt = r.stack, torch.randint(0, 97, (9,), generator=g)
+        for n in (1, 2, 3, 5, 8, 13, 16, 31, 64):
+            toks = torch.randint(0, 97, (n,), generator=g)
+            # a root and a random tree of n - 1 nodes under it
+            tree = DraftTree(toks[1:], torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)],
+                                                    dtype=torch.long))
+            depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+            for positions, mask in ((None, None), (9 + depth, tree_mask(9, tree.ancestor_mask()))):
+                outs = []
+                for native in (stack, None):
+                    r.stack = native
+                    r.reset()
+                    r.forward(prompt)
+                    r.commit(range(9))
+                    outs.append(r.forward(toks, positions, mask, aux_layers=(0, 1)))
+                a, b = outs
+                assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features), (fmt, n)
+                assert torch.equal(a.aux, b.aux), (fmt, n)
+        r.stack = stack
+    head = EagleHead(model.config).eval()
+    run = runner_for(head, model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach(),
+                     weights="q8_0")
+    assert run.stack is not None
+    feats = torch.randn(20, model.config.hidden_size, generator=g)
+    outs = []
+    for native in (run.stack, None):
+        run.stack = native
+        run.reset()
+        got = [run.forward(torch.arange(3, 11), feats[:8])]
+        run.commit(range(8))
+        got.append(run.forward(torch.arange(11, 23), feats[8:], draft=False))
+        outs.append(got)
+    for (fa, ga), (fb, gb) in zip(*outs):
+        assert torch.equal(fa, fb) and torch.equal(ga, gb)
+
+
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_speculative_greedy_equals_vanilla_exactly(tiny, shape):
     _, path, model = tiny

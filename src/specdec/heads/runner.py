@@ -16,7 +16,7 @@ from specdec.heads.fspad import feature_sampler, gated_sample, pad_outputs
 from specdec.runtime.base import Cached
 from specdec.runtime.kv import KVCache
 from specdec.runtime.lean import EXACT_ROWS
-from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention
+from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, native_stack
 from specdec.runtime.packed import Linear
 from specdec.tree import Allowed
 
@@ -74,6 +74,7 @@ class HeadRunner(Cached):
         # weights: the precision of the target it drafts for (a cheaper target wants a cheaper draft)
         self.weights = weights
         self._build(head, pack, weights)
+        self.stack = native_stack(self.layers)
         self.embed = embed.detach()
         if head.lm_head is not None:
             self.lm = Linear(head.lm_head.weight, None, pack, weights)
@@ -223,7 +224,15 @@ class HeadRunner(Cached):
                                 torch.cat([p.sin.reshape(p.n, -1) for p in plans]),
                                 [p.kv.k for p in plans], [p.kv.v for p in plans], [p.start for p in plans], sizes,
                                 {None: [None if p.mask is None else p.mask.reshape(p.n, -1) for p in plans]})
-        for layer in self.layers:
+        if len(parts) == 1 and self.stack is not None and (plans[0].few or plans[0].n == 1):
+            p = plans[0]  # the layers in one native call (llama.native_stack): the loop below, bit for bit
+            mask = None if p.mask is None else p.mask.reshape(p.n, -1)
+            h = self.stack.forward(h[0], p.cos.reshape(p.n, -1), p.sin.reshape(p.n, -1), p.kv.k, p.kv.v, p.start,
+                                   mask, 0, len(self.layers))[None]
+            layers = []
+        else:
+            layers = self.layers
+        for layer in layers:
             # the fused kernels attend row by row (cheaper than SDPA for a few rows)
             args = [(p.cos, p.sin, p.kv, p.start, p.mask, p.causal, True if layer.fused is not None and p.few else None)
                     for p in plans]

@@ -18,7 +18,7 @@ from specdec.runtime import gemma, stream
 from specdec.runtime.base import ForwardOut, Part, Runner, in_window, layer_windows, soft_capped
 from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types, requantized
 from specdec.runtime.kv import KVCache
-from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, visible_columns
+from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, native_stack, visible_columns
 from specdec.runtime.packed import HeadRows, Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral", *gemma.MODEL_TYPES)
@@ -88,6 +88,7 @@ class LeanRunner(Runner):
         for rope in self.ropes.values():
             rope.grow(self.cache.capacity)  # positions never exceed the number of cache rows
         self.decode_kernel = self._pick_decode_kernel(linears)
+        self.stack = self._native_stack()
         # which build of the kernels ran (their source hash): costs measured on another build are stale
         self.kernel_build = stream.kernel().__name__ if self.decode_kernel == "stream" else ""
         self.kernel_path = self._kernel_path()
@@ -124,7 +125,15 @@ class LeanRunner(Runner):
         for x in weights:
             x.stream = QuantWeight([next(fresh) for _ in x.stream.parts], x.stream.bias)
         self.requantized_to = quant_types()[qtype][0]
+        self.stack = self._native_stack()
         return True
+
+    def _native_stack(self):
+        """llama.native_stack of the layers where a forward runs them all the same way (one RoPE table, no
+        sliding window, no embedding scale), else None."""
+        if len(self.ropes) > 1 or any(w is not None for w in self.windows) or self.embed_scale is not None:
+            return None
+        return native_stack(self.layers)
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
@@ -226,6 +235,8 @@ class LeanRunner(Runner):
              else F.embedding(tokens[None], self.embed))
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if len(seqs) == 1 and self.stack is not None and (plans[0].masks[None][2] is not None or sizes[0] == 1):
+            return [self._native(plans[0], h[0], logits_rows[0], aux_layers)]
         packed = _packed(plans, sizes) if len(seqs) > 1 and self.fused else None
         aux = []
         for i, (layer, w, r) in enumerate(zip(self.layers, self.windows, self.rope_kinds)):
@@ -256,6 +267,23 @@ class LeanRunner(Runner):
             logits = [h(x) for h, x in zip(heads, wanted)]
         auxs = aux_t.split(sizes) if aux_t is not None else [None] * len(seqs)
         return [ForwardOut(soft_capped(lg, self.config), f, a) for lg, f, a in zip(logits, fs, auxs)]
+
+    def _native(self, p: _Plan, h: torch.Tensor, logits_rows: slice | None, aux_layers: tuple[int, ...]) -> ForwardOut:
+        """One sequence's rows through the layers in native calls (one per stretch between the aux layers
+        whose inputs are kept): what _run's loop computes, bit for bit."""
+        n = h.shape[0]
+        cos, sin = (t.reshape(n, -1) for t in p.rope[None])
+        mask = p.masks[None][0]
+        mask = None if mask is None else mask.reshape(n, -1)
+        aux, at = [], 0
+        for i in [*sorted(set(aux_layers)), self.n_layers]:
+            h = self.stack.forward(h, cos, sin, p.kv.k, p.kv.v, p.start, mask, at, i)
+            at = i
+            if i < self.n_layers:
+                aux.append(h)
+        feats = self.fused.rms_norm(h, self.norm, self.eps)
+        wanted = feats if logits_rows is None else feats[logits_rows]
+        return ForwardOut(soft_capped(self.lm_head(wanted), self.config), feats, torch.cat(aux, -1) if aux else None)
 
     def _attention_plan(self, runner: LeanRunner, tokens: torch.Tensor, positions: torch.Tensor,
                         mask: torch.Tensor | None) -> _Plan:

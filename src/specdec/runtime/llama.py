@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.runtime import stream
-from specdec.runtime.gguf import cat_rows
+from specdec.runtime.gguf import QuantWeight, cat_rows
 from specdec.runtime.kv import KVCache
 from specdec.runtime.packed import Linear
 
@@ -221,6 +221,27 @@ class Block:
         """The layer's output from the MLP's activation y and the residual h: h + down(y) (fused: down adds
         h in its kernel). A subclass whose MLP output is not one residual add overrides it (PAD's)."""
         return self.down(y, h) if fused else h + self.down(y)
+
+
+def native_stack(blocks: list[Block]):
+    """The blocks as one native call per forward (kernels/layers.cpp: Stack.forward(h [n, H], cos, sin, kv.k,
+    kv.v, start, mask, first, last)), or None where a block's path is not the plain fused one: a subclass
+    (Gemma's norms, PAD's MLP output) or a linear off the quantized kernels. The same kernels in the same
+    order, so the same bits; what it saves is ~10 Python calls per layer."""
+    if not blocks or any(type(b) is not Block or b.fused is None for b in blocks):
+        return None
+    linears = [getattr(x, "stream", None) for b in blocks for x in (b.qkv, b.o, b.gate_up, b.down)]
+    if not all(isinstance(x, QuantWeight) for x in linears):
+        return None
+    ops = blocks[0].fused
+    if not hasattr(ops, "Stack"):
+        return None
+    stack = ops.Stack()
+    spec = lambda w: ([(ws, ts, key.startswith("qlinear16/")) for ws, ts, key in w.groups], w.bias)  # noqa: E731
+    for b in blocks:
+        stack.add(b.in_norm, b.post_norm, b.eps, b.index, b.n_heads, b.n_kv,
+                  *(spec(x.stream) for x in (b.qkv, b.o, b.gate_up, b.down)))
+    return stack
 
 
 def fused_ops(block: Block):

@@ -32,3 +32,6 @@ torch::Tensor unpack16(const torch::Tensor& w, int64_t type);  // repack16's inv
 torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids);
 torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
+
+// layers.cpp: llama.Block's fused path as one call per stack of layers (class Stack)
+void bind_layers(pybind11::module_& m);
