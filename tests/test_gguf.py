@@ -154,8 +154,8 @@ def test_the_layers_in_one_native_call_give_the_layer_loops_bits(tiny, tmp_path)
         for n in (1, 2, 3, 5, 8, 13, 16, 31, 64):
             toks = torch.randint(0, 97, (n,), generator=g)
             # a root and a random tree of n - 1 nodes under it
-            tree = DraftTree(toks[1:], torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)],
-                                                    dtype=torch.long))
+            parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)]
+            tree = DraftTree(toks[1:], torch.tensor(parents, dtype=torch.long))
             depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
             for positions, mask in ((None, None), (9 + depth, tree_mask(9, tree.ancestor_mask()))):
                 outs = []
@@ -168,6 +168,19 @@ def test_the_layers_in_one_native_call_give_the_layer_loops_bits(tiny, tmp_path)
                 a, b = outs
                 assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features), (fmt, n)
                 assert torch.equal(a.aux, b.aux), (fmt, n)
+        # several sequences packed in one forward (forward_many: a batch's step), each after its own prompt
+        forks = [r.fork() for _ in range(3)]
+        outs = []
+        for native in (stack, None):
+            for f in forks:
+                f.stack = native
+                f.reset()
+                f.forward(prompt[: 5 + forks.index(f)])
+                f.commit(range(5 + forks.index(f)))
+            parts = [(f, torch.arange(3, 3 + n), None, None) for f, n in zip(forks, (1, 4, 7))]
+            outs.append(forks[0].forward_many(parts, aux_layers=(1,)))
+        for a, b in zip(*outs):
+            assert torch.equal(a.logits, b.logits) and torch.equal(a.aux, b.aux), fmt
         r.stack = stack
     head = EagleHead(model.config).eval()
     run = runner_for(head, model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach(),
@@ -182,7 +195,14 @@ def test_the_layers_in_one_native_call_give_the_layer_loops_bits(tiny, tmp_path)
         run.commit(range(8))
         got.append(run.forward(torch.arange(11, 23), feats[8:], draft=False))
         outs.append(got)
-    for (fa, ga), (fb, gb) in zip(*outs):
+    forks = [run.fork() for _ in range(2)]
+    for native in (run.stack, None):
+        for f in forks:
+            f.stack = native
+            f.reset()
+        outs.append(run.forward_many([(f, torch.arange(3, 3 + n), feats[:n], None, None)
+                                      for f, n in zip(forks, (2, 5))]))
+    for (fa, ga), (fb, gb) in zip(outs[0] + outs[2], outs[1] + outs[3]):
         assert torch.equal(fa, fb) and torch.equal(ga, gb)
 
 

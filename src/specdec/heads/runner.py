@@ -224,15 +224,10 @@ class HeadRunner(Cached):
                                 torch.cat([p.sin.reshape(p.n, -1) for p in plans]),
                                 [p.kv.k for p in plans], [p.kv.v for p in plans], [p.start for p in plans], sizes,
                                 {None: [None if p.mask is None else p.mask.reshape(p.n, -1) for p in plans]})
-        if len(parts) == 1 and self.stack is not None and (plans[0].few or plans[0].n == 1):
-            p = plans[0]  # the layers in one native call (llama.native_stack): the loop below, bit for bit
-            mask = None if p.mask is None else p.mask.reshape(p.n, -1)
-            h = self.stack.forward(h[0], p.cos.reshape(p.n, -1), p.sin.reshape(p.n, -1), p.kv.k, p.kv.v, p.start,
-                                   mask, 0, len(self.layers))[None]
-            layers = []
-        else:
-            layers = self.layers
-        for layer in layers:
+        native = self._native(plans, packed)
+        if native is not None:  # the loop below in one native call (llama.native_stack), bit for bit
+            h = native(h[0])[None]
+        for layer in self.layers if native is None else ():
             # the fused kernels attend row by row (cheaper than SDPA for a few rows)
             args = [(p.cos, p.sin, p.kv, p.start, p.mask, p.causal, True if layer.fused is not None and p.few else None)
                     for p in plans]
@@ -251,6 +246,23 @@ class HeadRunner(Cached):
         if len(parts) == 1:
             return [(f, g)]
         return list(zip([None] * len(parts) if f is None else f.split(sizes), g.split(sizes)))
+
+    def _native(self, plans: list[_Rows], packed: PackedRows | None):
+        """h [rows, H] -> h after every layer in one native call, where the loop would take the fused kernels
+        (a few rows of one fork, or several forks packed); else None."""
+        if self.stack is None:
+            return None
+        end = len(self.layers)
+        if packed is not None:
+            k = packed
+            return lambda x: self.stack.forward_many(x, k.cos, k.sin, k.ks, k.vs, k.starts, k.sizes, k.masks[None],
+                                                     0, end)
+        p = plans[0]
+        if len(plans) > 1 or not (p.few or p.n == 1):
+            return None
+        mask = None if p.mask is None else p.mask.reshape(p.n, -1)
+        return lambda x: self.stack.forward(x, p.cos.reshape(p.n, -1), p.sin.reshape(p.n, -1), p.kv.k, p.kv.v,
+                                            p.start, mask, 0, end)
 
     def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(what the next draft step reads, the LM head's input) from the last layer's output [n, H]."""

@@ -235,11 +235,18 @@ class LeanRunner(Runner):
              else F.embedding(tokens[None], self.embed))
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        if len(seqs) == 1 and self.stack is not None and (plans[0].masks[None][2] is not None or sizes[0] == 1):
-            return [self._native(plans[0], h[0], logits_rows[0], aux_layers)]
         packed = _packed(plans, sizes) if len(seqs) > 1 and self.fused else None
         aux = []
-        for i, (layer, w, r) in enumerate(zip(self.layers, self.windows, self.rope_kinds)):
+        native = self._native(plans, sizes, packed)
+        if native is not None:  # the loop below in native calls, one per stretch between kept aux states
+            x, at = h[0], 0
+            for i in [*sorted(set(aux_layers)), self.n_layers]:
+                x = native(x, at, i)
+                at = i
+                if i < self.n_layers:
+                    aux.append(x)
+            h = x[None]
+        for i, (layer, w, r) in enumerate(zip(self.layers, self.windows, self.rope_kinds) if native is None else ()):
             if i in aux_layers:
                 aux.append(h[0])
             qkv = layer.project(h)
@@ -268,22 +275,22 @@ class LeanRunner(Runner):
         auxs = aux_t.split(sizes) if aux_t is not None else [None] * len(seqs)
         return [ForwardOut(soft_capped(lg, self.config), f, a) for lg, f, a in zip(logits, fs, auxs)]
 
-    def _native(self, p: _Plan, h: torch.Tensor, logits_rows: slice | None, aux_layers: tuple[int, ...]) -> ForwardOut:
-        """One sequence's rows through the layers in native calls (one per stretch between the aux layers
-        whose inputs are kept): what _run's loop computes, bit for bit."""
-        n = h.shape[0]
+    def _native(self, plans: list[_Plan], sizes: list[int], packed: PackedRows | None):
+        """(h [rows, H], first layer, last layer) -> h after those layers in one native call (llama.native_stack),
+        where the layer loop would take the fused kernels (exact rows; one sequence, or several packed); else None."""
+        if self.stack is None:
+            return None
+        if packed is not None:
+            k = packed
+            return lambda x, a, b: self.stack.forward_many(x, k.cos, k.sin, k.ks, k.vs, k.starts, k.sizes,
+                                                           k.masks[None], a, b)
+        p, n = plans[0], sizes[0]
+        if len(plans) > 1 or (p.masks[None][2] is None and n > 1):
+            return None
         cos, sin = (t.reshape(n, -1) for t in p.rope[None])
         mask = p.masks[None][0]
         mask = None if mask is None else mask.reshape(n, -1)
-        aux, at = [], 0
-        for i in [*sorted(set(aux_layers)), self.n_layers]:
-            h = self.stack.forward(h, cos, sin, p.kv.k, p.kv.v, p.start, mask, at, i)
-            at = i
-            if i < self.n_layers:
-                aux.append(h)
-        feats = self.fused.rms_norm(h, self.norm, self.eps)
-        wanted = feats if logits_rows is None else feats[logits_rows]
-        return ForwardOut(soft_capped(self.lm_head(wanted), self.config), feats, torch.cat(aux, -1) if aux else None)
+        return lambda x, a, b: self.stack.forward(x, cos, sin, p.kv.k, p.kv.v, p.start, mask, a, b)
 
     def _attention_plan(self, runner: LeanRunner, tokens: torch.Tensor, positions: torch.Tensor,
                         mask: torch.Tensor | None) -> _Plan:

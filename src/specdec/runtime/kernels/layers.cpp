@@ -81,6 +81,23 @@ class Stack {
     return h;
   }
 
+  // Several sequences' rows packed in h [sum(sizes), H] (llama.Block.attend_many's path): the linears and
+  // norms once over all rows, RoPE, the cache writes and attention per sequence into its own ks[s], vs[s].
+  Tensor forward_many(Tensor h, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& ks,
+                      const std::vector<Tensor>& vs, const std::vector<int64_t>& starts,
+                      const std::vector<int64_t>& sizes, const std::vector<OptTensor>& masks, int64_t first,
+                      int64_t last) const {
+    TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(layers_.size()), "layers out of range");
+    for (int64_t i = first; i < last; i++) {
+      const Layer& l = layers_[i];
+      const Tensor x = l.in_norm ? rms_norm(h, *l.in_norm, l.eps) : h;
+      const Tensor q = rope_store_many(l.qkv(x), cos, sin, ks, vs, l.index, starts, sizes, l.nh, l.nkv);
+      h = l.o(attend_many(q, ks, vs, l.index, starts, sizes, masks), h);
+      h = l.down(silu_mul(l.gate_up(rms_norm(h, l.post_norm, l.eps))), h);
+    }
+    return h;
+  }
+
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
@@ -95,5 +112,6 @@ void bind_layers(pybind11::module_& m) {
       .def(py::init<>())
       .def("add", &Stack::add)
       .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_many", &Stack::forward_many, py::call_guard<py::gil_scoped_release>())
       .def("__len__", &Stack::size);
 }
