@@ -124,7 +124,28 @@ needs_kernel = pytest.mark.skipif(stream.kernel() is None, reason="needs the str
 
 @pytest.fixture(scope="module", params=["Q4_K", "Q8_0"])
 def tiny(request, tmp_path_factory):
-    return tiny_gguf(tmp_path_factory.mktemp("gemma") / "g.gguf", request.param, "gemma3")
+    """Attention scaled by head_dim ** -0.5, as the released Gemma 3 files are: its layers take the fused
+    kernels (the float `model` above, scaled otherwise, keeps the torch ops)."""
+    return tiny_gguf(tmp_path_factory.mktemp("gemma") / "g.gguf", request.param, "gemma3", query_pre_attn_scalar=64)
+
+
+@needs_kernel
+def test_the_fused_layers_give_exact_rows_near_the_torch_ops(tiny):
+    """On the fused kernels (their RMSNorm on every norm, q/k normalized before the kernels' RoPE and attention)
+    a tree row has the bits of its decode step, past the window, and the logits stay within float rounding of
+    the same layers on torch ops."""
+    path, model = tiny
+    r = gguf_runner(path, model)
+    assert r.fused is not None and all(b.fused is not None for b in r.layers)
+    assert_tree_rows_are_steps(lambda: gguf_runner(path, model))
+    ids = torch.arange(3, 30)
+    got = r.forward(ids).logits
+    off = gguf_runner(path, model)
+    for b in off.layers:
+        b.fused = None
+    off.fused = None
+    ref = off.forward(ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-4
 
 
 @needs_kernel

@@ -264,7 +264,7 @@ def attention_reference(q, kc, vc, visible):
 
 
 @needs_kernel
-@pytest.mark.parametrize("hd,start", [(16, 37), (64, 37), (128, 37), (64, 301)])
+@pytest.mark.parametrize("hd,start", [(16, 37), (64, 37), (128, 37), (256, 37), (64, 301)])
 def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd, start):
     """Each row over exactly its columns, and the same bits alone as beside other rows: the rows of one
     call share the K/V blocks of the columns all of them see (start 301: several blocks), never arithmetic."""

@@ -8,7 +8,8 @@
 
 The runner-level differences (the embedding times sqrt(hidden_size), a RoPE table per layer type: local
 layers have their own base) are embed_scale and rope_kinds here; sliding windows and logit soft-capping are
-generic (base.layer_windows, base.soft_capped). No fused kernels: they implement the Llama layer only.
+generic (base.layer_windows, base.soft_capped). On the fused kernels (kernels/fused.cpp) every norm is
+their RMSNorm, q and k are normalized in `project`, and RoPE, the cache writes and attention are Llama's.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ class GemmaBlock(Block):
                  invariant: bool = True) -> None:
         super().__init__(layer, index, eps, pack, weights, invariant)
         a = layer.self_attn
-        self.fused = None
         self.scale = a.scaling
+        if self.fused is not None and torch.tensor(self.scale, dtype=torch.float32) != torch.tensor(
+                self.head_dim, dtype=torch.float32).rsqrt():
+            self.fused = None  # the attention kernel scales by head_dim ** -0.5
         self.in_norm = norm_scale(layer.input_layernorm)
         self.attn_out_norm = norm_scale(layer.post_attention_layernorm)
         self.post_norm = norm_scale(layer.pre_feedforward_layernorm)  # the MLP's input norm, as in Block
@@ -87,11 +90,28 @@ class GemmaBlock(Block):
         self.qk_scale = torch.cat([norm_scale(a.q_norm).expand(self.n_heads, -1),
                                    norm_scale(a.k_norm).expand(self.n_kv, -1)])
 
+        self.q_scale, self.k_scale = norm_scale(a.q_norm).contiguous(), norm_scale(a.k_norm).contiguous()
+
     def norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), scale, self.eps).view(x.shape)
         return F.rms_norm(x.float(), (scale.shape[-1],), eps=self.eps).mul(scale).to(x.dtype)
 
     def qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         return self.norm(qk, self.qk_scale)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """On the fused kernels q and k leave normalized (their kernels take RoPE and attention as Llama's do);
+        on the torch ops attend normalizes them."""
+        qkv = super().project(h)
+        if self.fused is None or h.shape[0] != 1:
+            return qkv
+        n, nh, nkv, hd = qkv.shape[1], self.n_heads, self.n_kv, self.head_dim
+        x = qkv[0]
+        q = self.fused.rms_norm(x[:, : nh * hd].reshape(n * nh, hd), self.q_scale, self.eps).view(n, nh * hd)
+        k = self.fused.rms_norm(x[:, nh * hd: (nh + nkv) * hd].reshape(n * nkv, hd), self.k_scale,
+                                self.eps).view(n, nkv * hd)
+        return torch.cat([q, k, x[:, (nh + nkv) * hd:]], dim=-1)[None]
 
     def finish(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.norm(self.o(a), self.attn_out_norm)

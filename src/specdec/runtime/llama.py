@@ -248,7 +248,7 @@ def fused_ops(block: Block):
     """The fused kernels' module for this block, or None (then the torch ops run): they need every linear
     on the streaming kernel (CPU, fp32 activations) and a head_dim the attention kernel takes."""
     linears = (block.qkv, block.o, block.gate_up, block.down)
-    if not all(x.stream is not None for x in linears) or block.head_dim not in (16, 32, 64, 128):
+    if not all(x.stream is not None for x in linears) or block.head_dim not in (16, 32, 64, 128, 256):
         return None
     if block.gate_up.out_features % 16 or block.post_norm.shape[0] % 8:
         return None

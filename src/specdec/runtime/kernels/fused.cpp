@@ -315,7 +315,7 @@ struct Rows {
 Rows plan_rows(const float* q, int64_t qs, float* out, int64_t n, int64_t nh, const torch::Tensor& kc,
                const torch::Tensor& vc, int64_t start, const c10::optional<torch::Tensor>& mask) {
   const int64_t hd = kc.size(2);
-  TORCH_CHECK(kc.dim() == 3 && (hd == 16 || hd == 32 || hd == 64 || hd == 128) && nh % kc.size(0) == 0 &&
+  TORCH_CHECK(kc.dim() == 3 && (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256) && nh % kc.size(0) == 0 &&
               kc.stride(2) == 1 && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
               vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat,
               "attend: head_dim must be 16, 32, 64 or 128, and K and V caches alike");
@@ -371,7 +371,8 @@ void attend_tasks(const Rows& r, int64_t nh, int64_t group, int64_t hd, int64_t 
       case 16: attend_group<2>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
       case 32: attend_group<4>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
       case 64: attend_group<8>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
-      default: attend_group<16>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
+      case 128: attend_group<16>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
+      default: attend_group<32>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;  // 256 (Gemma 3)
     }
   }
 }
