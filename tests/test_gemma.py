@@ -146,6 +146,15 @@ def test_the_fused_layers_give_exact_rows_near_the_torch_ops(tiny):
     off.fused = None
     ref = off.forward(ids).logits
     assert ((got - ref).norm() / ref.norm()).item() < 1e-4
+    # a batch's forward (forks of one runner, past the window): each sequence's rows as in its own forward
+    forks = [r.fork() for _ in range(2)]
+    for f, n in zip(forks, (11, 4)):
+        f.forward(ids[:n])
+        f.commit(range(n))
+    many = r.forward_many([(f, ids[20:20 + n], None, None) for f, n in zip(forks, (1, 5))])
+    for f, n, out in zip(forks, (1, 5), many):
+        f.rollback()
+        assert torch.equal(f.forward(ids[20:20 + n]).logits, out.logits)
 
 
 @needs_kernel

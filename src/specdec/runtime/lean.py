@@ -235,7 +235,8 @@ class LeanRunner(Runner):
              else F.embedding(tokens[None], self.embed))
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        packed = _packed(plans, sizes) if len(seqs) > 1 and self.fused else None
+        # packed attention reads one RoPE table (Gemma's two: each sequence attends in its own call)
+        packed = _packed(plans, sizes) if len(seqs) > 1 and self.fused and len(self.ropes) == 1 else None
         aux = []
         native = self._native(plans, sizes, packed)
         if native is not None:  # the loop below in native calls, one per stretch between kept aux states
