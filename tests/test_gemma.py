@@ -136,8 +136,20 @@ def test_the_fused_layers_give_exact_rows_near_the_torch_ops(tiny):
     the same layers on torch ops."""
     path, model = tiny
     r = gguf_runner(path, model)
-    assert r.fused is not None and all(b.fused is not None for b in r.layers)
+    assert r.fused is not None and all(b.fused is not None for b in r.layers) and r.stack is not None
     assert_tree_rows_are_steps(lambda: gguf_runner(path, model))
+    stack = r.stack  # the layers in one native call (llama.native_stack): the layer loop's bits
+    for n in (1, 3, 8, 17):
+        outs = []
+        for native in (stack, None):
+            r.stack = native
+            r.reset()
+            r.forward(torch.arange(40, 51))
+            r.commit(range(11))
+            outs.append(r.forward(torch.arange(3, 3 + n), aux_layers=(1,)))
+        assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].aux, outs[1].aux), n
+    r.stack = stack
+    r.reset()
     ids = torch.arange(3, 30)
     got = r.forward(ids).logits
     off = gguf_runner(path, model)

@@ -46,6 +46,8 @@ class PadBlock(Block):
     applies pad_outputs. With `tail_only` (rows no draft step continues from) it computes f̃'s half alone
     and adds it like any layer: the block returns f̃."""
 
+    native = False  # its MLP output is its own (mlp_out)
+
     def __init__(self, layer, index: int, eps: float, pack: bool, weights: str | None) -> None:
         super().__init__(layer, index, eps, pack, weights)
         w, h = layer.mlp.down_proj, layer.mlp.down_proj.weight.shape[0] // 2
@@ -255,14 +257,14 @@ class HeadRunner(Cached):
         end = len(self.layers)
         if packed is not None:
             k = packed
-            return lambda x: self.stack.forward_many(x, k.cos, k.sin, k.ks, k.vs, k.starts, k.sizes, k.masks[None],
+            return lambda x: self.stack.forward_many(x, k.cos, k.sin, k.ks, k.vs, k.starts, k.sizes, [k.masks[None]],
                                                      0, end)
         p = plans[0]
         if len(plans) > 1 or not (p.few or p.n == 1):
             return None
         mask = None if p.mask is None else p.mask.reshape(p.n, -1)
-        return lambda x: self.stack.forward(x, p.cos.reshape(p.n, -1), p.sin.reshape(p.n, -1), p.kv.k, p.kv.v,
-                                            p.start, mask, 0, end)
+        return lambda x: self.stack.forward(x, [p.cos.reshape(p.n, -1)], [p.sin.reshape(p.n, -1)], p.kv.k, p.kv.v,
+                                            p.start, [mask], 0, end)
 
     def _outputs(self, h: torch.Tensor, feature: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(what the next draft step reads, the LM head's input) from the last layer's output [n, H]."""

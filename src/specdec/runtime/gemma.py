@@ -92,6 +92,9 @@ class GemmaBlock(Block):
 
         self.q_scale, self.k_scale = norm_scale(a.q_norm).contiguous(), norm_scale(a.k_norm).contiguous()
 
+    def native_norms(self) -> list[torch.Tensor]:
+        return [self.q_scale, self.k_scale, self.attn_out_norm, self.mlp_out_norm]
+
     def norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), scale, self.eps).view(x.shape)

@@ -129,11 +129,11 @@ class LeanRunner(Runner):
         return True
 
     def _native_stack(self):
-        """llama.native_stack of the layers where a forward runs them all the same way (one RoPE table, no
-        sliding window, no embedding scale), else None."""
-        if len(self.ropes) > 1 or any(w is not None for w in self.windows) or self.embed_scale is not None:
-            return None
-        return native_stack(self.layers)
+        """llama.native_stack of the layers, each reading its RoPE table and window's mask (in the order of
+        self.ropes and of the distinct windows)."""
+        kinds, windows = list(self.ropes), list(dict.fromkeys(self.windows))
+        return native_stack(self.layers, [kinds.index(k) for k in self.rope_kinds],
+                            [windows.index(w) for w in self.windows])
 
     def _pick_decode_kernel(self, linears: list[Linear]) -> str:
         """'stream' (the streaming kernel, at every row count), else 'gemv' or 'packed': which kernel runs
@@ -281,17 +281,16 @@ class LeanRunner(Runner):
         where the layer loop would take the fused kernels (exact rows; one sequence, or several packed); else None."""
         if self.stack is None:
             return None
+        windows = list(dict.fromkeys(self.windows))
         if packed is not None:
-            k = packed
-            return lambda x, a, b: self.stack.forward_many(x, k.cos, k.sin, k.ks, k.vs, k.starts, k.sizes,
-                                                           k.masks[None], a, b)
+            k, masks = packed, [packed.masks[w] for w in windows]
+            return lambda x, a, b: self.stack.forward_many(x, k.cos, k.sin, k.ks, k.vs, k.starts, k.sizes, masks, a, b)
         p, n = plans[0], sizes[0]
-        if len(plans) > 1 or (p.masks[None][2] is None and n > 1):
+        if len(plans) > 1 or (n > 1 and any(p.masks[w][2] is None for w in windows)):
             return None
-        cos, sin = (t.reshape(n, -1) for t in p.rope[None])
-        mask = p.masks[None][0]
-        mask = None if mask is None else mask.reshape(n, -1)
-        return lambda x, a, b: self.stack.forward(x, cos, sin, p.kv.k, p.kv.v, p.start, mask, a, b)
+        coss, sins = zip(*[(c.reshape(n, -1), s.reshape(n, -1)) for c, s in (p.rope[k] for k in self.ropes)])
+        masks = [None if m is None else m.reshape(n, -1) for m in (p.masks[w][0] for w in windows)]
+        return lambda x, a, b: self.stack.forward(x, list(coss), list(sins), p.kv.k, p.kv.v, p.start, masks, a, b)
 
     def _attention_plan(self, runner: LeanRunner, tokens: torch.Tensor, positions: torch.Tensor,
                         mask: torch.Tensor | None) -> _Plan:

@@ -110,6 +110,7 @@ class Block:
     no input norm when the layer has nn.Identity there (EAGLE's first head layer)."""
 
     scale: float | None = None  # attention's scale (None: SDPA's 1 / sqrt(head_dim))
+    native = True  # native_stack runs its fused path (a subclass it does not know sets False)
 
     def __init__(self, layer: nn.Module, index: int, eps: float, pack: bool = True, weights: str | None = None,
                  invariant: bool = True) -> None:
@@ -217,18 +218,23 @@ class Block:
         g, u = self.gate_up(x).chunk(2, dim=-1)
         return self.mlp_out(F.silu(g) * u, h, fused=False)
 
+    def native_norms(self) -> list[torch.Tensor] | None:
+        """The norms native_stack applies beyond Llama's (Gemma's q, k, attention-output and MLP-output ones)."""
+        return None
+
     def mlp_out(self, y: torch.Tensor, h: torch.Tensor, fused: bool) -> torch.Tensor:
         """The layer's output from the MLP's activation y and the residual h: h + down(y) (fused: down adds
         h in its kernel). A subclass whose MLP output is not one residual add overrides it (PAD's)."""
         return self.down(y, h) if fused else h + self.down(y)
 
 
-def native_stack(blocks: list[Block]):
-    """The blocks as one native call per forward (kernels/layers.cpp: Stack.forward(h [n, H], cos, sin, kv.k,
-    kv.v, start, mask, first, last)), or None where a block's path is not the plain fused one: a subclass
-    (Gemma's norms, PAD's MLP output) or a linear off the quantized kernels. The same kernels in the same
-    order, so the same bits; what it saves is ~10 Python calls per layer."""
-    if not blocks or any(type(b) is not Block or b.fused is None for b in blocks):
+def native_stack(blocks: list[Block], ropes: list[int] | None = None, windows: list[int] | None = None):
+    """The blocks as one native call per forward (kernels/layers.cpp: Stack.forward(h [n, H], coss, sins, kv.k,
+    kv.v, start, masks, first, last)), or None where a block's path is not one the stack knows (PAD's MLP output)
+    or a linear is off the quantized kernels. ropes, windows: each block's RoPE table and mask among those a
+    forward passes (default: the first). The same kernels in the same order, so the same bits; what it saves
+    is ~10 Python calls per layer."""
+    if not blocks or any(not b.native or b.fused is None for b in blocks):
         return None
     linears = [getattr(x, "stream", None) for b in blocks for x in (b.qkv, b.o, b.gate_up, b.down)]
     if not all(isinstance(x, QuantWeight) for x in linears):
@@ -238,9 +244,10 @@ def native_stack(blocks: list[Block]):
         return None
     stack = ops.Stack()
     spec = lambda w: ([(ws, ts, key.startswith("qlinear16/")) for ws, ts, key in w.groups], w.bias)  # noqa: E731
-    for b in blocks:
-        stack.add(b.in_norm, b.post_norm, b.eps, b.index, b.n_heads, b.n_kv,
-                  *(spec(x.stream) for x in (b.qkv, b.o, b.gate_up, b.down)))
+    for i, b in enumerate(blocks):
+        stack.add(b.in_norm, b.post_norm, b.eps, b.index, b.n_heads, b.n_kv, ropes[i] if ropes else 0,
+                  windows[i] if windows else 0, *(spec(x.stream) for x in (b.qkv, b.o, b.gate_up, b.down)),
+                  b.native_norms())
     return stack
 
 

@@ -1,6 +1,7 @@
 // A stack of decoder layers as one native call: the kernels of fused.cpp and the quantized linears, called
-// in exactly the order llama.Block's fused path calls them from Python (project, attend, finish), so every
-// row gets the same bits. What it saves is the dispatch: ~10 calls through Python and pybind per layer,
+// in exactly the order llama.Block's (and gemma.GemmaBlock's) fused path calls them from Python (project,
+// attend, finish), with the same ATen ops where that path uses torch (Gemma's GeGLU), so every row gets the
+// same bits. What it saves is the dispatch: ~10 calls through Python and pybind per layer,
 // ~0.7 ms of SmolLM2's ~6 ms step on one thread.
 #include <torch/extension.h>
 
@@ -49,51 +50,84 @@ QuantLinear make_linear(const LinearSpec& spec) {
   return l;
 }
 
+// Gemma 3's differences (gemma.GemmaBlock on the fused kernels): q and k normalized per head before RoPE,
+// norms on the attention's and the MLP's outputs before their residual adds, GeGLU.
+struct GemmaNorms {
+  Tensor q, k, attn_out, mlp_out;
+};
+
 struct Layer {
   OptTensor in_norm;
   Tensor post_norm;
   double eps;
-  int64_t index, nh, nkv;
+  int64_t index, nh, nkv, rope, window;  // rope, window: which of forward's RoPE tables and masks it reads
   QuantLinear qkv, o, gate_up, down;
+  c10::optional<GemmaNorms> gemma;
+
+  Tensor project(const Tensor& h) const {
+    const Tensor x = in_norm ? rms_norm(h, *in_norm, eps) : h;
+    Tensor qkv_ = qkv(x);
+    if (!gemma) return qkv_;
+    const int64_t n = qkv_.size(0), hd = gemma->q.numel();
+    const Tensor q = rms_norm(qkv_.narrow(1, 0, nh * hd).reshape({n * nh, hd}), gemma->q, eps).view({n, nh * hd});
+    const Tensor k = rms_norm(qkv_.narrow(1, nh * hd, nkv * hd).reshape({n * nkv, hd}), gemma->k, eps)
+                         .view({n, nkv * hd});
+    return at::cat({q, k, qkv_.narrow(1, (nh + nkv) * hd, qkv_.size(1) - (nh + nkv) * hd)}, -1);
+  }
+
+  Tensor finish(const Tensor& a, Tensor h) const {
+    if (!gemma) {
+      h = o(a, h);
+      return down(silu_mul(gate_up(rms_norm(h, post_norm, eps))), h);
+    }
+    h = h + rms_norm(o(a), gemma->attn_out, eps);
+    const auto gu = gate_up(rms_norm(h, post_norm, eps)).chunk(2, -1);
+    return h + rms_norm(down(at::gelu(gu[0], "tanh") * gu[1]), gemma->mlp_out, eps);
+  }
 };
 
 class Stack {
  public:
   void add(const OptTensor& in_norm, const Tensor& post_norm, double eps, int64_t index, int64_t nh, int64_t nkv,
-           const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down) {
-    layers_.push_back({in_norm, post_norm, eps, index, nh, nkv, make_linear(qkv), make_linear(o),
-                       make_linear(gate_up), make_linear(down)});
+           int64_t rope, int64_t window, const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up,
+           const LinearSpec& down, const c10::optional<std::vector<Tensor>>& gemma) {
+    c10::optional<GemmaNorms> g;
+    if (gemma) {
+      TORCH_CHECK(gemma->size() == 4, "Gemma's norms: q, k, attention output, MLP output");
+      g = GemmaNorms{(*gemma)[0], (*gemma)[1], (*gemma)[2], (*gemma)[3]};
+    }
+    layers_.push_back({in_norm, post_norm, eps, index, nh, nkv, rope, window, make_linear(qkv), make_linear(o),
+                       make_linear(gate_up), make_linear(down), g});
   }
 
   // h [n, H] through layers [first, last): K/V written to k[index, 0], v[index, 0] at columns start.., every
-  // row attending over exactly its visible columns (mask [n, start + n], or none: each row after all before it).
-  Tensor forward(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& k, const Tensor& v, int64_t start,
-                 const OptTensor& mask, int64_t first, int64_t last) const {
-    TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(layers_.size()), "layers out of range");
+  // row attending over exactly its visible columns (masks[window] [n, start + n], or none: each row after all
+  // before it); RoPE from coss[rope], sins[rope] [n, head_dim].
+  Tensor forward(Tensor h, const std::vector<Tensor>& coss, const std::vector<Tensor>& sins, const Tensor& k,
+                 const Tensor& v, int64_t start, const std::vector<OptTensor>& masks, int64_t first,
+                 int64_t last) const {
+    check(first, last);
     for (int64_t i = first; i < last; i++) {
       const Layer& l = layers_[i];
-      const Tensor x = l.in_norm ? rms_norm(h, *l.in_norm, l.eps) : h;
       const Tensor kc = k.select(0, l.index).select(0, 0), vc = v.select(0, l.index).select(0, 0);
-      const Tensor q = rope_store(l.qkv(x), cos, sin, kc, vc, start, l.nh, l.nkv);
-      h = l.o(attend(q, kc, vc, start, mask), h);
-      h = l.down(silu_mul(l.gate_up(rms_norm(h, l.post_norm, l.eps))), h);
+      const Tensor q = rope_store(l.project(h), coss.at(l.rope), sins.at(l.rope), kc, vc, start, l.nh, l.nkv);
+      h = l.finish(attend(q, kc, vc, start, masks.at(l.window)), h);
     }
     return h;
   }
 
-  // Several sequences' rows packed in h [sum(sizes), H] (llama.Block.attend_many's path): the linears and
-  // norms once over all rows, RoPE, the cache writes and attention per sequence into its own ks[s], vs[s].
+  // Several sequences' rows packed in h [sum(sizes), H] (llama.Block.attend_many's path; one RoPE table): the
+  // linears and norms once over all rows, RoPE, the cache writes and attention per sequence into its own
+  // ks[s], vs[s], with masks[window][s].
   Tensor forward_many(Tensor h, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& ks,
                       const std::vector<Tensor>& vs, const std::vector<int64_t>& starts,
-                      const std::vector<int64_t>& sizes, const std::vector<OptTensor>& masks, int64_t first,
-                      int64_t last) const {
-    TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(layers_.size()), "layers out of range");
+                      const std::vector<int64_t>& sizes, const std::vector<std::vector<OptTensor>>& masks,
+                      int64_t first, int64_t last) const {
+    check(first, last);
     for (int64_t i = first; i < last; i++) {
       const Layer& l = layers_[i];
-      const Tensor x = l.in_norm ? rms_norm(h, *l.in_norm, l.eps) : h;
-      const Tensor q = rope_store_many(l.qkv(x), cos, sin, ks, vs, l.index, starts, sizes, l.nh, l.nkv);
-      h = l.o(attend_many(q, ks, vs, l.index, starts, sizes, masks), h);
-      h = l.down(silu_mul(l.gate_up(rms_norm(h, l.post_norm, l.eps))), h);
+      const Tensor q = rope_store_many(l.project(h), cos, sin, ks, vs, l.index, starts, sizes, l.nh, l.nkv);
+      h = l.finish(attend_many(q, ks, vs, l.index, starts, sizes, masks.at(l.window)), h);
     }
     return h;
   }
@@ -101,6 +135,10 @@ class Stack {
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  void check(int64_t first, int64_t last) const {
+    TORCH_CHECK(0 <= first && first <= last && last <= size(), "layers out of range");
+  }
+
   std::vector<Layer> layers_;
 };
 
