@@ -264,15 +264,17 @@ def attention_reference(q, kc, vc, visible):
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hd,start", [(16, 37), (64, 37), (128, 37), (256, 37), (64, 301)])
-def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd, start):
+def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd, start, cache):
     """Each row over exactly its columns, and the same bits alone as beside other rows: the rows of one
-    call share the K/V blocks of the columns all of them see (start 301: several blocks), never arithmetic."""
+    call share the K/V blocks of the columns all of them see (start 301: several blocks), never arithmetic.
+    An fp16 cache is read as its values widened (exactly) to fp32."""
     ops = stream.kernel()
     g = torch.Generator().manual_seed(hd + start)
     nh, nkv, n = 6, 2, 9
     cap = start + n + 8
-    kc, vc = torch.randn(nkv, cap, hd, generator=g), torch.randn(nkv, cap, hd, generator=g)
+    kc, vc = torch.randn(nkv, cap, hd, generator=g).to(cache), torch.randn(nkv, cap, hd, generator=g).to(cache)
     q = torch.randn(n, nh * hd, generator=g) * 3
     arbitrary = torch.rand(n, start + n, generator=g) < 0.6  # any visibility pattern, every row sees itself
     arbitrary[:, :start] |= torch.arange(start) < 5
@@ -287,7 +289,7 @@ def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd,
     chain = torch.ones(n, start + n, dtype=torch.bool).tril(start)
     for mask, visible in ((arbitrary, arbitrary), (tree, tree), (None, chain)):
         out = ops.attend(q, kc, vc, start, mask)
-        ref = attention_reference(q, kc, vc, visible)
+        ref = attention_reference(q, kc.float(), vc.float(), visible)
         assert (out - ref).abs().max() < 1e-5
         for i in range(n):  # each row alone, and with other columns added to the cache: the same bits
             row_mask = visible[i:i + 1].clone()
@@ -297,10 +299,12 @@ def test_fused_attention_is_softmax_attention_over_exactly_each_rows_columns(hd,
 
 
 @needs_kernel
-def test_packed_sequences_get_the_bits_of_their_own_rope_and_attention_calls():
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
+def test_packed_sequences_get_the_bits_of_their_own_rope_and_attention_calls(cache):
     """rope_store_many and attend_many over sequences of 1, 8 and 64 rows (a chain, a tree, an arbitrary
     mask; different cache lengths), each in layer 2 of its own cache: every sequence's q, cache writes and
-    attention output equal its own rope_store and attend calls, to the bit."""
+    attention output equal its own rope_store and attend calls, to the bit. An fp16 cache holds what an fp32
+    one holds, rounded to nearest even (torch's .half())."""
     ops = stream.kernel()
     g = torch.Generator().manual_seed(7)
     nh, nkv, hd, layers = 6, 2, 64, 3
@@ -317,8 +321,8 @@ def test_packed_sequences_get_the_bits_of_their_own_rope_and_attention_calls():
     qkv = torch.randn(sum(sizes), (nh + 2 * nkv) * hd, generator=g)
     ang = torch.rand(sum(sizes), hd // 2, generator=g) * 6
     cos, sin = torch.cat([ang.cos(), ang.cos()], 1), torch.cat([-ang.sin(), ang.sin()], 1)
-    ks = [torch.randn(layers, 1, nkv, 400, hd, generator=g) for _ in sizes]
-    vs = [torch.randn(layers, 1, nkv, 400, hd, generator=g) for _ in sizes]
+    ks = [torch.randn(layers, 1, nkv, 400, hd, generator=g).to(cache) for _ in sizes]
+    vs = [torch.randn(layers, 1, nkv, 400, hd, generator=g).to(cache) for _ in sizes]
     alone = [(k[2, 0].clone(), v[2, 0].clone()) for k, v in zip(ks, vs)]
     other_layers = [k[:2].clone() for k in ks]
     q = ops.rope_store_many(qkv, cos, sin, ks, vs, 2, starts, sizes, nh, nkv)
@@ -331,6 +335,10 @@ def test_packed_sequences_get_the_bits_of_their_own_rope_and_attention_calls():
         assert torch.equal(ks[s][2, 0], kc) and torch.equal(vs[s][2, 0], vc), s
         assert torch.equal(out[rows], ops.attend(q1, kc, vc, start, mask)), s
         assert torch.equal(ks[s][:2], other_layers[s]), s  # only the given layer is written
+        if cache == torch.float16:
+            k32, v32 = kc.float(), vc.float()
+            ops.rope_store(qkv[rows], cos[rows], sin[rows], k32, v32, start, nh, nkv)
+            assert torch.equal(k32.half(), kc) and torch.equal(v32.half(), vc), s
         r += n
     with pytest.raises(RuntimeError, match="one cache, start, size and mask per sequence"):
         ops.attend_many(q, ks, vs, 2, starts, sizes, masks[:2])

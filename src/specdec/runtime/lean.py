@@ -19,7 +19,7 @@ from specdec.runtime.base import ForwardOut, Part, Runner, in_window, layer_wind
 from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types, requantized
 from specdec.runtime.kv import KVCache
 from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, native_stack, visible_columns
-from specdec.runtime.packed import HeadRows, Linear, precision_name
+from specdec.runtime.packed import GGUF, HeadRows, Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral", *gemma.MODEL_TYPES)
 # Forwards of up to this many rows (decode steps, verify trees) attend row by row, which makes a row's
@@ -80,7 +80,11 @@ class LeanRunner(Runner):
         self.windows = layer_windows(cfg, len(self.layers))
         # batched data generation (runtime/batched.py) runs the plain Llama layer without windows only
         self.batchable = block is Block and all(w is None for w in self.windows)
-        self.cache = KVCache(len(self.layers), self.n_kv, self.head_dim, self.max_length, self.device, self.dtype,
+        # A GGUF file's model keeps K and V in fp16, as llama.cpp does by default: half the bytes a step reads
+        # from the cache (at a few thousand tokens more than the weights). Only the fused kernels read it, the
+        # same way in every forward, so decoding stays exact relative to this model.
+        self.kv_dtype = torch.float16 if self.weights == GGUF and self.fused is not None else self.dtype
+        self.cache = KVCache(len(self.layers), self.n_kv, self.head_dim, self.max_length, self.device, self.kv_dtype,
                              initial_capacity, positions=True)
         self.rope_kinds = gemma.rope_kinds(cfg, len(self.layers))
         self.ropes = {k: Rope(base.rotary_emb, self.device, self.dtype, self.max_length, k)

@@ -187,8 +187,8 @@ class Block:
             if rows is not None or n == 1:  # every row over exactly its own columns (cheaper than SDPA for a few)
                 return ops.attend(q, kc, vc, start, None if mask is None else mask.reshape(n, -1))[None]
             end = start + n  # a long prefill: one SDPA call
-            a = F.scaled_dot_product_attention(q.view(1, n, nh, hd).transpose(1, 2), kc[None, :, :end],
-                                               vc[None, :, :end], attn_mask=mask, is_causal=causal,
+            a = F.scaled_dot_product_attention(q.view(1, n, nh, hd).transpose(1, 2), kc[None, :, :end].to(q.dtype),
+                                               vc[None, :, :end].to(q.dtype), attn_mask=mask, is_causal=causal,
                                                enable_gqa=self.gqa, scale=self.scale)
             return a.transpose(1, 2).reshape(1, n, nh * hd)
         end = start + n

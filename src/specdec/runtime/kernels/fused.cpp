@@ -102,25 +102,47 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 
 namespace {
 
+// A cache element from fp32: as it is, or fp16 rounded to nearest even (F16C's and c10::Half's rounding).
+inline void to_cache(float x, float* p) { *p = x; }
+inline void to_cache(float x, at::Half* p) { *p = at::Half(x); }
+
 // Rotates q and k of rows qkv[0 .. n) (x * cos + swap_halves(x) * sin, HF's order of operations), writes
-// k and v to cache rows start.. of kc/vc (kv head h at + h * hs, row at + row * rs), q to qp [n, nh * hd].
+// k and v to cache rows start.. of kc/vc (kv head h at + h * hs, row at + row * rs; C: the cache's element),
+// q to qp [n, nh * hd].
+template <typename C>
 void rope_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t r0, int64_t n,
-               float* kp, float* vp, int64_t hs, int64_t rs, int64_t start, int64_t nh, int64_t nkv, float* qp) {
+               C* kp, C* vp, int64_t hs, int64_t rs, int64_t start, int64_t nh, int64_t nkv, float* qp) {
   const int64_t hd = cos.size(1), half = hd / 2;
   for (int64_t i = 0; i < n; i++) {
     const float* row = qkv.data_ptr<float>() + (r0 + i) * qkv.stride(0);
     const float *c = cos.data_ptr<float>() + (r0 + i) * cos.stride(0), *s = sin.data_ptr<float>() + (r0 + i) * sin.stride(0);
     for (int64_t h = 0; h < nh + nkv; h++) {
       const float* x = row + h * hd;
-      float* out = h < nh ? qp + i * nh * hd + h * hd : kp + (h - nh) * hs + (start + i) * rs;
       for (int64_t d = 0; d < hd; d++) {
         const float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * s[d];
-        out[d] = a + b;
+        if (h < nh)
+          qp[i * nh * hd + h * hd + d] = a + b;
+        else
+          to_cache(a + b, kp + (h - nh) * hs + (start + i) * rs + d);
       }
     }
-    for (int64_t h = 0; h < nkv; h++)
-      std::memcpy(vp + h * hs + (start + i) * rs, row + (nh + nkv + h) * hd, sizeof(float) * hd);
+    for (int64_t h = 0; h < nkv; h++) {
+      const float* x = row + (nh + nkv + h) * hd;
+      C* out = vp + h * hs + (start + i) * rs;
+      for (int64_t d = 0; d < hd; d++) to_cache(x[d], out + d);
+    }
   }
+}
+
+// rope_rows into the cache kc, vc of either element type.
+void rope_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t r0, int64_t n,
+               const torch::Tensor& kc, const torch::Tensor& vc, int64_t start, int64_t nh, int64_t nkv, float* qp) {
+  if (kc.scalar_type() == torch::kHalf)
+    rope_rows(qkv, cos, sin, r0, n, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), kc.stride(0), kc.stride(1), start,
+              nh, nkv, qp);
+  else
+    rope_rows(qkv, cos, sin, r0, n, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1), start, nh,
+              nkv, qp);
 }
 
 void check_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t nh, int64_t nkv) {
@@ -134,9 +156,9 @@ void check_rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch:
 
 void check_cache(const torch::Tensor& kc, const torch::Tensor& vc, int64_t nkv, int64_t hd, int64_t end) {
   TORCH_CHECK(kc.dim() == 3 && kc.size(0) == nkv && kc.size(2) == hd && kc.stride(2) == 1 &&
-              kc.size(1) >= end && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
-              vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat,
-              "the K/V cache must be fp32 [kv heads, capacity, head_dim], K and V alike, with room for the rows");
+              kc.size(1) >= end && (kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kHalf) &&
+              vc.sizes() == kc.sizes() && vc.strides() == kc.strides() && vc.scalar_type() == kc.scalar_type(),
+              "the K/V cache must be fp32 or fp16 [kv heads, capacity, head_dim], K and V alike, with room for the rows");
 }
 
 }  // namespace
@@ -150,8 +172,7 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   const int64_t n = qkv.size(0), hd = cos.size(1);
   check_cache(kc, vc, nkv, hd, start + n);
   auto q = torch::empty({n, nh * hd}, qkv.options());
-  rope_rows(qkv, cos, sin, 0, n, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1), start, nh,
-            nkv, q.data_ptr<float>());
+  rope_into(qkv, cos, sin, 0, n, kc, vc, start, nh, nkv, q.data_ptr<float>());
   return q;
 }
 
@@ -173,8 +194,7 @@ torch::Tensor rope_store_many(const torch::Tensor& qkv, const torch::Tensor& cos
   for (size_t s = 0; s < S; s++) {
     const auto kc = ks[s].select(0, layer).select(0, 0), vc = vs[s].select(0, layer).select(0, 0);
     check_cache(kc, vc, nkv, hd, starts[s] + sizes[s]);
-    rope_rows(qkv, cos, sin, r0, sizes[s], kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1),
-              starts[s], nh, nkv, q.data_ptr<float>() + r0 * nh * hd);
+    rope_into(qkv, cos, sin, r0, sizes[s], kc, vc, starts[s], nh, nkv, q.data_ptr<float>() + r0 * nh * hd);
     r0 += sizes[s];
   }
   return q;
@@ -204,16 +224,20 @@ struct Pair {
   float sum;
 };
 
+// Eight cache elements as fp32 (fp16 widens exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // 8-lane partial dot products of q (in registers) with K rows k0 .. k0 + cnt (row stride rs), two chains.
-template <int NB>
-inline void dots(const __m256* qr, const float* kh, int64_t rs, int64_t cnt, const int32_t* cols, int64_t c0,
+template <int NB, typename C>
+inline void dots(const __m256* qr, const C* kh, int64_t rs, int64_t cnt, const int32_t* cols, int64_t c0,
                  float* part) {
   for (int64_t c = 0; c < cnt; c++) {
-    const float* kr = kh + (cols ? cols[c] : c0 + c) * rs;
-    __m256 a0 = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kr)), a1 = _mm256_mul_ps(qr[1], _mm256_loadu_ps(kr + L));
+    const C* kr = kh + (cols ? cols[c] : c0 + c) * rs;
+    __m256 a0 = _mm256_mul_ps(qr[0], load8(kr)), a1 = _mm256_mul_ps(qr[1], load8(kr + L));
     for (int d = 2; d + 1 < NB; d += 2) {
-      a0 = _mm256_fmadd_ps(qr[d], _mm256_loadu_ps(kr + d * L), a0);
-      a1 = _mm256_fmadd_ps(qr[d + 1], _mm256_loadu_ps(kr + (d + 1) * L), a1);
+      a0 = _mm256_fmadd_ps(qr[d], load8(kr + d * L), a0);
+      a1 = _mm256_fmadd_ps(qr[d + 1], load8(kr + (d + 1) * L), a1);
     }
     _mm256_storeu_ps(part + c * L, _mm256_add_ps(a0, a1));
   }
@@ -224,8 +248,8 @@ inline void dots(const __m256* qr, const float* kh, int64_t rs, int64_t cnt, con
 // them, so a tree's rows and a group's heads read K and V once, not once each. Why it stays exact: each
 // pair's own operations are the same, in the same order, whatever else is in the call (scores in groups
 // of 8 columns from column 0, their max, exp and sum, then v accumulated column by column).
-template <int NB>
-void attend_group(Pair* pairs, int64_t P, int64_t shared, const float* kh, const float* vh, int64_t rs, float scale,
+template <int NB, typename C>
+void attend_group(Pair* pairs, int64_t P, int64_t shared, const C* kh, const C* vh, int64_t rs, float scale,
                   float* part, int32_t* cols, float* obuf) {
   constexpr int64_t BC = 32;
   const int64_t s8 = shared / L * L;
@@ -274,8 +298,8 @@ void attend_group(Pair* pairs, int64_t P, int64_t shared, const float* kh, const
       for (int d = 0; d < NB; d++) o[d] = _mm256_loadu_ps(oj + d * L);
       for (int64_t c = b; c < e; c++) {
         const __m256 pc = _mm256_set1_ps(pairs[j].p[c]);
-        const float* vr = vh + c * rs;
-        for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + d * L), o[d]);
+        const C* vr = vh + c * rs;
+        for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, load8(vr + d * L), o[d]);
       }
       for (int d = 0; d < NB; d++) _mm256_storeu_ps(oj + d * L, o[d]);
     }
@@ -286,8 +310,8 @@ void attend_group(Pair* pairs, int64_t P, int64_t shared, const float* kh, const
     for (int d = 0; d < NB; d++) o[d] = _mm256_loadu_ps(oj + d * L);
     for (int64_t c = shared; c < x.m; c++) {
       const __m256 pc = _mm256_set1_ps(x.p[c]);
-      const float* vr = vh + (c < x.lead ? c : x.tail[c - x.lead]) * rs;
-      for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + d * L), o[d]);
+      const C* vr = vh + (c < x.lead ? c : x.tail[c - x.lead]) * rs;
+      for (int d = 0; d < NB; d++) o[d] = _mm256_fmadd_ps(pc, load8(vr + d * L), o[d]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / x.sum);
     for (int d = 0; d < NB; d++) _mm256_storeu_ps(x.out + d * L, _mm256_mul_ps(o[d], inv));
@@ -304,7 +328,8 @@ struct Rows {
   const float* q;  // row i, head h at q + i * qs + h * hd
   int64_t qs;
   float* out;  // row i at out + i * nh * hd
-  const float *kp, *vp;
+  const void *kp, *vp;  // fp32 or fp16 (half) elements
+  bool half;
   int64_t hs, rs, n, end;
   std::vector<int64_t> lead, count;
   std::vector<std::vector<int32_t>> tail;
@@ -315,11 +340,12 @@ struct Rows {
 Rows plan_rows(const float* q, int64_t qs, float* out, int64_t n, int64_t nh, const torch::Tensor& kc,
                const torch::Tensor& vc, int64_t start, const c10::optional<torch::Tensor>& mask) {
   const int64_t hd = kc.size(2);
+  const bool half = kc.scalar_type() == torch::kHalf;
   TORCH_CHECK(kc.dim() == 3 && (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256) && nh % kc.size(0) == 0 &&
-              kc.stride(2) == 1 && kc.scalar_type() == torch::kFloat && vc.sizes() == kc.sizes() &&
-              vc.strides() == kc.strides() && vc.scalar_type() == torch::kFloat,
-              "attend: head_dim must be 16, 32, 64 or 128, and K and V caches alike");
-  Rows r{q, qs, out, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1), n, start + n,
+              kc.stride(2) == 1 && (half || kc.scalar_type() == torch::kFloat) && vc.sizes() == kc.sizes() &&
+              vc.strides() == kc.strides() && vc.scalar_type() == kc.scalar_type(),
+              "attend: head_dim must be 16, 32, 64, 128 or 256, and K and V caches alike (fp32 or fp16)");
+  Rows r{q, qs, out, kc.data_ptr(), vc.data_ptr(), half, kc.stride(0), kc.stride(1), n, start + n,
          std::vector<int64_t>(n), std::vector<int64_t>(n), std::vector<std::vector<int32_t>>(n)};
   const bool* mp = nullptr;
   int64_t ms = 0;
@@ -349,6 +375,18 @@ Rows plan_rows(const float* q, int64_t qs, float* out, int64_t n, int64_t nh, co
 
 constexpr int64_t PMAX = 64;  // pairs attended together
 
+template <typename C>
+void attend_head(Pair* pairs, int64_t P, int64_t shared, const C* kh, const C* vh, int64_t rs, int64_t hd, float scale,
+                 float* part, int32_t* cols, float* obuf) {
+  switch (hd) {
+    case 16: attend_group<2>(pairs, P, shared, kh, vh, rs, scale, part, cols, obuf); break;
+    case 32: attend_group<4>(pairs, P, shared, kh, vh, rs, scale, part, cols, obuf); break;
+    case 64: attend_group<8>(pairs, P, shared, kh, vh, rs, scale, part, cols, obuf); break;
+    case 128: attend_group<16>(pairs, P, shared, kh, vh, rs, scale, part, cols, obuf); break;
+    default: attend_group<32>(pairs, P, shared, kh, vh, rs, scale, part, cols, obuf); break;  // 256 (Gemma 3)
+  }
+}
+
 // Tasks lo .. hi of a sequence's n * nh, ordered (kv head, row, head of its group): consecutive tasks share
 // K and V, and up to PMAX of one kv head are attended together. Buffers sized for m8max columns.
 void attend_tasks(const Rows& r, int64_t nh, int64_t group, int64_t hd, int64_t lo, int64_t hi, int64_t m8max,
@@ -366,14 +404,12 @@ void attend_tasks(const Rows& r, int64_t nh, int64_t group, int64_t hd, int64_t 
                       p + P * m8max, 0.0f};
       shared = std::min(shared, r.lead[i]);
     }
-    const float *kh = r.kp + g * r.hs, *vh = r.vp + g * r.hs;
-    switch (hd) {
-      case 16: attend_group<2>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
-      case 32: attend_group<4>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
-      case 64: attend_group<8>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
-      case 128: attend_group<16>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;
-      default: attend_group<32>(pairs, P, shared, kh, vh, r.rs, scale, part, cols, obuf); break;  // 256 (Gemma 3)
-    }
+    if (r.half)
+      attend_head(pairs, P, shared, static_cast<const at::Half*>(r.kp) + g * r.hs,
+                  static_cast<const at::Half*>(r.vp) + g * r.hs, r.rs, hd, scale, part, cols, obuf);
+    else
+      attend_head(pairs, P, shared, static_cast<const float*>(r.kp) + g * r.hs, static_cast<const float*>(r.vp) + g * r.hs,
+                  r.rs, hd, scale, part, cols, obuf);
   }
 }
 
