@@ -136,6 +136,21 @@ def test_a_tree_row_equals_decoding_its_path_bitwise(tiny):
     assert_tree_rows_are_steps(lambda: gguf_runner(path, model))
 
 
+def test_the_kv_cache_is_fp16_and_a_long_forward_reads_it_too(tiny):
+    """A GGUF target keeps K and V in fp16 (llama.cpp's default); a forward past the exact rows (one SDPA call
+    over the cache) reads the same values as the exact forwards do."""
+    _, path, model = tiny
+    r = gguf_runner(path, model)
+    assert r.cache.k.dtype == torch.float16 and LeanRunner(model).cache.k.dtype == torch.float32
+    ids = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(0))
+    whole = r.forward(ids).logits[-1]
+    r.reset()
+    for i in range(0, 100, 50):
+        last = r.forward(ids[i:i + 50]).logits[-1]
+        r.commit(range(50))
+    assert ((whole - last).norm() / last.norm()).item() < 0.02  # activation rounding: as with an fp32 cache
+
+
 def test_the_layers_in_one_native_call_give_the_layer_loops_bits(tiny, tmp_path):
     """llama.native_stack: a forward's layers in one native call. Every row's logits, features and aux-layer
     states equal the layer-by-layer path's, at N = 1...64 rows (chains and trees), on each format, on Qwen2's
