@@ -24,6 +24,9 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokeniz
     q = json.loads((packaged_data_dir() / "spec_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
     assert is_benchmark(q, bench) and is_benchmark("  " + q.upper() + " ", bench)
     assert not is_benchmark("What is 2 + 2?", bench)
+    q = " ".join(q.split())  # copies either way of 40 characters or more: a benchmark prompt all the same
+    assert is_benchmark("Answer this: " + q, bench) and is_benchmark(q[5:50], bench)
+    assert not is_benchmark(q[5:35], bench)  # too short to be more than a coincidence
     plan = Plan(shard_size=4, sources=["gsm8k", "self", "gsm8k-gold"], temperatures=[0.0, 1.0], max_new_tokens=6,
                 self_prompt_tokens=8)
     out = tmp_path / "d"
