@@ -505,7 +505,7 @@ def test_adaptive_sampling_matches_the_target_distribution(params):
     drafter = adaptive_for(model, make_head(model, seed=3), 0.17, lookup=3)  # at the border: history decides
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
-    counts, sizes = sample_first3(target, drafter, prompt, params)
+    counts, sizes = sample_first3(target, drafter, prompt, params, whole=True)
     assert 0 in sizes and max(sizes) >= 4  # both vanilla steps and trees among the first tokens
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 
@@ -532,7 +532,7 @@ def test_adaptive_sampled_children_match_the_target_distribution(params, coupled
     drafter.eagle.drafting = spy
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
-    counts, sizes = sample_first3(target, drafter, prompt, params, coupled=coupled)
+    counts, sizes = sample_first3(target, drafter, prompt, params, coupled=coupled, whole=True)
     assert 0 in sizes and len(set(sizes)) >= 3  # vanilla steps and trees of several sizes
     # unseeded: the trees were sampled ones; seeded: ranked by the coupling's noise (point masses)
     assert seen and all((t.draft_probs is not None) != coupled for t in seen if len(t))

@@ -16,6 +16,7 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokeniz
 
     from specdec.files import packaged_data_dir
     from specdec.training.datagen import Plan, benchmark_prompts, is_benchmark, list_shards, run_datagen
+    from specdec.training.prompts import BenchmarkMatcher
 
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
@@ -24,6 +25,11 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokeniz
     q = json.loads((packaged_data_dir() / "spec_bench" / "question.jsonl").read_text().splitlines()[3])["turns"][0]
     assert is_benchmark(q, bench) and is_benchmark("  " + q.upper() + " ", bench)
     assert not is_benchmark("What is 2 + 2?", bench)
+    q = " ".join(q.split())  # copies either way of 40 characters or more: a benchmark prompt all the same
+    matcher = BenchmarkMatcher(bench)  # datagen's, for many texts: the same answers
+    for text, want in (("Answer this: " + q, True), (q[5:50], True), (q.upper(), True), ("What is 2 + 2?", False),
+                       (q[5:35], False)):  # the last too short to be more than a coincidence
+        assert is_benchmark(text, bench) == matcher(text) == want, text
     plan = Plan(shard_size=4, sources=["gsm8k", "self", "gsm8k-gold"], temperatures=[0.0, 1.0], max_new_tokens=6,
                 self_prompt_tokens=8)
     out = tmp_path / "d"

@@ -189,7 +189,8 @@ def test_reranking_sampled_children_by_value_would_be_biased(monkeypatch):
     monkeypatch.setattr(eagle_mod, "sampled_tree", reranked)
     model = flat_tiny()
     drafter = drafter_for(model, make_head(model, seed=3), True, depth=3, topk=2, tree_size=3, children="sample")
-    counts, _ = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], SamplingParams(1.0), coupled=False)
+    counts, _ = sample_first3(LeanRunner(model), drafter, [1, 3, 0, 2], SamplingParams(1.0), n=2500,
+                              coupled=False)
     assert chi2_pvalue(counts, exact_first3(model, [1, 3, 0, 2], SamplingParams(1.0))) < 1e-6
 
 

@@ -129,7 +129,7 @@ def test_speculative_sampling_matches_vanilla_distribution(shape, params, couple
         draft.restrict_head(torch.tensor([0, 2, 3]))
     drafter = DraftModelDrafter(draft, SMALL_V, 3, TreeBudget(3, 2, 5) if shape == "tree" else None)
     prompt = [1, 3, 0, 2]
-    counts, sizes = sample_first3(target, drafter, prompt, params, n=3000, coupled=coupled)
+    counts, sizes = sample_first3(target, drafter, prompt, params, coupled=coupled)
     assert max(sizes) >= 3
     assert chi2_pvalue(counts, exact_first3(model, prompt, params)) > 1e-3
 

@@ -241,7 +241,7 @@ def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
     drafter = DraftModelDrafter(LeanRunner(model), SMALL_V, 3, TreeBudget(3, 2, 5) if shape_tree else None)
     params = SamplingParams(0.9, top_k=4, top_p=0.95)
     prompt = [1, 3, 0, 2]
-    counts, sizes = sample_first3(target, drafter, prompt, params, n=2000)
+    counts, sizes = sample_first3(target, drafter, prompt, params, n=1500)
     assert max(sizes) >= 3
     exp = runner_first3(target, prompt, params, SMALL_V)
     assert (exp > 0.01).sum() >= 8  # a distribution worth testing, not a point mass

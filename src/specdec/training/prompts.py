@@ -42,12 +42,47 @@ def benchmark_prompts(data_dirs: Path | list[Path] | None) -> set[str]:
     return out
 
 
+MIN_COPY = 40  # characters: a text this long found inside a prompt (or one inside it) is a copy, not a coincidence
+
+
+class BenchmarkMatcher:
+    """Whether a text is a benchmark prompt: equal once normalised, or, both MIN_COPY long, either inside the
+    other. Built once for many texts (datagen filters all of GSM8K train) from two indexes instead of a scan
+    of every prompt per text: a prompt inside the text starts with MIN_COPY characters found at some place
+    in the text; a text inside a prompt holds one of that prompt's WINDOW-character windows taken every
+    STRIDE characters within its first STRIDE places (STRIDE - 1 + WINDOW <= MIN_COPY)."""
+
+    WINDOW, STRIDE = 16, 8
+
+    def __init__(self, bench: set[str]) -> None:
+        self.bench = bench
+        self.prompts = sorted(bench)
+        self.starts: dict[str, list[str]] = {}
+        self.windows: dict[str, set[int]] = {}
+        for i, b in enumerate(self.prompts):
+            if len(b) >= MIN_COPY:
+                self.starts.setdefault(b[:MIN_COPY], []).append(b)
+            for k in range(0, len(b) - self.WINDOW + 1, self.STRIDE):
+                self.windows.setdefault(b[k:k + self.WINDOW], set()).add(i)
+
+    def __call__(self, text: str) -> bool:
+        t = _norm(text)
+        if t in self.bench:
+            return True
+        if len(t) < MIN_COPY:
+            return False
+        holders = set().union(*(self.windows.get(t[r:r + self.WINDOW], ()) for r in range(self.STRIDE)))
+        if any(t in self.prompts[i] for i in holders):
+            return True
+        return any(b in t for i in range(len(t) - MIN_COPY + 1) for b in self.starts.get(t[i:i + MIN_COPY], ()))
+
+
 def is_benchmark(text: str, bench: set[str]) -> bool:
+    """BenchmarkMatcher's answer for one text: one pass over the prompts costs less than building its indexes."""
     t = _norm(text)
     if t in bench:
         return True
-    # long enough to be a copy rather than a coincidence: containment either way
-    return len(t) >= 40 and any(t in b or (len(b) >= 40 and b in t) for b in bench)
+    return len(t) >= MIN_COPY and any(t in b or (len(b) >= MIN_COPY and b in t) for b in bench)
 
 
 
@@ -59,13 +94,14 @@ class PromptSource:
         if not getattr(tok, "chat_template", None):
             raise SpecdecError("datagen needs a chat model: this tokenizer has no chat template")
         self.maker, self.tok, self.plan, self.bench, self.batch_size = maker, tok, plan, bench, batch_size
+        self.is_benchmark = BenchmarkMatcher(bench)
         self.gsm: list[dict] = []
         if any(s.startswith("gsm8k") for s in plan.sources):
             if gsm8k is None or not gsm8k.is_file():
                 raise SpecdecError(f"GSM8K train file not found at {gsm8k}: pass --gsm8k <train.jsonl>, or use "
                                    "--sources self")
             rows = [json.loads(line) for line in gsm8k.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if not is_benchmark(r["question"], bench)]
+            rows = [r for r in rows if not self.is_benchmark(r["question"])]
             if not rows:
                 raise SpecdecError(f"{gsm8k} holds no GSM8K question that is not a benchmark prompt")
             random.Random(plan.seed).shuffle(rows)
@@ -99,7 +135,7 @@ class PromptSource:
                                  seed=(self.plan.seed * 1_000_003 + shard) * 16 + attempt, features=False)
             for o in outs:
                 text = self.tok.decode([t for t in o if t not in eos_ids], skip_special_tokens=True).strip()
-                if len(text) < 12 or _norm(text) in seen or is_benchmark(text, self.bench):
+                if len(text) < 12 or _norm(text) in seen or self.is_benchmark(text):
                     continue
                 seen.add(_norm(text))
                 got.append(text)
