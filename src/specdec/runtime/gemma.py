@@ -79,18 +79,16 @@ class GemmaBlock(Block):
         super().__init__(layer, index, eps, pack, weights, invariant)
         a = layer.self_attn
         self.scale = a.scaling
-        if self.fused is not None and torch.tensor(self.scale, dtype=torch.float32) != torch.tensor(
-                self.head_dim, dtype=torch.float32).rsqrt():
-            self.fused = None  # the attention kernel scales by head_dim ** -0.5
+        kernel_scale = 1 / torch.tensor(float(self.head_dim)).sqrt()  # the attention kernel's 1.0f / sqrt(hd)
+        if self.fused is not None and torch.tensor(self.scale, dtype=torch.float32) != kernel_scale:
+            self.fused = None
         self.in_norm = norm_scale(layer.input_layernorm)
         self.attn_out_norm = norm_scale(layer.post_attention_layernorm)
         self.post_norm = norm_scale(layer.pre_feedforward_layernorm)  # the MLP's input norm, as in Block
         self.mlp_out_norm = norm_scale(layer.post_feedforward_layernorm)
-        # one [heads + kv heads, head_dim] table: q's and k's norms in one op over the rows RoPE reads
-        self.qk_scale = torch.cat([norm_scale(a.q_norm).expand(self.n_heads, -1),
-                                   norm_scale(a.k_norm).expand(self.n_kv, -1)])
-
-        self.q_scale, self.k_scale = norm_scale(a.q_norm).contiguous(), norm_scale(a.k_norm).contiguous()
+        self.q_scale, self.k_scale = norm_scale(a.q_norm), norm_scale(a.k_norm)  # the fused path's, per head
+        # the torch path's: one [heads + kv heads, head_dim] table, q's and k's norms in one op
+        self.qk_scale = torch.cat([self.q_scale.expand(self.n_heads, -1), self.k_scale.expand(self.n_kv, -1)])
 
     def native_norms(self) -> list[torch.Tensor]:
         return [self.q_scale, self.k_scale, self.attn_out_norm, self.mlp_out_norm]

@@ -83,8 +83,8 @@ class LeanRunner(Runner):
         # A GGUF file's model keeps K and V in fp16, as llama.cpp does by default: half the bytes a step reads
         # from the cache (at a few thousand tokens more than the weights). Only the fused kernels read it, the
         # same way in every forward, so decoding stays exact relative to this model.
-        self.kv_dtype = torch.float16 if self.weights == GGUF and self.fused is not None else self.dtype
-        self.cache = KVCache(len(self.layers), self.n_kv, self.head_dim, self.max_length, self.device, self.kv_dtype,
+        kv_dtype = torch.float16 if self.weights == GGUF and self.fused is not None else self.dtype
+        self.cache = KVCache(len(self.layers), self.n_kv, self.head_dim, self.max_length, self.device, kv_dtype,
                              initial_capacity, positions=True)
         self.rope_kinds = gemma.rope_kinds(cfg, len(self.layers))
         self.ropes = {k: Rope(base.rotary_emb, self.device, self.dtype, self.max_length, k)

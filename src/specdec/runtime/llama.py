@@ -239,10 +239,7 @@ def native_stack(blocks: list[Block], ropes: list[int] | None = None, windows: l
     linears = [getattr(x, "stream", None) for b in blocks for x in (b.qkv, b.o, b.gate_up, b.down)]
     if not all(isinstance(x, QuantWeight) for x in linears):
         return None
-    ops = blocks[0].fused
-    if not hasattr(ops, "Stack"):
-        return None
-    stack = ops.Stack()
+    stack = blocks[0].fused.Stack()
     spec = lambda w: ([(ws, ts, key.startswith("qlinear16/")) for ws, ts, key in w.groups], w.bias)  # noqa: E731
     for i, b in enumerate(blocks):
         stack.add(b.in_norm, b.post_norm, b.eps, b.index, b.n_heads, b.n_kv, ropes[i] if ropes else 0,
