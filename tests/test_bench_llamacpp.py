@@ -18,6 +18,7 @@ from specdec.bench.methods import parse_methods
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.cli import main
 from specdec.errors import SpecdecError
+from specdec.machine import peak_rss_mb
 from tests.helpers import QS, char_tokenizer, tiny_model
 
 DIVERGE_AT = 3  # the "other weights" fake emits a different token here
@@ -320,7 +321,7 @@ def test_draft_simple_passes_the_draft_model_and_records_peak_rss(models, fake, 
 
 
 def test_peak_rss_of_a_process_that_is_gone_is_none():
-    assert llamacpp.peak_rss_mb(os.getpid()) > 1 and llamacpp.peak_rss_mb(2**22 + 1) is None
+    assert peak_rss_mb(os.getpid()) > 1 and peak_rss_mb(2**22 + 1) is None
 
 
 def test_a_server_that_dies_is_one_error_with_its_last_words(models, fake, tmp_path, monkeypatch):

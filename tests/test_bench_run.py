@@ -411,3 +411,31 @@ def test_methods_stepping_in_turn_give_the_tokens_they_give_alone(bench_models, 
         assert r["wall_time"] > 0 and (r["stats"] is None or r["stats"]["time"]["total"] == r["wall_time"])
     assert set(step["summary"]["sps:gamma=3"]) >= {"overall"}
     assert groups and all(g == ["pld:chain_len=4", "sps:gamma=3", "vanilla"] for g in groups)  # the peer apart
+
+
+def test_each_of_our_methods_gets_its_own_peak_rss(bench_models, monkeypatch, tmp_path):
+    """The process's peak is restarted before each of our generations: what one method allocated while it ran
+    shows in its peak, not in the next method's."""
+    from specdec.bench.ours import OurMethod
+
+    target, tok, draft = bench_models
+    run = OurMethod.run
+
+    def hungry(self, *a, **k):
+        if self.spec.name == "sps":
+            big = torch.ones(300_000_000 // 4)  # 300 MB, touched
+            assert big.sum() > 0
+            del big
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(OurMethod, "run", hungry)
+    # two repeats: the second runs vanilla after sps (the order rotates), where a peak carried over would show
+    cfg = BenchConfig(parse_methods("sps:gamma=2", True), max_new_tokens=4, warmup=0, progress=False, threads=1,
+                      repeats=2)
+    res = run_bench(cfg, QS[1:], target, tok, draft, tok, out_dir=tmp_path / "out")
+    assert [r["method"] for r in res["records"]][-1] == "vanilla"
+    peak = {m["label"]: m.get("peak_rss_mb") for m in res["run"]["methods"]}
+    assert peak["hf"] is None  # in-process HF: not read on its own
+    assert peak["sps:gamma=2"] - peak["vanilla"] > 250
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Peak memory" in md and f"| `vanilla` | {peak['vanilla']:.0f} |" in md

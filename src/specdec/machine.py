@@ -22,6 +22,26 @@ from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.packed import onednn_available, weight_bytes
 
 
+def peak_rss_mb(pid: int | str = "self") -> float | None:
+    """A process's peak resident set (VmHWM, MB = 1e6 B; mmap'd GGUF pages it touched count), None if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's VmHWM afresh from its current RSS (Linux's clear_refs 5); False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def machine_info() -> dict:
     """Everything a benchmark record needs to say where it ran."""
     import transformers  # heavy, and only a benchmark record needs its version

@@ -15,7 +15,7 @@ from specdec.bench.data import DATASETS, Question, first_per_category, load_ques
 from specdec.bench.methods import CONSTRAINED, DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
 from specdec.bench.metrics import OVERALL
 from specdec.bench.outdir import check_out_dir, report_dest, write_report
-from specdec.bench.report import loaded
+from specdec.bench.report import loaded, peak_rss
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
@@ -281,6 +281,8 @@ def _print_summary(res: dict, out: Path) -> bool:
                 f", mask {c['mask_ms_per_step']:.2f} ms/step ({100 * c['mask_frac']:.1f}% of a step)"
             print(f"  {m}: {'constrained' if c['constrained'] else 'free'}, JSON {100 * c['json_parses']:.0f}%, "
                   f"fits its schema {fits}{mask}")
+    if rss := peak_rss(run):
+        print("peak RSS MB: " + ", ".join(f"{m} {v:.0f}" for m, v in rss.items()))
     other = run["contention"].get("other_cpu_frac")
     if other is not None and other > 0.05:
         print(f"WARNING: other processes used {100 * other:.0f}% of the CPUs during the timed run: "

@@ -40,6 +40,7 @@ from pydantic import ValidationInfo, field_validator
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_file, cache_dir
+from specdec.machine import peak_rss_mb
 from specdec.options import Options, option
 from specdec.runtime.loading import resolve
 
@@ -255,17 +256,6 @@ def _die_with_parent() -> None:  # runs in the child: SIGTERM when the bench die
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-
-
-def peak_rss_mb(pid: int) -> float | None:
-    """A process's peak resident set (VmHWM, MB = 1e6 B; mmap'd GGUF pages it touched count), None if unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / 1e6
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def server_binary() -> Path:

@@ -60,6 +60,17 @@ def _floor_table(summary, run, methods) -> str:
     return _table(["category"] + [f"`{m}`" for m in methods], rows)
 
 
+def peak_rss(run: dict) -> dict[str, float]:
+    """label -> peak RSS in MB where read: ours, the bench process's while the method ran (every model it loaded
+    counts); a server peer's, its own process's since it started."""
+    out = {}
+    for m in run["methods"]:
+        rss = m.get("peak_rss_mb", (m.get("weights") or {}).get("peak_rss_mb"))
+        if rss is not None:
+            out[m["label"]] = rss
+    return out
+
+
 def loaded(run: dict) -> dict[str, float]:
     """label -> share of the CPUs other processes used while it or the baseline ran, for the methods whose
     speedup that load may have moved (above CONTENTION_WARN); a speedup compares both methods' times."""
@@ -165,6 +176,12 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                    + "; ".join(f"{w}: {f['weight_mb']:.0f} MB, {f['ms_per_forward']:.1f} ms per forward "
                                f"({', '.join(f'`{m}`' for m in ours if precs.get(m) == w)})"
                                for w, f in extra.items()) + ".", ""]
+    rss = peak_rss(run)
+    if rss:
+        md += ["## Peak memory", "",
+               "Peak resident set (VmHWM; the GGUF pages a process touched count): ours is the bench process's while "
+               "the method ran, every model it loaded included; a server's is its own process's.", "",
+               _table(["method", "peak RSS MB"], [[f"`{m}`", f"{v:.0f}"] for m, v in rss.items()]), ""]
     sized = [m for m in ours if summary[m][OVERALL].get("tree_size_histogram")]
     if sized:
         md += ["## Draft sizes", "",

@@ -28,7 +28,7 @@ from specdec.bench.outdir import check_out_dir, clear_out_dir
 from specdec.bench.peers import build_peer
 from specdec.bench.specbench import write_answers
 from specdec.errors import SpecdecError
-from specdec.machine import machine_info, memory_floor
+from specdec.machine import machine_info, memory_floor, peak_rss_mb, reset_peak_rss
 from specdec.runtime import threads
 from specdec.runtime.cpus import ContentionMeter, usable_cpus
 from specdec.runtime.gguf import GGUFModel
@@ -82,6 +82,14 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
             built[spec.label] = build_peer(spec, model, vanilla.eos_ids, draft_model, threads=torch.get_num_threads(),
                                            n_ctx=vanilla.runner.max_length, closers=closers)
     return {s.label: built[s.label] for s in cfg.methods}
+
+
+def _peak_rss(records: list[dict], label: str, method) -> dict:
+    """Our method's peak RSS over its generations (the whole process: every loaded model counts), where read."""
+    if not isinstance(method, OurMethod):
+        return {}
+    peaks = [r["peak_rss_mb"] for r in records if r["method"] == label and r.get("peak_rss_mb") is not None]
+    return {"peak_rss_mb": max(peaks)} if peaks else {}
 
 
 def safe_name(label: str) -> str:
@@ -191,6 +199,10 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                             if cfg.interleave == "step" else []
                         for group in ([ours] if ours else []) + [[lab] for lab in order if lab not in ours]:
                             bar.set_postfix_str(f"q={q.question_id} turn={turn} {'+'.join(group)}", refresh=False)
+                            # our method's own peak: VmHWM restarted before its clock starts (the reset walks the
+                            # page tables), read after it stops
+                            alone = len(group) == 1 and isinstance(methods[group[0]], OurMethod)
+                            ours_alone = alone and reset_peak_rss()
                             one, t0 = ContentionMeter(helpers), time.perf_counter()
                             if len(group) > 1:  # one step each in turn
                                 got = lockstep({lab: methods[lab].start(ids, cfg.temperature, seed, cfg.max_new_tokens,
@@ -200,6 +212,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                                                           cfg.max_new_tokens, learn=learn,
                                                           json_schema=schema(group[0], q))}
                             load, elapsed = one.result(), time.perf_counter() - t0
+                            if ours_alone:
+                                got[group[0]]["peak_rss_mb"] = peak_rss_mb()
                             for lab in group:
                                 _add_load(load, elapsed, lab, other_s, wall_s)
                                 batch.append({"method": lab, "name": methods[lab].spec.name,
@@ -281,7 +295,8 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                      "lossy": s.lossy, "constrained": schemas and s.constrained,
                      **({"precision": precisions[s.label]} if s.label in precisions else {}),
                      **({"target": s.target} if s.target else {}),
-                     **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {})}
+                     **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {}),
+                     **_peak_rss(records, s.label, methods[s.label])}
                     for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
         "categories": list(dict.fromkeys(q.category for q in questions)),
