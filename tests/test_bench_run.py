@@ -438,4 +438,4 @@ def test_each_of_our_methods_gets_its_own_peak_rss(bench_models, monkeypatch, tm
     assert peak["hf"] is None  # in-process HF: not read on its own
     assert peak["sps:gamma=2"] - peak["vanilla"] > 250
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## Peak memory" in md and f"| `vanilla` | {peak['vanilla']:.0f} |" in md
+    assert "## Peak RSS, MB" in md and f"| `vanilla` | {peak['vanilla']:.0f} |" in md

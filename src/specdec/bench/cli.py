@@ -13,9 +13,9 @@ from specdec.bench import forward, load, merge, papers
 from specdec.bench.compare import compare
 from specdec.bench.data import DATASETS, Question, first_per_category, load_questions, quick_subset
 from specdec.bench.methods import CONSTRAINED, DEFAULT_HELP, HF_PEERS, MethodSpec, our_methods, parse_methods
-from specdec.bench.metrics import OVERALL
+from specdec.bench.metrics import OVERALL, peak_rss
 from specdec.bench.outdir import check_out_dir, report_dest, write_report
-from specdec.bench.report import loaded, peak_rss
+from specdec.bench.report import loaded
 from specdec.bench.runner import BenchConfig, run_bench
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head

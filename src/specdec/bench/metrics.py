@@ -258,3 +258,14 @@ def _cell(rs: list[dict], base_t: dict, van_t: dict, van_fwd: float | None) -> d
     if cal:
         cell["calibration"] = calibration_curve(cal)
     return cell
+
+
+def peak_rss(run: dict) -> dict[str, float]:
+    """label -> peak RSS in MB where read: ours, the bench process's while the method ran (every model it loaded
+    counts); a server peer's, its own process's since it started."""
+    out = {}
+    for m in run["methods"]:
+        rss = m.get("peak_rss_mb", (m.get("weights") or {}).get("peak_rss_mb"))
+        if rss is not None:
+            out[m["label"]] = rss
+    return out

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from specdec.bench.metrics import OVERALL
+from specdec.bench.metrics import OVERALL, peak_rss
 
 PLOTS = ("speedup_by_category.png", "tau_by_category.png", "acceptance_by_depth.png", "calibration.png")
 CONTENTION_WARN = 0.05  # share of the CPUs other processes may use before the numbers are flagged
@@ -15,9 +15,7 @@ TAU_NOTE = ("τ = tokens emitted per target forward in the decode phase (accepte
 
 
 def _f(x, nd=2, suffix="") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "—"
-    return f"{x:.{nd}f}{suffix}"
+    return _pm(x, None, nd, suffix)
 
 
 def _pm(m, s, nd=2, suffix="") -> str:
@@ -27,8 +25,7 @@ def _pm(m, s, nd=2, suffix="") -> str:
 
 
 def _cats(summary: dict, run: dict) -> list[str]:
-    cats = [c for c in run.get("categories", []) if any(c in v for v in summary.values())]
-    return cats + [OVERALL]
+    return [c for c in run.get("categories", []) if any(c in v for v in summary.values())] + [OVERALL]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -58,17 +55,6 @@ def _floor_table(summary, run, methods) -> str:
             row.append(_f(cell["tokens_per_s"] / limit) if cell else "—")
         rows.append(row)
     return _table(["category"] + [f"`{m}`" for m in methods], rows)
-
-
-def peak_rss(run: dict) -> dict[str, float]:
-    """label -> peak RSS in MB where read: ours, the bench process's while the method ran (every model it loaded
-    counts); a server peer's, its own process's since it started."""
-    out = {}
-    for m in run["methods"]:
-        rss = m.get("peak_rss_mb", (m.get("weights") or {}).get("peak_rss_mb"))
-        if rss is not None:
-            out[m["label"]] = rss
-    return out
 
 
 def loaded(run: dict) -> dict[str, float]:
@@ -176,12 +162,9 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                    + "; ".join(f"{w}: {f['weight_mb']:.0f} MB, {f['ms_per_forward']:.1f} ms per forward "
                                f"({', '.join(f'`{m}`' for m in ours if precs.get(m) == w)})"
                                for w, f in extra.items()) + ".", ""]
-    rss = peak_rss(run)
-    if rss:
-        md += ["## Peak memory", "",
-               "Peak resident set (VmHWM; the GGUF pages a process touched count): ours is the bench process's while "
-               "the method ran, every model it loaded included; a server's is its own process's.", "",
-               _table(["method", "peak RSS MB"], [[f"`{m}`", f"{v:.0f}"] for m, v in rss.items()]), ""]
+    if rss := peak_rss(run):  # ours: the bench process's while the method ran; a server's: its own
+        md += ["## Peak RSS, MB", "", _table(["method", "MB"], [[f"`{m}`", f"{v:.0f}"] for m, v in rss.items()]),
+               ""]
     sized = [m for m in ours if summary[m][OVERALL].get("tree_size_histogram")]
     if sized:
         md += ["## Draft sizes", "",
