@@ -116,16 +116,12 @@ void rope_rows(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::
   for (int64_t i = 0; i < n; i++) {
     const float* row = qkv.data_ptr<float>() + (r0 + i) * qkv.stride(0);
     const float *c = cos.data_ptr<float>() + (r0 + i) * cos.stride(0), *s = sin.data_ptr<float>() + (r0 + i) * sin.stride(0);
-    for (int64_t h = 0; h < nh + nkv; h++) {
-      const float* x = row + h * hd;
-      for (int64_t d = 0; d < hd; d++) {
-        const float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * s[d];
-        if (h < nh)
-          qp[i * nh * hd + h * hd + d] = a + b;
-        else
-          to_cache(a + b, kp + (h - nh) * hs + (start + i) * rs + d);
-      }
-    }
+    // x * cos + rotate_half(x) * sin, element d of head x
+    auto rot = [&](const float* x, int64_t d) { return x[d] * c[d] + x[d < half ? d + half : d - half] * s[d]; };
+    for (int64_t h = 0; h < nh; h++)
+      for (int64_t d = 0; d < hd; d++) qp[i * nh * hd + h * hd + d] = rot(row + h * hd, d);
+    for (int64_t h = 0; h < nkv; h++)
+      for (int64_t d = 0; d < hd; d++) to_cache(rot(row + (nh + h) * hd, d), kp + h * hs + (start + i) * rs + d);
     for (int64_t h = 0; h < nkv; h++) {
       const float* x = row + (nh + nkv + h) * hd;
       C* out = vp + h * hs + (start + i) * rs;
