@@ -88,6 +88,18 @@ def smollm2_tokenizer_dir():
     return gguf_meta(resolve("smollm2"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_default():
+    """The embedded SmolLM2 as `specdec.load` loads it by default (on the CPU: its GGUF file's own blocks where
+    the kernels run), loaded once (~3 s a load) for the modules that build decoders over it with from_models
+    (a decoder leaves the model as it was): (model, tokenizer, the weights load would pass)."""
+    from specdec.runtime.gguf import GGUFModel
+    from specdec.runtime.loading import load_model
+
+    model, tok, _ = load_model("smollm2", device="cpu")
+    return model, tok, "gguf" if isinstance(model, GGUFModel) else None
+
+
 # ---- the benchmark's tiny target + draft with a char tokenizer, and one small run over them (every module's) ----
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from specdec.training.datagen import Plan, run_ranks
-from tests.helpers import tiny_model
+from tests.tiny import tiny_model
 
 PLAN = Plan(shard_size=3, sources=["gsm8k", "self"], temperatures=[0.0, 1.0], max_new_tokens=8, self_prompt_tokens=8)
 

@@ -296,24 +296,26 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 @pytest.fixture(scope="module")
-def smol_auto():
-    """The embedded SmolLM2 under `auto`, loaded once for both tests here (greedy answers do not depend on
+def smol_auto(smollm2_default):
+    """The embedded SmolLM2 under `auto`, built once for both tests here (greedy answers do not depend on
     what it has drafted before)."""
-    import specdec
+    from specdec.api import from_models
 
-    return specdec.load(method="auto")
+    model, tok, weights = smollm2_default
+    return from_models(model, tok, "auto", weights=weights)
 
 
 @pytest.mark.slow
-def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla(smol_auto):
+def test_smollm2_answers_fit_the_schema_and_auto_equals_vanilla(smol_auto, smollm2_default):
     import jsonschema
 
-    import specdec
+    from specdec.api import from_models
 
     prompt = [{"role": "user", "content": "Describe Ana, 31, who lives in Lisbon, as JSON."}]
     answers = {}
     for method in ("vanilla", "auto", "eagle2"):
-        dec = smol_auto if method == "auto" else specdec.load(method=method)
+        model, tok, weights = smollm2_default
+        dec = smol_auto if method == "auto" else from_models(model, tok, method, weights=weights)
         for kw in ({"json_schema": SCHEMA}, {"regex": r"(yes|no), because [a-z ]{3,30}\."}):
             g = dec.generate(prompt, max_new_tokens=64, **kw)
             answers.setdefault(next(iter(kw)), []).append(g.token_ids)

@@ -172,10 +172,11 @@ def test_sampling_matches_the_target_distribution():
 
 
 @pytest.mark.slow
-def test_smollm2_repetitive_text_is_lossless_and_accepted(two_threads):
-    from specdec.api import load
+def test_smollm2_repetitive_text_is_lossless_and_accepted(two_threads, smollm2_default):
+    from specdec.api import from_models
 
-    spec, vanilla = load(method="lookahead"), load(method="vanilla")
+    model, tok, weights = smollm2_default
+    spec, vanilla = (from_models(model, tok, m, weights=weights) for m in ("lookahead", "vanilla"))
     msgs = [{"role": "user", "content": "Count from 1 to 40, separated by commas."}]
     want = vanilla.generate(msgs, max_new_tokens=64)
     got = spec.generate(msgs, max_new_tokens=64)

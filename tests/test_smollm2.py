@@ -191,13 +191,13 @@ def test_int8_target_auto_equals_int8_vanilla_exactly(smol, fixed_costs):
 
 
 @pytest.fixture(scope="module")
-def smol_gguf():
+def smol_gguf(smollm2_default):
     """The embedded file as a user gets it by default: its own Q4_1/Q8_0 blocks."""
     from specdec.runtime import stream
 
     if stream.kernel() is None:
         pytest.skip("needs the streaming kernels (x86-64, AVX2)")
-    model, tok, _ = load_model("smollm2", device="cpu")
+    model, tok, _ = smollm2_default
     return model, tok, Vanilla(from_models(model, tok))
 
 
