@@ -3,6 +3,8 @@ modules are rare and justified, files stay small, and the README's method table 
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,8 @@ LOCAL_IMPORTS_ALLOWED = {
     ("specdec.runtime.loading", "specdec.runtime.hf"): "the HF runner, for non-Llama targets only",
     ("specdec.cli", "specdec.cli.commands"): "torch loads inside main, where a Ctrl-C is caught",
     ("specdec.cli.commands", "specdec.serve.app"): "fastapi and uvicorn are the optional `serve` extra",
+    ("specdec.cli.interop", "specdec.heads.interop"): "every CLI start would load transformers' Llama modules",
+    ("specdec.tune.cli", "specdec.heads.io"): "every CLI start would load transformers' Llama modules",
 }
 
 
@@ -108,6 +112,13 @@ def test_layers_import_only_downward_and_local_imports_are_justified():
 ])
 def test_the_layer_check_catches_an_upward_import(module, line):
     assert violations(line, module)
+
+
+def test_the_cli_starts_without_transformers_model_code():
+    """Each `specdec` command (and every CLI process the suite starts) would pay ~3 s for it."""
+    code = "import sys, specdec.cli.commands; print(sorted(m for m in sys.modules if '.modeling_' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_no_source_file_over_400_lines():

@@ -9,7 +9,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.files import check_writable
-from specdec.heads.interop import ENGINES, detect, export_head, import_head
+from specdec.heads import ENGINES
 from specdec.options import one_line_errors
 from specdec.runtime.gguf import QuantTensor
 from specdec.runtime.loading import load_model, resolve
@@ -58,6 +58,8 @@ def _target(spec: str | None) -> tuple[torch.Tensor | None, int | None]:
 
 
 def cmd_import(args) -> int:
+    from specdec.heads.interop import detect, import_head  # transformers' model code: only for these commands
+
     src, out = Path(args.src), Path(args.out)
     kind = detect(src)  # before any model loads
     _check_out(src, out, args.model)
@@ -68,6 +70,8 @@ def cmd_import(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from specdec.heads.interop import detect, export_head
+
     src, out = Path(args.src), Path(args.out)
     detect(src)
     if args.to == "llamacpp":
@@ -80,6 +84,8 @@ def cmd_export(args) -> int:
 
 
 def _export_llamacpp(args, src: Path, out: Path) -> int:
+    from specdec.heads.interop import export_head
+
     if out.suffix != ".gguf" or out.is_dir():
         raise SpecdecError(f"--out {out}: --to llamacpp writes one file, give a path ending in .gguf")
     check_writable(out.absolute().parent, f"--out {out}:")

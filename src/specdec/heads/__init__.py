@@ -2,6 +2,8 @@
 
 from specdec.errors import SpecdecError
 
+ENGINES = ("vllm", "sglang", "llamacpp")  # what export-head writes for
+
 
 def check_sizes(what: str, hidden: int, vocab: int, hidden_size: int | None, vocab_size: int | None) -> None:
     """A head's hidden size and vocabulary against the target's (None: not checked), refused in one line."""

@@ -29,13 +29,13 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, read_json_object
+from specdec.heads import ENGINES
 from specdec.heads.io import _is_eagle3, _read_tensors, load_head, save_head
 from specdec.heads.llamacpp import TargetGGUF, export_llamacpp
 from specdec.heads.medusa_formats import MEDUSA_FILES, export_vllm, import_medusa
 from specdec.heads.medusa_io import save_medusa
 from specdec.heads.model import EagleHead
 
-ENGINES = ("vllm", "sglang", "llamacpp")
 ARCHITECTURES = {("eagle", "vllm"): "EagleLlamaForCausalLM", ("eagle", "sglang"): "LlamaForCausalLMEagle",
                  ("eagle3", "vllm"): "Eagle3LlamaForCausalLM", ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
                  ("medusa", "vllm"): "MedusaModel", ("eagle3", "llamacpp"): "eagle3 GGUF (--spec-type draft-eagle3)"}

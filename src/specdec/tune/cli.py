@@ -11,7 +11,6 @@ import torch
 from specdec.api import from_models
 from specdec.errors import SpecdecError
 from specdec.files import check_writable
-from specdec.heads.io import is_eagle3_dir
 from specdec.heads.shipped import find_shipped_head
 from specdec.options import add_flags, flag_values
 from specdec.runtime import threads
@@ -90,6 +89,8 @@ def cmd_tune(args) -> int:
     if head is None:
         raise SpecdecError("no EAGLE head ships for this model: pass --head DIR "
                            "(train one with `specdec datagen` + `specdec train eagle`)")
+    from specdec.heads.io import is_eagle3_dir  # transformers' model code: only once a head is tuned
+
     # explicit eagle2 / eagle3: never a union
     dec = from_models(model, tok, "eagle3" if is_eagle3_dir(head) else "eagle2", head=str(head))
     prompts = []
