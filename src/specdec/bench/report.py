@@ -163,8 +163,8 @@ def render(run: dict, summary: dict, audit: dict) -> str:
                                f"({', '.join(f'`{m}`' for m in ours if precs.get(m) == w)})"
                                for w, f in extra.items()) + ".", ""]
     if rss := peak_rss(run):  # ours: the bench process's while the method ran; a server's: its own
-        md += ["## Peak RSS, MB", "", _table(["method", "MB"], [[f"`{m}`", f"{v:.0f}"] for m, v in rss.items()]),
-               ""]
+        md += ["## Peak RSS, MB", "", "Ours: the bench process's, every method's models and caches in it.", "",
+               _table(["method", "MB"], [[f"`{m}`", f"{v:.0f}"] for m, v in rss.items()]), ""]
     sized = [m for m in ours if summary[m][OVERALL].get("tree_size_histogram")]
     if sized:
         md += ["## Draft sizes", "",
