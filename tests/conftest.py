@@ -2,6 +2,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 # The suite's own cache, set before specdec is imported, and inherited by every subprocess the tests start:
@@ -27,6 +28,13 @@ from tests.helpers import QS, TRAIN_KW, char_tokenizer, make_data, noisy_copy, t
 # took 25x the CPU time on two threads as on one beside other processes). The kernels' own tests and the real
 # model's run on two, and test_gguf compares the kernels' bits across thread counts.
 torch.set_num_threads(1)
+
+def pytest_collection_finish(session):
+    """Start the slow preparations the collected tests need, in the background (tests/background.py)."""
+    from tests import background
+
+    background.start({item.module.__name__.rsplit(".", 1)[-1] for item in session.items if item.module})
+
 
 @pytest.fixture(autouse=True)
 def no_thread_follower():
@@ -62,10 +70,23 @@ def tiny():
     return tiny_model("llama")
 
 
+@contextmanager
+def one_thread():
+    """A session fixture's data and head are made on one thread whichever module asks first (a module on two
+    threads sums in another order: another head, and another tau for the tests that read it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
-    make_data(tiny, d)
+    with one_thread():
+        make_data(tiny, d)
     return d
 
 
@@ -75,7 +96,8 @@ def trained(tiny, tiny_data, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(data=str(tiny_data), out=str(out), **TRAIN_KW)
-    r = train_eagle(cfg, tiny, progress=False)
+    with one_thread():
+        r = train_eagle(cfg, tiny, progress=False)
     return r, out
 
 

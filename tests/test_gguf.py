@@ -17,12 +17,13 @@ from specdec.bench.runner import _model_info
 from specdec.drafters import registry
 from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.errors import SpecdecError
-from specdec.runtime import kernel_build, stream
+from specdec.runtime import stream
 from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight, requantized
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.loading import Runtime
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
+from tests import background
 from tests.helpers import (
     FORMATS,
     K_QUANTS,
@@ -295,13 +296,7 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
     what its AVX-512 code does (two blocks per vector; x16: 16 outputs): a model gives the same bits on
     either kind of machine."""
 
-    from specdec.files import cache_dir
-
-    # built as the kernel itself is: once per version of the sources (a minute or two), into the cache
-    key = kernel_build.build_key(kernel_build.FLAGS)
-    name, build = f"specdec_stream_avx2_test_{key}", cache_dir() / "kernels" / f"avx2-test-{key}"
-    so = build / f"{name}.so"
-    avx2 = stream._import(name, so) if so.exists() else stream._build(name, kernel_build.FLAGS, build)
+    avx2 = background.avx2_kernels()  # its build started with the session (conftest)
     g = torch.Generator().manual_seed(0)
     for fmt in FORMATS:
         k = 512 if fmt in K_QUANTS else 352

@@ -14,6 +14,7 @@ import torch
 
 from specdec.api import from_models
 from specdec.runtime.loading import load_model
+from tests import background
 from tests.helpers import at_threads
 
 _threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
@@ -34,6 +35,7 @@ N_NEW = 40
 
 @pytest.fixture(scope="module")
 def smol():
+    background.wait("smollm2-fp32")  # converted while the tests before ran
     model, tok, _ = load_model("smollm2", device="cpu", weights="fp32")  # the HF model, for HF's own generate
     draft = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)

@@ -84,10 +84,9 @@ def build_methods(cfg: BenchConfig, model, tokenizer, draft_model=None, draft_to
     return {s.label: built[s.label] for s in cfg.methods}
 
 
-def _peak_rss(records: list[dict], label: str, method) -> dict:
-    """Our method's peak RSS over its generations (the whole process: every loaded model counts), where read."""
-    if not isinstance(method, OurMethod):
-        return {}
+def _peak_rss(records: list[dict], label: str) -> dict:
+    """Our method's peak RSS over its generations (the whole process: every loaded model counts), where read
+    (a peer's records hold none: its server reports its own)."""
     peaks = [r["peak_rss_mb"] for r in records if r["method"] == label and r.get("peak_rss_mb") is not None]
     return {"peak_rss_mb": max(peaks)} if peaks else {}
 
@@ -296,7 +295,7 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
                      **({"precision": precisions[s.label]} if s.label in precisions else {}),
                      **({"target": s.target} if s.target else {}),
                      **({"weights": methods[s.label].weights} if hasattr(methods[s.label], "weights") else {}),
-                     **_peak_rss(records, s.label, methods[s.label])}
+                     **_peak_rss(records, s.label)}
                     for s in cfg.methods],
         "questions": len(questions), "generations": len(records), "skipped": skipped,
         "categories": list(dict.fromkeys(q.category for q in questions)),
