@@ -55,8 +55,9 @@ def start(modules: set[str]) -> None:
     """Every job a collected test module needs."""
     for name, (module, todo, code) in JOBS.items():
         if module in modules and name not in _jobs and todo():
-            p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19), start_new_session=True)
+            # `nice` the command rather than a preexec_fn: that runs Python in the child of a threaded process
+            p = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", code], cwd=REPO,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             _jobs[name] = p
             atexit.register(_stop, p)
 
