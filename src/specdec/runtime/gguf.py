@@ -341,9 +341,47 @@ def _unpermute(w, n_head: int):
 
 
 def _rotary(cfg) -> nn.Module:
-    """The model family's own rotary module for this config (tables computed as the HF model does)."""
+    """The family's rotary tables for this config. Static RoPE types as transformers' rotary modules compute
+    them (_Rotary); dynamic ones from the family's own module, whose model code alone costs a process
+    ~130 MB and ~1.6 s to import."""
+    params = cfg.rope_parameters
+    per_type = "rope_type" not in params  # Gemma 3: one set of parameters per layer type
+    types = [t for t in sorted(set(cfg.layer_types)) if params[t] is not None] if per_type else [None]
+    if all((params[t] if per_type else params)["rope_type"] not in DYNAMIC_ROPE for t in types):
+        return _Rotary(cfg, types if per_type else None)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     return type(skeleton.get_decoder().rotary_emb)(config=cfg)
+
+
+DYNAMIC_ROPE = ("dynamic", "longrope")  # tables that change with the sequence's length (dynamic_rope_update)
+
+
+class _Rotary(nn.Module):
+    """LlamaRotaryEmbedding's (and Qwen2's, Mistral's, Gemma3RotaryEmbedding's) tables, the same operations in
+    the same order, so the same bits: inverse frequencies from the config (rope_init_fn), then cos and sin of
+    position x frequency, times the type's attention scaling. types: Gemma 3's layer types (forward takes
+    one), or None."""
+
+    def __init__(self, cfg, types: list[str] | None) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        super().__init__()
+        self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
+        for t in types or [None]:
+            p = cfg.rope_parameters[t] if t is not None else cfg.rope_parameters
+            if p["rope_type"] == "default":
+                dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+                self.tables[t] = (inv_freq, 1.0)
+            else:
+                fn = ROPE_INIT_FUNCTIONS[p["rope_type"]]
+                self.tables[t] = fn(cfg, None, layer_type=t) if t is not None else fn(cfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+        inv_freq, scaling = self.tables[layer_type]
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
