@@ -348,7 +348,7 @@ def _rotary(cfg) -> nn.Module:
     per_type = "rope_type" not in params  # Gemma 3: one set of parameters per layer type
     types = [t for t in sorted(set(cfg.layer_types)) if params[t] is not None] if per_type else [None]
     if all((params[t] if per_type else params)["rope_type"] not in DYNAMIC_ROPE for t in types):
-        return _Rotary(cfg, types if per_type else None)
+        return _Rotary(cfg, types)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -363,14 +363,14 @@ class _Rotary(nn.Module):
     """LlamaRotaryEmbedding's (and Qwen2's, Mistral's, Gemma3RotaryEmbedding's) tables, the same operations in
     the same order, so the same bits: inverse frequencies from the config (rope_init_fn), then cos and sin of
     position x frequency, times the type's attention scaling. types: Gemma 3's layer types (forward takes
-    one), or None."""
+    one), or [None]."""
 
-    def __init__(self, cfg, types: list[str] | None) -> None:
+    def __init__(self, cfg, types: list[str | None]) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         super().__init__()
         self.tables: dict[str | None, tuple[torch.Tensor, float]] = {}
-        for t in types or [None]:
+        for t in types:
             p = cfg.rope_parameters[t] if t is not None else cfg.rope_parameters
             if p["rope_type"] == "default":
                 dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
