@@ -10,7 +10,15 @@ from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.headless import DRAFT_ALPHA, Calibration, ChainAcceptance, HeadlessDrafter, draft_menu, tried
+from specdec.drafters.headless import (
+    DRAFT_ALPHA,
+    DRAFT_ALPHA_SAMPLED,
+    Calibration,
+    ChainAcceptance,
+    HeadlessDrafter,
+    draft_menu,
+    tried,
+)
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.errors import SpecdecError
@@ -188,9 +196,13 @@ def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
         got, _ = run(target, drafter, p, SamplingParams(), 30)
         assert got == want
     assert chose and len({b.depth for b in chose}) >= 2  # draft-model chains of several lengths
+    # chains are priced by the learned per-token rate alone: a miss lowers it once, not once more as a scale
+    learned = drafter.chain_rate.gains(drafter.menu)
+    assert drafter.chain_rate.alpha != pytest.approx(DRAFT_ALPHA)
+    assert {b: drafter.ctrl.scale * drafter.ctrl.gain[b] for b, _ in drafter.menu} == pytest.approx(learned)
     chose.clear()
     run(target, drafter, REPEATS, SamplingParams(0.8, seed=1), 30)  # sampled chains, never merged with n-grams
-    assert chose
+    assert chose and drafter.chain_rate.prior == DRAFT_ALPHA_SAMPLED
 
 
 @pytest.mark.slow

@@ -2,7 +2,10 @@
 (when `draft=` gives one) or their union that maximises expected tokens per second, or no draft at all.
 
 The choice is the head case's (controller.Controller over costs.Costs measured on this machine), with
-the n-gram draft priced prefix by prefix: the chance that each node is accepted is its own confidence
+no hurdle over a plain step and the draft-model chains priced by their learned per-token acceptance alone
+(ChainAcceptance; the head case's scale of observed to expected tokens stays at 1: on top of a learned rate it
+counted every miss twice, and `auto` fell back to plain steps where chains paid), and the n-gram draft
+priced prefix by prefix: the chance that each node is accepted is its own confidence
 (ngram.py), calibrated online, so the draft's length follows what the target's t(N) makes worth
 verifying (an int8 target's t(8) may be 2-3 t(1)). Calibration: per bucket of raw confidence, a
 decaying rate of how often such a node's token was the one emitted next, with the raw confidence as
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters.adaptive import MAX_PENDING, SAMPLED_SCALE, FollowsTheMachine, matched
+from specdec.drafters.adaptive import MAX_PENDING, FollowsTheMachine, matched
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, NoDrafter, alone
 from specdec.drafters.clock import StepClock
 from specdec.drafters.controller import Controller
@@ -42,6 +45,7 @@ TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
 MIN_VALUE = 0.01  # nodes less likely than this to be accepted are not worth drafting
 DRAFT_CHAINS = (1, 2, 3, 4, 6)  # draft-model chain lengths offered
 DRAFT_ALPHA = 0.7  # prior chance a draft-model token is accepted given its parent was
+DRAFT_ALPHA_SAMPLED = 0.5  # ... at T > 0 (a drafted x is accepted with min(1, p(x) / q(x)), not when it is the argmax)
 # ... counted as this many drafted tokens; each chain verified then weighs the evidence by ALPHA_DECAY. Why
 # learn it: a menu priced by the prior's shape (0.7 per token) chose chains of 1-2 where a same-family
 # draft accepted 0.9 a token (Qwen2.5-Coder 0.5B for 1.5B on code), and longer chains paid more
@@ -57,15 +61,16 @@ class ChainAcceptance:
     """P(a draft-model token is accepted | its parent was), learned from the chains verified: a chain of k
     tokens whose first m were accepted shows m acceptances in min(m + 1, k) tries."""
 
-    def __init__(self) -> None:
-        self.hits, self.tries = ALPHA_PRIOR * DRAFT_ALPHA, ALPHA_PRIOR
+    def __init__(self, prior: float = DRAFT_ALPHA) -> None:
+        self.prior = prior
+        self.hits, self.tries = ALPHA_PRIOR * prior, ALPHA_PRIOR
 
     @property
     def alpha(self) -> float:
         return self.hits / self.tries
 
     def observe(self, accepted: int, drafted: int) -> None:
-        self.hits = ALPHA_DECAY * self.hits + (1 - ALPHA_DECAY) * ALPHA_PRIOR * DRAFT_ALPHA + accepted
+        self.hits = ALPHA_DECAY * self.hits + (1 - ALPHA_DECAY) * ALPHA_PRIOR * self.prior + accepted
         self.tries = ALPHA_DECAY * self.tries + (1 - ALPHA_DECAY) * ALPHA_PRIOR + min(accepted + 1, drafted)
 
     def gains(self, menu: list[tuple[TreeBudget, float]]) -> dict[TreeBudget, float]:
@@ -161,7 +166,7 @@ class HeadlessDrafter(FollowsTheMachine):
         self.relearned = 0
         self.rows = self.rows_ctx = 0
         self.pending: list[_Pending] = []
-        self.last: tuple[DraftTree | None, float] | None = None
+        self.last: DraftTree | None = None  # the draft-model chain this step verifies
 
     def fork(self) -> HeadlessDrafter | None:
         """Another sequence of a batch: forks of the n-gram and draft-model drafters, its own Controller,
@@ -177,9 +182,10 @@ class HeadlessDrafter(FollowsTheMachine):
         greedy = ctx.params.greedy
         costs = self.costs
         # a sampled draft-model chain carries its q: it cannot share a verify with point masses
-        self.ctrl = Controller(self.menu, costs, 1.0 if greedy else SAMPLED_SCALE, {}, union=greedy)
+        self.ctrl = Controller(self.menu, costs, 1.0, {}, union=greedy, hurdle=0.0)
         self.cal = Calibration(1.0 if greedy else SAMPLED_CONF)
-        self.chain_rate = ChainAcceptance()
+        self.chain_rate = ChainAcceptance(DRAFT_ALPHA if greedy else DRAFT_ALPHA_SAMPLED)
+        self.ctrl.regain(self.chain_rate.gains(self.menu))
         self.choices = Counter()
         self.pending, self.last, self.rows = [], None, 0
         for d in (self.ngram, self.draft):
@@ -198,15 +204,13 @@ class HeadlessDrafter(FollowsTheMachine):
         choice = self.ctrl.choose(len(ng), room, len(ctx.tokens), gains)
         if len(ng):  # scored on what follows, whatever is verified now
             self.pending.append(_Pending(ng.tokens.tolist(), ng.children(), confs, len(ctx.tokens)))
-        tree, drafted, expected = DraftTree.empty(), None, 0.0
+        tree, drafted = DraftTree.empty(), None
         if choice.budget is not None:
-            b = choice.budget
-            tree = drafted = yield from self.draft.drafting(ctx, b)
-            expected = self.ctrl.gain[b] * min(len(tree), b.tree_size) / b.tree_size
+            tree = drafted = yield from self.draft.drafting(ctx, choice.budget)
         if choice.chain and room > len(tree):
             part = ng.select(torch.arange(min(choice.chain, room - len(tree))))
             tree = tree.union(part) if len(tree) else part
-        self.last = (drafted, expected)
+        self.last = drafted
         self.choices[len(tree)] += 1
         self.rows, self.rows_ctx = 1 + min(len(tree), room), len(ctx.tokens)  # for the clock
         return tree
@@ -223,14 +227,10 @@ class HeadlessDrafter(FollowsTheMachine):
         for d in (self.ngram, self.draft):
             if d is not None:
                 d.accept(ctx, verdict)
-        drafted, expected = self.last or (None, 0.0)
-        self.last = None
-        observed = drafted is not None and len(drafted) > 0
-        self.ctrl.step(observed)
-        if observed:
-            got = matched(drafted, verdict.tokens)
-            self.ctrl.observe_tree(got, expected)
-            self.chain_rate.observe(got, len(drafted))
+        drafted, self.last = self.last, None
+        self.ctrl.step()
+        if drafted is not None and len(drafted) > 0:
+            self.chain_rate.observe(matched(drafted, verdict.tokens), len(drafted))
             self.ctrl.regain(self.chain_rate.gains(self.menu))
         self.cal.step()
         keep = []
