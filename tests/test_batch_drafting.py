@@ -271,3 +271,20 @@ def test_head_runner_packed_forward_gives_each_sequence_its_own_forward(model, v
         assert n == b.length + b.n_pending
         assert torch.equal(a.cache.k[..., :n, :], b.cache.k[..., :n, :])
         assert torch.equal(a.cache.v[..., :n, :], b.cache.v[..., :n, :])
+
+
+@pytest.mark.parametrize("head", ["reduced", "reduced+request", "whole", "wider than the target"])
+def test_a_greedy_chain_takes_the_argmax_over_the_target_ids(model, head):
+    """A greedy chain's token comes from the draft's own columns without spreading them over the target's
+    vocabulary: the same id as the argmax of the spread logits (ties aside), also where the draft scores
+    ids the target lacks."""
+    target_vocab = V - 7 if head == "wider than the target" else V
+    d = DraftModelDrafter(draft_runner(model, reduced=head.startswith("reduced")), target_vocab, chain_len=3)
+    if head == "reduced+request":
+        d.runner.score_also([1, 2, 4, 5])
+    g = torch.Generator().manual_seed(0)
+    for i in range(200):
+        raw = torch.randn(d.runner.vocab_size, generator=g)
+        if head == "wider than the target" and i % 2:
+            raw[target_vocab:] += 10.0  # the draft's best ids are ones the target has not
+        assert d._argmax(raw) == int(d._pad(raw).argmax())
