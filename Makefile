@@ -33,8 +33,10 @@ chromium:
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo "no chromium: the playground's browser test will be skipped"
 
+# two workers (pytest-xdist), one a core: most tests run on one thread (tests/conftest.py); each test file
+# stays on one worker, so its module fixtures load once
 test: $(STAMP) lint chromium
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the tests not marked `slow` (each of those takes over ~3 s): under 2 minutes on a quiet 2-core machine
 test-fast: $(STAMP) lint

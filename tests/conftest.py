@@ -30,7 +30,10 @@ from tests.helpers import QS, TRAIN_KW, char_tokenizer, make_data, noisy_copy, t
 torch.set_num_threads(1)
 
 def pytest_collection_finish(session):
-    """Start the slow preparations the collected tests need, in the background (tests/background.py)."""
+    """Start the slow preparations the collected tests need, in the background (tests/background.py), when
+    the suite runs one test at a time: under pytest-xdist every worker collects every test, and no core idles."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     from tests import background
 
     background.start({item.module.__name__.rsplit(".", 1)[-1] for item in session.items if item.module})

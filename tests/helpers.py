@@ -228,7 +228,9 @@ def make_data(model, out: Path, n_seq=96, answer_len=32, seed=0):
     for shard in range(2):
         prompts = [torch.randint(3, v, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(n_seq // 2)]
-        answers = generate_answers(model, prompts, answer_len, 1.0 if shard else 0.0, {model.config.vocab_size - 1}, 0)
+        with torch.random.fork_rng():  # HF's sampling draws from the global generator: seeded, whatever ran before
+            torch.manual_seed(seed * 1_000_003 + shard)
+            answers = generate_answers(model, prompts, answer_len, 1.0 if shard else 0.0, {v - 1}, 0)
         seqs = [p + a for p, a in zip(prompts, answers)]
         t = pack_shard(seqs, [len(p) for p in prompts], teacher_force(model, seqs))
         write_shard(out / f"shard-{shard:05d}.safetensors", t, {"source": "test"})

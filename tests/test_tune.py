@@ -57,7 +57,7 @@ def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):
     head = str(trained[1] / "head")
     configs = [Config(4, 3, 8), Config(3, 1, 3), Config(2, 3, 4)]
     walker = from_models(tiny, None, "eagle2", head=head)
-    taus = []
+    taus, longest = [], 0
     for prompt in PROMPTS[1:3]:
         cont, _ = run(walker.runner, NoDrafter(), prompt, SamplingParams(), 40)
         w = walk(walker.drafter, walker.runner, prompt, cont, configs)
@@ -67,7 +67,8 @@ def test_offline_acceptance_replays_the_engine_exactly(tiny, trained):
             assert got == cont
             assert replay(w.accepted[c]) == stats.accept_lengths, c
             taus.append(stats.tau)
-    assert max(taus) > 2  # real acceptance, deep paths included
+            longest = max(longest, *stats.accept_lengths)
+    assert max(taus) > 1.5 and longest >= 4  # real acceptance, deep paths (3 drafted tokens in a row) included
 
 
 def test_offline_lookup_union_replays_the_engine_exactly(tiny, trained):
