@@ -45,12 +45,13 @@ TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
 MIN_VALUE = 0.01  # nodes less likely than this to be accepted are not worth drafting
 DRAFT_CHAINS = (1, 2, 3, 4, 6)  # draft-model chain lengths offered
 DRAFT_ALPHA = 0.7  # prior chance a draft-model token is accepted given its parent was
-DRAFT_ALPHA_SAMPLED = 0.5  # ... at T > 0 (a drafted x is accepted with min(1, p(x) / q(x)), not when it is the argmax)
 # ... counted as this many drafted tokens; each chain verified then weighs the evidence by ALPHA_DECAY. Why
 # learn it: a menu priced by the prior's shape (0.7 per token) chose chains of 1-2 where a same-family
 # draft accepted 0.9 a token (Qwen2.5-Coder 0.5B for 1.5B on code), and longer chains paid more
 ALPHA_PRIOR = 4.0
 ALPHA_DECAY = 0.9
+# the prior at T > 0: a drafted x is accepted with probability min(1, p(x) / q(x)), not whenever it is the argmax
+DRAFT_ALPHA_SAMPLED = 0.5
 EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # raw-confidence buckets of the calibration
 CAL_DECAY = 0.95  # per step: slower than the controller's, the buckets see fewer observations each
 CAL_PRIOR = 2.0  # the raw confidence counts as this many observations
