@@ -1,6 +1,7 @@
-"""Work the suite needs later, started as the session begins in niced background processes: the suite runs
-one test at a time and leaves the second core mostly idle, so a minute of compiling or converting there
-costs the wall clock nothing, where the first test needing it would wait for all of it.
+"""Work the suite needs later, started as the session begins in niced background processes when pytest runs
+one test at a time (`make test` runs two xdist workers, and then nothing starts here): such a run leaves the
+second core mostly idle, so a minute of compiling or converting there costs the wall clock nothing, where the
+first test needing it would wait for all of it.
 
 - `avx2`: the kernels built for AVX2 alone, which test_gguf compares bit for bit with the AVX-512 build
   (once per version of the sources, into the suite's kernel cache; a minute or two).
