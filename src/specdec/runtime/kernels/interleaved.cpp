@@ -45,7 +45,9 @@ struct Acts16 {
   std::vector<uint8_t> qu;  // [N][K] q + 128 (q ^ 0x80), for Q8_0 on vpdpbusd: a broadcast straight from memory
   std::vector<float> d;  // [N][K / B]: the scale of each block of B (32, or 256 for K-quants)
   std::vector<float> s;  // B = 32: [N][K / 32] the block's scale * the sum of its codes
-  std::vector<int32_t> bs;  // B = 256: [N][K / 32] the sum of each 32 codes
+  // B = 256: [N][K / 64] the sums of each 32 codes as int16 pairs, per super-block the blocks (0, 2), (1, 3),
+  // (4, 6), (5, 7): the Q4_K mins' term on vpmaddwd, whose four pairs meet the lanes' four min bytes
+  std::vector<uint32_t> bsp;
   std::vector<int32_t> b16;  // B = 256: [N][K / 16] 32 times the sum of each 16 codes (Q6_K's offset)
 };
 
@@ -55,7 +57,7 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy,
   if (unsigned_copy) a.qu.resize(N * K);
   a.d.resize(N * nb);
   if (B == 32) a.s.resize(N * nb);
-  else a.bs.resize(N * n32), a.b16.resize(N * n32 * 2);
+  else a.bsp.assign(N * n32 / 2, 0), a.b16.resize(N * n32 * 2);
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
       int8_t* q = a.q.data() + n * K;
@@ -68,7 +70,9 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy,
           a.s[n * nb + b] = a.d[n * nb + b] * static_cast<float>(s);
           continue;
         }
-        a.bs[n * n32 + b] = s;
+        const int64_t j = b % 8;  // |s| <= 32 * 128: an int16
+        a.bsp[n * n32 / 2 + 4 * (b / 8) + 2 * (j / 4) + j % 2] |=
+            static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(s))) << (16 * (j % 4 / 2));
         const int lo = code_sum(q + b * 32, 16);
         a.b16[n * n32 * 2 + 2 * b] = 32 * lo;
         a.b16[n * n32 * 2 + 2 * b + 1] = 32 * (s - lo);
@@ -121,6 +125,13 @@ inline VI v_dot(VI acc, VI u, VI s) {  // acc + per lane the four products u8 x 
   return _mm512_dpbusd_epi32(acc, u, s);
 #else
   return MM(add_epi32)(acc, MM(madd_epi16)(MM(maddubs_epi16)(u, s), MM(set1_epi16)(1)));
+#endif
+}
+inline VI v_madd16(VI acc, VI a, VI b) {  // acc + per lane a.lo16 b.lo16 + a.hi16 b.hi16 (signed, exact)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return MM(add_epi32)(acc, MM(madd_epi16)(a, b));
 #endif
 }
 inline VI v_add(VI a, VI b) { return MM(add_epi32)(a, b); }
@@ -284,9 +295,15 @@ void group_rows_q4k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
       const VI s0 = v_and(v_shr(sc[c / 2], 16 * (c % 2)), 0xFF), s1 = v_and(v_shr(sc[c / 2], 16 * (c % 2) + 8), 0xFF);
       for (int r = 0; r < R; r++) isum[r] = v_add(isum[r], v_add(v_mul(lo[r], s0), v_mul(hi[r], s1)));
     }
-    for (int j = 0; j < 8; j++) {
-      const VI m = v_and(v_shr(mn[j / 4], 8 * (j % 4)), 0xFF);
-      for (int r = 0; r < R; r++) msum[r] = v_add(msum[r], v_mul(m, v_bcast(a.bs[(n0 + r) * (K / 32) + 8 * i + j])));
+    // the mins as int16 pairs (0, 2), (1, 3) of each lane's four bytes: four multiply-add pairs a row, not eight
+    // 32-bit multiplies (one Q4_K linear at 4 and 8 rows: 6% faster, the same integers)
+    const VI m02[2] = {v_and(mn[0], 0x00FF00FF), v_and(mn[1], 0x00FF00FF)};
+    const VI m13[2] = {v_and(v_shr(mn[0], 8), 0x00FF00FF), v_and(v_shr(mn[1], 8), 0x00FF00FF)};
+    for (int r = 0; r < R; r++) {
+      const uint32_t* bp = a.bsp.data() + (n0 + r) * (K / 64) + 4 * i;
+      for (int h = 0; h < 2; h++)
+        msum[r] = v_madd16(v_madd16(msum[r], m02[h], v_bcast(static_cast<int32_t>(bp[2 * h]))), m13[h],
+                           v_bcast(static_cast<int32_t>(bp[2 * h + 1])));
     }
     _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB + 64), _MM_HINT_T1);
