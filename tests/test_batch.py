@@ -337,7 +337,7 @@ def served():
     sizes, step = [], engine.batch.step
 
     def slow_step():  # steps slow enough that requests overlap, and a record of each step's batch size
-        sizes.append(len(engine.batch.active))
+        sizes.append(len(engine.batch))
         time.sleep(0.01)
         return step()
 
@@ -372,6 +372,8 @@ def test_server_batches_concurrent_requests_each_as_alone(served):
         else:
             got[i] = client.completions.create(model=model, prompt=prompts[i], **kws[i]).choices[0].text
 
+    steps0, rows0 = server.metric("batch_steps_total"), server.metric("batch_sequences_total")
+    sizes.clear()
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
@@ -384,6 +386,9 @@ def test_server_batches_concurrent_requests_each_as_alone(served):
     while idle() != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert idle() == (0, 0)
+    # the step counters: every step and the sequences it carried, so their ratio is the mean batch size
+    assert server.metric("batch_steps_total") - steps0 == len(sizes)
+    assert server.metric("batch_sequences_total") - rows0 == sum(sizes)
 
 
 def test_a_client_that_leaves_frees_its_slot(served):

@@ -1,8 +1,8 @@
 """`specdec bench serve`: `specdec serve` under load. For each method and --max-batch limit it starts the
 server as a subprocess, then concurrent streaming clients (the official `openai` async client) send
 MT-bench first turns; reported: total tokens/s, p50/p99 request latency, p50 time to first token, the
-mean batch size (sampled from /metrics while requests run), the drafts' mean acceptance length and rate
-(the server's counters over the run), errors, and the server's RSS before and after. At each limit the
+mean batch size, the drafts' mean acceptance length and rate (all three from the server's counters over
+the run), errors, and the server's RSS before and after. At each limit the
 methods run in turn (`--repeat`: several rounds of that), and the table adds each method's tok/s over the
 first method's, paired within a round. `--soak`: many short greedy requests, some clients leaving
 mid-stream and some bodies malformed; every well-formed answer must equal the same request's answer alone,
@@ -16,7 +16,6 @@ import os
 import random
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +36,6 @@ HI = [{"role": "user", "content": "hi"}]
 MALFORMED: list[str | dict] = ['{"messages": [', {"messages": "hi"}, {"messages": []},
                                {"messages": HI, "max_tokens": -3}, {"messages": HI, "temperature": "hot"},
                                {"messages": [{"role": "user"}]}]
-POLL_S = 0.05  # /metrics sampling period for the mean batch size
 
 
 @dataclass
@@ -152,28 +150,14 @@ async def _malformed(http, url: str, model: str, body: str | dict) -> Outcome:
     return Outcome("malformed" if ok else "error", detail=f"malformed body answered {r.status_code}")
 
 
-async def _poll(http, url: str, samples: list[int], stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            text = (await http.get(url + "/metrics")).text
-            size = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdec:batch_size"))
-            if size > 0:
-                samples.append(int(size))
-        except Exception:  # a missed sample only thins the mean
-            pass
-        await asyncio.sleep(POLL_S)
-
-
 async def drive(url: str, model: str, prompts: list[str], plan: list[tuple[str, int]], clients: int,
-                max_tokens: int) -> tuple[list[Outcome], float, list[int]]:
+                max_tokens: int) -> tuple[list[Outcome], float]:
     """Run `plan` ((kind, prompt index): kind "ok", "left" or "malformed") from `clients` concurrent
-    clients: (outcomes in plan order, wall seconds, batch size samples)."""
+    clients: (outcomes in plan order, wall seconds)."""
     openai = _openai()
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
     out: list[Outcome | None] = [None] * len(plan)
     todo = iter(range(len(plan)))
-    samples: list[int] = []
-    stop = asyncio.Event()
 
     async def worker(http) -> None:
         for i in todo:
@@ -189,14 +173,11 @@ async def drive(url: str, model: str, prompts: list[str], plan: list[tuple[str, 
             out[i] = o
 
     async with openai.DefaultAsyncHttpxClient(timeout=60) as http:  # the client's own HTTP library
-        poller = asyncio.create_task(_poll(http, url, samples, stop))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(clients)))
         wall = time.perf_counter() - t0
-        stop.set()
-        await poller
     await client.close()
-    return out, wall, samples
+    return out, wall
 
 
 def reference(url: str, model: str, prompt: str, max_tokens: int) -> str:
@@ -230,9 +211,10 @@ def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: i
             plan = [("ok", i % len(prompts)) for i in range(args.requests)]
         # one untimed request: the first forward's one-time costs (kernels, allocations) are not load
         reference(server.url, model, prompts[0], 4)
-        before, drafts0 = server.rss(), draft_counters(server.url)
-        outcomes, wall, samples = asyncio.run(drive(server.url, model, prompts, plan, args.clients, args.max_tokens))
-        after, (drafts, drafted, accepted) = server.rss(), (b - a for a, b in zip(drafts0, draft_counters(server.url)))
+        before, counts0 = server.rss(), counters(server.url)
+        outcomes, wall = asyncio.run(drive(server.url, model, prompts, plan, args.clients, args.max_tokens))
+        after = server.rss()
+        drafts, drafted, accepted, steps, rows = (b - a for a, b in zip(counts0, counters(server.url)))
         ok = [o for o in outcomes if o.kind == "ok"]
         soak = {}
         if args.soak:
@@ -249,19 +231,21 @@ def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: i
         return Result(method, limit, len(plan), len(ok), len(errors), sum(o.tokens for o in ok) / wall,
                       percentile([o.latency for o in ok], 0.5), percentile([o.latency for o in ok], 0.99),
                       percentile([o.ttft for o in ok if o.ttft is not None], 0.5),
-                      statistics.fmean(samples) if samples else None, round(before, 1), round(after, 1), soak, rnd,
+                      rows / steps if steps else None, round(before, 1), round(after, 1), soak, rnd,
                       1 + accepted / drafts if drafts else None, accepted / drafted if drafted else None)
     finally:
         server.stop()
 
 
-def draft_counters(url: str) -> tuple[float, float, float]:
-    """The server's (drafts, draft tokens, accepted tokens) counters so far."""
+def counters(url: str) -> tuple[float, ...]:
+    """The server's (drafts, draft tokens, accepted tokens, decode steps, sequences they carried) counters
+    so far."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return tuple(float(values[f"specdec:spec_decode_num_{k}_total"]) for k in ("drafts", "draft_tokens",
-                                                                                 "accepted_tokens"))
+    names = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+             "batch_steps", "batch_sequences"]
+    return tuple(float(values[f"specdec:{k}_total"]) for k in names)
 
 
 def healthy(url: str, timeout: float = 5.0) -> bool:

@@ -90,7 +90,8 @@ def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, m
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.running(), engine.waiting(), engine.batch_size()),
+        return PlainTextResponse(metrics.render(engine.running(), engine.waiting(), engine.batch_size(),
+                                                engine.steps()),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

@@ -80,6 +80,10 @@ class Engine(Protocol):
     def batch_size(self) -> int:
         """Sequences in the decoding batch (stepping together, a joining prompt's chunk included) now."""
 
+    def steps(self) -> tuple[int, int]:
+        """(decode steps so far, the sequences they carried summed): the mean batch size over any span
+        is the ratio of the two counters' growth."""
+
     def run(self) -> None:
         """Decode on the calling thread until close() (only for an engine made with thread=False)."""
 
@@ -91,6 +95,7 @@ class _Worker:
     that calls run() (the engines' common part)."""
 
     def _start(self, max_queue: int, name: str, thread: bool) -> None:
+        self._steps = self._rows = 0
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True) if thread else None
         if self._thread is not None:
@@ -112,6 +117,12 @@ class _Worker:
 
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    def steps(self) -> tuple[int, int]:
+        return self._steps, self._rows
+
+    def _stepped(self, size: int) -> None:
+        self._steps, self._rows = self._steps + 1, self._rows + size
 
     def close(self) -> None:
         self._queue.put(None)
@@ -152,6 +163,7 @@ class SerialEngine(_Worker):
         stream = self.decoder.stream(job.prompt, **job.params.model_dump())
         try:
             for chunk in stream:
+                self._stepped(1)
                 job.put(chunk)
                 if job.cancelled:
                     break
@@ -202,6 +214,7 @@ class BatchEngine(_Worker):
                 continue
             try:
                 results = self.batch.step()
+                self._stepped(self._size)
             except Exception as e:  # the packed forward failed: every request in it fails
                 for seq, (job, _) in list(self._live.items()):
                     job.put(e)

@@ -78,12 +78,16 @@ class Metrics:
                     self.accepted_per_pos.append(0)
                 self.accepted_per_pos[k] += n
 
-    def render(self, running: int, waiting: int, batch_size: int = 0) -> str:
+    def render(self, running: int, waiting: int, batch_size: int = 0, steps: tuple[int, int] = (0, 0)) -> str:
         with self._lock:
             rows = [
                 ("num_requests_running", "gauge", "requests decoding now", [("", running)]),
                 ("num_requests_waiting", "gauge", "requests in the queue", [("", waiting)]),
                 ("batch_size", "gauge", "sequences decoding together now (--max-batch at most)", [("", batch_size)]),
+                ("batch_steps_total", "counter", "decode steps", [("", steps[0])]),
+                ("batch_sequences_total", "counter",
+                 "sequences the decode steps carried, summed (over batch_steps_total: the mean batch size)",
+                 [("", steps[1])]),
                 ("requests_total", "counter", "requests by outcome",
                  [(f'{{outcome="{k}"}}', n) for k, n in sorted(self.requests.items())]),
                 ("prompt_tokens_total", "counter", "prompt tokens of finished requests", [("", self.prompt_tokens)]),
