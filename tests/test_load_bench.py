@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench.load import soak_plan
+from specdec.bench.load import soak_plan, with_long
 from specdec.bench.load_report import Result, markdown, percentile, ratios
 from specdec.cli import main
 from specdec.cli.commands import build_parser
@@ -31,6 +31,10 @@ def tiny_dir(tmp_path_factory):
     q.write_text("".join(json.dumps({"question_id": i, "category": "writing",
                                      "turns": [" ".join(f"w{(i + k) % 7 + 3}" for k in range(4 + i))]}) + "\n"
                          for i in range(5)))
+    long = d / "long.jsonl"  # a few prefill chunks each, joining while other answers stream
+    long.write_text("".join(json.dumps({"question_id": i, "category": "long",
+                                        "turns": [" ".join(f"w{(i * 5 + 3 * k) % 90}" for k in range(300))]}) + "\n"
+                            for i in range(2)))
     return d
 
 
@@ -52,6 +56,11 @@ def test_percentiles_and_the_soak_plan():
     assert len(leavers) == 2  # 10% of the clients, each on every request it sends
     assert 0.02 < sum(k == "malformed" for k, _ in plan) / 400 < 0.09
     assert {p for _, p in plan} == set(range(7))
+    mixed = with_long([("ok", i % 5) for i in range(64)], 5, 3, 8)
+    at = [i for i, (_, p) in enumerate(mixed) if p >= 5]
+    assert len(mixed) == 72 and [mixed[i][1] for i in at] == [5, 6, 7, 5, 6, 7, 5, 6]  # the long prompts in turn
+    assert min(b - a for a, b in zip(at, at[1:])) >= 8 and at[0] >= 3 and at[-1] <= 68  # spread through the plan
+    assert [x for x in mixed if x[1] < 5] == [("ok", i % 5) for i in range(64)]
 
 
 def result(method, limit, tps, p50, rnd):
@@ -75,13 +84,15 @@ def test_ratios_pair_each_method_with_the_first_in_the_same_round_and_limit():
 @pytest.mark.slow
 def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path, capsys):
     code, out, err, results = bench(tiny_dir, tmp_path / "out", capsys, "--methods", "vanilla,pld", "--limits", "1,3",
-                                    "--clients", "4", "--requests", "8", "--max-tokens", "64")
+                                    "--clients", "4", "--requests", "8", "--max-tokens", "64", "--long", "2",
+                                    "--long-questions", str(tiny_dir / "long.jsonl"))
     assert code == 0, err
     # at each limit the methods in turn, so each pair ran on the same machine
     assert [(x["method"], x["max_batch"]) for x in results] == [("vanilla", 1), ("pld", 1), ("vanilla", 3), ("pld", 3)]
     for x in results:
-        assert x["completed"] == x["requests"] == 8 and x["errors"] == 0
-        assert x["tokens_per_s"] > 0 and x["p50_latency_s"] <= x["p99_latency_s"] and x["p50_ttft_s"] > 0
+        assert x["completed"] == x["requests"] == 10 and x["long_requests"] == 2 and x["errors"] == 0
+        assert x["tokens_per_s"] > 0 and x["p50_latency_s"] <= x["p99_latency_s"]
+        assert 0 < x["p50_ttft_s"] <= x["p99_ttft_s"] and 0 < x["p50_itl_s"] <= x["p99_itl_s"] <= x["max_itl_s"]
         assert x["rss_before_mb"] > 0 and x["rss_after_mb"] > 0
         assert 1 <= x["mean_batch"] <= x["max_batch"]
         if x["method"] == "vanilla":  # no drafts: no acceptance to report
@@ -89,7 +100,8 @@ def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path, capsys
         else:  # repetitive prompts: some of prompt lookup's drafts are accepted
             assert 0 < x["acceptance_rate"] <= 1 and x["mean_acceptance_length"] > 1
     lines = (tmp_path / "out" / "load.md").read_text().splitlines()
-    assert lines[0].startswith("| method | max batch | requests | completed | errors | tok/s |") and len(lines) == 11
+    assert lines[0].startswith("| method | max batch | requests | long | completed | errors | tok/s |")
+    assert len(lines) == 11
     assert lines[9].startswith("| 1 | pld | ") and lines[10].startswith("| 3 | pld | ")  # pld over vanilla per limit
     assert out.splitlines() == lines
     assert markdown([Result(**x) for x in results]).splitlines() == lines
@@ -98,13 +110,14 @@ def test_load_bench_table_and_every_request_completed(tiny_dir, tmp_path, capsys
 @pytest.mark.slow
 def test_soak_every_answer_equals_the_request_alone(tiny_dir, tmp_path, capsys):
     code, _, err, results = bench(tiny_dir, tmp_path / "out", capsys, "--soak", "--methods", "pld", "--limits", "4",
-                                  "--clients", "8", "--requests", "60", "--max-tokens", "16", "--malformed", "0.1")
+                                  "--clients", "8", "--requests", "60", "--max-tokens", "16", "--malformed", "0.1",
+                                  "--long", "3", "--long-questions", str(tiny_dir / "long.jsonl"))
     assert code == 0, err
     [x] = results
     s = x["soak"]
     assert s["server_alive"] and s["mismatched"] == 0 and x["errors"] == 0
     assert s["left"] > 0 and s["malformed_rejected"] > 0
-    assert s["checked"] == x["completed"] == 60 - s["left"] - s["malformed_rejected"]
+    assert s["checked"] == x["completed"] == 63 - s["left"] - s["malformed_rejected"]
     assert "rss_growth_mb" in s
 
 
@@ -113,6 +126,7 @@ def test_soak_every_answer_equals_the_request_alone(tiny_dir, tmp_path, capsys):
     (["--methods", "auto:depth=0"], "depth"),
     (["--limits", "1,x"], "--limits expects a comma list of integers"),
     (["--server-args", "--threads '2"], "--server-args"),
+    (["--long-questions", "/no/such/long.jsonl"], "/no/such/long.jsonl"),
 ])
 def test_bad_input_is_one_line_before_any_server_starts(flags, message, tmp_path):
     args = build_parser().parse_args(["bench", "serve", "--out", str(tmp_path / "out"), *flags])

@@ -1,12 +1,13 @@
 """`specdec bench serve`: `specdec serve` under load. For each method and --max-batch limit it starts the
 server as a subprocess, then concurrent streaming clients (the official `openai` async client) send
-MT-bench first turns; reported: total tokens/s, p50/p99 request latency, p50 time to first token, the
-mean batch size, the drafts' mean acceptance length and rate (all three from the server's counters over
-the run), errors, and the server's RSS before and after. At each limit the
-methods run in turn (`--repeat`: several rounds of that), and the table adds each method's tok/s over the
-first method's, paired within a round. `--soak`: many short greedy requests, some clients leaving
-mid-stream and some bodies malformed; every well-formed answer must equal the same request's answer alone,
-and the server must stay up."""
+MT-bench first turns, with `--long` prompts of 2-4k tokens (the long-context set's) spread among them.
+Reported: total tokens/s, p50/p99 request latency, p50/p99 time to first token, p50/p99 and the largest
+wait between two pieces of one answer (a running stream's stall while a long prompt joins), the mean
+batch size, the drafts' mean acceptance length and rate (all three from the server's counters over the
+run), errors, and the server's RSS before and after. At each limit the methods run in turn (`--repeat`:
+several rounds of that), and the table adds each method's tok/s over the first method's, paired within a
+round. `--soak`: many short greedy requests, some clients leaving mid-stream and some bodies malformed;
+every well-formed answer must equal the same request's answer alone, and the server must stay up."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.bench.data import load_questions
@@ -44,6 +45,7 @@ class Outcome:
     prompt: int = -1  # index into the prompts
     latency: float = 0.0
     ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)  # between successive pieces of the answer
     tokens: int = 0
     text: str = ""
     detail: str = ""
@@ -124,8 +126,8 @@ def _openai():
 
 async def _stream(client, model: str, prompt: str, max_tokens: int, leave_after: int | None) -> Outcome:
     """One streamed greedy chat request; leave_after: close the stream after that many chunks."""
-    t0 = time.perf_counter()
-    ttft, parts, tokens, chunks = None, [], 0, 0
+    t0 = last = time.perf_counter()
+    ttft, parts, gaps, tokens, chunks = None, [], [], 0, 0
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True})
@@ -133,13 +135,18 @@ async def _stream(client, model: str, prompt: str, max_tokens: int, leave_after:
         if c.usage is not None:
             tokens = c.usage.completion_tokens
         if c.choices and c.choices[0].delta.content:
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
             parts.append(c.choices[0].delta.content)
         chunks += 1
         if leave_after is not None and chunks >= leave_after:
             await stream.close()
             return Outcome("left", latency=time.perf_counter() - t0)
-    return Outcome("ok", latency=time.perf_counter() - t0, ttft=ttft, tokens=tokens, text="".join(parts))
+    return Outcome("ok", latency=time.perf_counter() - t0, ttft=ttft, gaps=gaps, tokens=tokens, text="".join(parts))
 
 
 async def _malformed(http, url: str, model: str, body: str | dict) -> Outcome:
@@ -200,15 +207,26 @@ def soak_plan(n: int, clients: int, prompts: int, left: float, malformed: float,
     return plan
 
 
-def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: int = 1) -> Result:
+def with_long(plan: list[tuple[str, int]], first: int, count: int, n: int) -> list[tuple[str, int]]:
+    """`plan` with n greedy requests for the `count` prompts from index `first` on, in turn, spread evenly
+    through it (the j-th after about (j + 1/2) / n of it)."""
+    out = list(plan)
+    for j in reversed(range(n)):
+        out.insert(round((j + 0.5) * len(plan) / n), ("ok", first + j % count))
+    return out
+
+
+def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: int = 1, long: int = 0) -> Result:
+    """One server run; the last `long` prompts are the long ones, asked --long times in all."""
     log = out / f"server-{method.replace(':', '_')}-L{limit}{f'-r{rnd}' if rnd > 1 else ''}.log"
     server = ServerProcess(args.model, method, limit, shlex.split(args.server_args), log, args.start_timeout)
     try:
         model = "smollm2" if args.model is None else args.model
         if args.soak:
-            plan = soak_plan(args.requests, args.clients, len(prompts), args.leave, args.malformed, args.seed)
+            plan = soak_plan(args.requests, args.clients, len(prompts) - long, args.leave, args.malformed, args.seed)
         else:
-            plan = [("ok", i % len(prompts)) for i in range(args.requests)]
+            plan = [("ok", i % (len(prompts) - long)) for i in range(args.requests)]
+        plan = with_long(plan, len(prompts) - long, long, args.long)
         # one untimed request: the first forward's one-time costs (kernels, allocations) are not load
         reference(server.url, model, prompts[0], 4)
         before, counts0 = server.rss(), counters(server.url)
@@ -228,11 +246,13 @@ def run_one(args, method: str, limit: int, prompts: list[str], out: Path, rnd: i
         errors = [o.detail for o in outcomes if o.kind == "error"]
         for e in errors[:3]:
             print(f"specdec bench serve: {method} L={limit}: {e}", file=sys.stderr)
+        ttfts, gaps = [o.ttft for o in ok if o.ttft is not None], [g for o in ok for g in o.gaps]
         return Result(method, limit, len(plan), len(ok), len(errors), sum(o.tokens for o in ok) / wall,
                       percentile([o.latency for o in ok], 0.5), percentile([o.latency for o in ok], 0.99),
-                      percentile([o.ttft for o in ok if o.ttft is not None], 0.5),
-                      rows / steps if steps else None, round(before, 1), round(after, 1), soak, rnd,
-                      1 + accepted / drafts if drafts else None, accepted / drafted if drafted else None)
+                      percentile(ttfts, 0.5), rows / steps if steps else None, round(before, 1), round(after, 1),
+                      soak, rnd, 1 + accepted / drafts if drafts else None, accepted / drafted if drafted else None,
+                      args.long, percentile(ttfts, 0.99), percentile(gaps, 0.5), percentile(gaps, 0.99),
+                      max(gaps, default=None))
     finally:
         server.stop()
 
@@ -266,6 +286,10 @@ def add_parser(bs) -> None:
     s.add_argument("--requests", type=arg_type(int, ge=1), default=None, help="requests per run (default 64; soak 500)")
     s.add_argument("--max-tokens", type=arg_type(int, ge=1), default=None, help="per request (default 256; soak 32)")
     s.add_argument("--questions", default=None, help="questions file (default: MT-bench's first turns)")
+    s.add_argument("--long", type=arg_type(int, ge=0), default=None,
+                   help="long-prompt requests spread among the others (default 8; soak 0)")
+    s.add_argument("--long-questions", default=None,
+                   help="their prompts, in turn (default: the long-context set's 2k and 4k prompts, alternating)")
     s.add_argument("--server-args", default="", help='more `specdec serve` flags, e.g. "--threads 2"')
     s.add_argument("--soak", action="store_true", help="many short greedy requests, some clients leaving mid-stream "
                    "and some bodies malformed: every answer checked against the same request alone")
@@ -293,12 +317,22 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
+def long_prompts(path: str | None) -> list[str]:
+    """The long prompts: a file's first turns, or the long-context set's 2k and 4k prompts, alternating."""
+    if path is not None:
+        return [q.turns[0] for q in load_questions(None, path)]
+    qs = load_questions("long")
+    two, four = ([q.turns[0] for q in qs if q.category.endswith(f"-{n}k")] for n in (2, 4))
+    return [p for pair in zip(two, four) for p in pair]
+
+
 def cmd_load(args) -> int:
     soak = args.soak
     limits = _ints(args.limits or ("8" if soak else "1,2,4,8"), "--limits")
     args.clients = args.clients or (32 if soak else 16)
     args.requests = args.requests or (500 if soak else 64)
     args.max_tokens = args.max_tokens or (32 if soak else 256)
+    args.long = (0 if soak else 8) if args.long is None else args.long
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise SpecdecError("--methods is empty")
@@ -312,6 +346,7 @@ def cmd_load(args) -> int:
     resolve(args.model)  # each server would say so only after it started
     qs = load_questions("mt_bench" if args.questions is None else None, args.questions)
     prompts = [q.turns[0] for q in qs]
+    long = long_prompts(args.long_questions) if args.long else []
     _openai()
     out = Path(args.load_out or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}")
     check_out_dir(out, overwrite=False)
@@ -320,9 +355,10 @@ def cmd_load(args) -> int:
     runs = [(k, limit, method) for k in range(1, args.repeat + 1) for limit in limits for method in methods]
     for k, limit, method in runs:  # at each limit the methods in turn: they see the same machine
         print(f"specdec bench serve: {method}, --max-batch {limit}: {args.requests} requests from {args.clients} "
-              f"clients, {args.max_tokens} tokens each{' (soak)' if soak else ''}"
+              f"clients{f' ({args.long} with a long prompt)' if args.long else ''}, {args.max_tokens} tokens each"
+              f"{' (soak)' if soak else ''}"
               f"{f' (round {k} of {args.repeat})' if args.repeat > 1 else ''}", file=sys.stderr)
-        results.append(run_one(args, method, limit, prompts, out, k))
+        results.append(run_one(args, method, limit, prompts + long, out, k, len(long)))
         (out / "load.json").write_text(json.dumps({"command": "specdec " + shlex.join(sys.argv[1:]),
                                                    "cpu_count": os.cpu_count(),
                                                    "results": [asdict(r) for r in results]}, indent=1))

@@ -27,6 +27,13 @@ class Result:
     # and accepted / drafted tokens; None when it drafted nothing
     mean_acceptance_length: float | None = None
     acceptance_rate: float | None = None
+    long_requests: int = 0  # of `requests`, those with a long prompt
+    p99_ttft_s: float | None = None
+    # waits between successive pieces of one answer, over every answer: a stall while a long prompt joins
+    # shows in the p99 and the largest
+    p50_itl_s: float | None = None
+    p99_itl_s: float | None = None
+    max_itl_s: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -66,15 +73,18 @@ def ratios(results: list[Result]) -> list[tuple[int, str, list[float], float | N
 def markdown(results: list[Result]) -> str:
     soak = any(r.soak for r in results)
     rounds = max(r.round for r in results) > 1
-    head = ["round"] * rounds + ["method", "max batch", "requests", "completed", "errors", "tok/s", "p50 latency s",
-                                 "p99 latency s", "p50 TTFT s", "mean batch", "acceptance length", "acceptance rate",
+    head = ["round"] * rounds + ["method", "max batch", "requests", "long", "completed", "errors", "tok/s",
+                                 "p50 latency s", "p99 latency s", "p50 / p99 TTFT s",
+                                 "p50 / p99 / max inter-token s", "mean batch", "acceptance length", "acceptance rate",
                                  "RSS before MB", "RSS after MB"]
     head += ["left", "malformed rejected", "mismatched", "server up"] if soak else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [str(r.round)] * rounds + [
-            r.method, str(r.max_batch), str(r.requests), str(r.completed), str(r.errors), f"{r.tokens_per_s:.1f}",
-            _fmt(r.p50_latency_s, ".2f"), _fmt(r.p99_latency_s, ".2f"), _fmt(r.p50_ttft_s, ".3f"),
+            r.method, str(r.max_batch), str(r.requests), str(r.long_requests), str(r.completed), str(r.errors),
+            f"{r.tokens_per_s:.1f}", _fmt(r.p50_latency_s, ".2f"), _fmt(r.p99_latency_s, ".2f"),
+            f"{_fmt(r.p50_ttft_s, '.3f')} / {_fmt(r.p99_ttft_s, '.2f')}",
+            f"{_fmt(r.p50_itl_s, '.3f')} / {_fmt(r.p99_itl_s, '.3f')} / {_fmt(r.max_itl_s, '.2f')}",
             _fmt(r.mean_batch, ".2f"), _fmt(r.mean_acceptance_length, ".2f"), _fmt(r.acceptance_rate, ".2f"),
             f"{r.rss_before_mb:.0f}", f"{r.rss_after_mb:.0f}"]
         if soak:
