@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.api import from_models
-from specdec.batch import Batch
+from specdec.batch import MIN_CHUNK, Batch, PromptRows
 from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
@@ -190,7 +190,7 @@ def test_running_streams_keep_decoding_while_a_long_prompt_joins(model):
     drafter = NoDrafter()  # a token a step: the streams outlive the newcomer's prefill
     short = [([1, 2, 3], 40), ([5, 17, 33, 2, 9], 40), ([4, 5, 6, 4, 5, 6], 40)]
     alone = [run(runner, drafter, p, SamplingParams(), n)[0] for p, n in short + [(LONG, 20)]]
-    batch = Batch(runner, drafter, set(), prefill_chunk=16)
+    batch = Batch(runner, drafter, set(), prefill_chunk=16, stall=0)  # chunks of the step's rows, as timed or not
     out: dict = {}
     for p, n in short:
         out[batch.join(p, SamplingParams(), n)] = []
@@ -210,6 +210,35 @@ def test_running_streams_keep_decoding_while_a_long_prompt_joins(model):
         for seq, new in batch.step():
             out[seq] += new
     assert list(out.values()) == alone
+
+
+def test_prompt_rows_keep_a_chunk_step_within_the_stall_budget():
+    """Scripted step times: a plain step 10 ms (its forward 8), each prompt row adds 2 ms to the forward.
+    The chunk settles where the step takes 2.5 plain steps; nobody decoding: the whole room; no budget
+    (stall 0): the room as before; a prompt row dearer than the budget: MIN_CHUNK still goes in."""
+    rows = PromptRows(64, 2.5)
+    assert rows.rows(decoding=4, running=False) == 60  # nobody waits for this step
+    assert rows.rows(decoding=60, running=False) == 16  # a quarter at least, as before
+    first = rows.rows(decoding=4, running=True)
+    assert first == 16  # nothing measured yet: a small chunk that prices a row
+    for _ in range(3):
+        rows.observe(0.010, 0.008, 0, running=True)
+    n = first
+    for _ in range(20):
+        rows.observe(0.010 + 0.002 * n, 0.008 + 0.002 * n, n, running=True)
+        n = rows.rows(decoding=4, running=True)
+    assert n == 7 and 0.010 + 0.002 * n <= 2.5 * 0.010  # (2.5 - 1) * 10 ms / 2 ms
+    assert PromptRows(64, 0).rows(decoding=4, running=True) == 60
+    dear = PromptRows(64, 2.5)
+    dear.observe(0.010, 0.008, 0, running=True)
+    dear.observe(1.0, 1.0, 16, running=True)
+    assert dear.rows(decoding=4, running=True) == MIN_CHUNK
+    alone = PromptRows(64, 2.5)  # the prompt alone prices its rows too: the first step beside others is sized
+    alone.observe(0.128, 0.128, 64, running=False)
+    alone.observe(0.010, 0.008, 0, running=True)
+    assert alone.rows(decoding=4, running=True) == 7
+    with pytest.raises(SpecdecError, match="stall"):
+        Batch(LeanRunner(tiny_model("llama"), exact=True), NoDrafter(), set(), stall=0.5)
 
 
 def test_prompts_in_chunks_join_and_leave_mid_decode_each_as_alone(model):

@@ -369,6 +369,7 @@ def test_train_refuses_a_resume_with_other_settings_before_the_target_loads(tmp_
     (["bench", "--draft", "{tmp}/no-model", "--out", "{tmp}/b"], "--draft"),
     (["bench", "serve", "--model", "{tmp}/no-model", "--out", "{tmp}/b"], "--model"),
     (["bench", "merge", "{tmp}/nowhere"], "nowhere"),
+    (["serve", "--prefill-stall", "0.5"], "prefill_stall"),
 ])
 def test_commands_check_before_any_model_loads(argv, names, tmp_path, no_model_load, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -15,9 +15,13 @@ same forward_many as the decoding rows, so a long prompt no longer stalls the ru
 prefill (a 3,000-token prompt stalled three streams 8.5 s). The chunk is what the decoding rows leave of the
 step's `prefill_chunk` rows (at most the runner's exact rows): decoding rows and chunk then make one forward,
 the weights read once. It is a quarter of them at least, so a prompt keeps going in when drafts fill the step
-(the forward is then split in two). Bits: within exact rows a row's bits are those it gets alone, whatever
-shares its forward and however the prompt was split (test_prefill.py), so the chunked prompt's cache and first
-token are those of its prefill alone. A runner without exact rows takes the prompt whole, in one step, as
+(the forward is then split in two). While sequences decode, the chunk is also held to what keeps the step
+within `stall` plain steps (Sarathi-Serve's token budget, priced from the steps' times: PromptRows), so the
+running streams wait at most that long between two tokens; with none decoding it fills the step.
+
+Bits: within exact rows a row's bits are those it gets alone, whatever shares its forward and however the
+prompt was split (test_prefill.py), so the chunked prompt's cache and first token are those of its prefill
+alone. A runner without exact rows takes the prompt whole, in one step, as
 alone. Prompts go in one at a time, in order of arrival; a sequence decodes from the step after its prompt is in.
 
 A sequence's ctx.forward_s here spans the packed forward and its neighbours' drafting and verification,
@@ -39,6 +43,44 @@ from specdec.sampling import SamplingParams
 from specdec.stats import Stats
 
 PREFILL_CHUNK = 64  # = lean.EXACT_ROWS: a step's rows, decoding and prompt together
+STALL = 2.5  # a step carrying a prompt's chunk takes at most this many plain steps: inter-token p99 <= 3x p50
+MIN_CHUNK = 4  # prompt rows a step carries at least: a long prompt keeps going in, however slow its rows
+EMA = 0.25  # weight of the newest step time in PromptRows' running means
+
+
+class PromptRows:
+    """How many rows of a joining prompt a step carries beside the decoding rows: as many as keep the step
+    within `stall` times a plain step, from running means of a plain step's time and of what each prompt
+    row adds to the forward (a row's cost grows with its position: attention). Why: 64-row chunks of 2-4k
+    token prompts made SmolLM2's inter-token p99 at batch 2 12x its p50."""
+
+    def __init__(self, budget: int, stall: float) -> None:
+        self.budget, self.stall = budget, stall
+        self.step_s: float | None = None  # a plain step, what a running stream waits between two tokens
+        self.forward_s: float | None = None  # its forward
+        self.row_s: float | None = None  # what a prompt row adds to the forward
+
+    def rows(self, decoding: int, running: bool) -> int:
+        """The chunk for a step with `decoding` rows of `running` sequences (none: nobody waits)."""
+        room = max(self.budget - decoding, self.budget // 4, 1)
+        if not running or not self.stall:
+            return room
+        if self.step_s is None or self.row_s is None:  # a small first chunk measures a row
+            return min(room, max(MIN_CHUNK, self.budget // 4))
+        fit = int((self.stall - 1) * self.step_s / max(self.row_s, 1e-9))
+        return min(room, max(fit, MIN_CHUNK))
+
+    def observe(self, step_s: float, forward_s: float, rows: int, running: bool) -> None:
+        """A step took `step_s`, its forward `forward_s`, with `rows` prompt rows (0: a plain step) beside
+        `running` sequences' rows."""
+        def mean(old: float | None, new: float) -> float:
+            return new if old is None else old + EMA * (new - old)
+        if not rows:
+            self.step_s, self.forward_s = mean(self.step_s, step_s), mean(self.forward_s, forward_s)
+        elif not running:  # the prompt alone: its rows are the forward
+            self.row_s = mean(self.row_s, forward_s / rows)
+        elif self.forward_s is not None:
+            self.row_s = mean(self.row_s, max(forward_s - self.forward_s, 0.0) / rows)
 
 
 @dataclass
@@ -48,13 +90,18 @@ class _Joining:
 
 
 class Batch:
-    def __init__(self, runner: Runner, drafter: Drafter, eos_ids: set[int], prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(self, runner: Runner, drafter: Drafter, eos_ids: set[int], prefill_chunk: int = PREFILL_CHUNK,
+                 stall: float = STALL) -> None:
         """runner and drafter: the templates every sequence forks (their own state is never used).
-        prefill_chunk: a step's rows; a prompt going in gets what the decoding rows leave of them."""
+        prefill_chunk: a step's rows; a prompt going in gets what the decoding rows leave of them.
+        stall: a step with a prompt's chunk takes at most this many plain steps (PromptRows; 0: no limit)."""
         if prefill_chunk < 1:
             raise SpecdecError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if not stall == 0 and not stall >= 1:
+            raise SpecdecError(f"stall must be 0 or >= 1, got {stall}")
         self.runner, self.drafter, self.eos_ids = runner, drafter, eos_ids
         self.budget = min(prefill_chunk, runner.exact_rows) if runner.exact_rows else 0  # 0: prompts go in whole
+        self.prompt_rows = PromptRows(self.budget, stall)
         self.active: list[Sequence] = []  # decoding
         self.joining: list[_Joining] = []  # their prompts going in, in order of arrival
         self._free: list[tuple[Runner, Drafter]] = []  # forks of sequences that left, for the next to join
@@ -105,6 +152,7 @@ class Batch:
         tokens ([] if it ran out of context; a joining one's first tokens once its prompt is in), or the
         exception its drafting or verification raised (it has left). Done sequences leave."""
         threads.tick()  # between forwards: the thread count follows the machine (runtime/threads.py)
+        t0 = time.perf_counter()
         results: list[tuple[Sequence, list[int] | Exception]] = []
         drafting = []
         for seq in list(self.active):
@@ -135,14 +183,18 @@ class Batch:
         parts = [(seq.runner, *rows) for seq, rows in planned]
         logits_rows: list[slice | None] = [None] * len(parts)
         joining = self.joining[0] if self.joining else None
-        if joining is not None:  # the rows the decoding ones leave of the budget, a quarter of it at least
-            decoding = sum(len(rows[0]) for _, rows in planned)
-            parts.append((joining.seq.runner, joining.prompt.next(max(self.budget - decoding, self.budget // 4, 1)),
-                          None, None))
+        chunk = 0
+        if joining is not None:
+            tokens = joining.prompt.next(self.prompt_rows.rows(sum(len(rows[0]) for _, rows in planned),
+                                                               bool(planned)))
+            chunk = 0 if self.budget == 0 else len(tokens)  # a prompt that goes in whole measures nothing
+            parts.append((joining.seq.runner, tokens, None, None))
             logits_rows.append(slice(-1, None))  # of the prompt, only its last row's: the first token's
         if not parts:
             return results
+        t1 = time.perf_counter()
         outs = self.runner.forward_many(parts, self.drafter.aux_layers, logits_rows)
+        forward_s = time.perf_counter() - t1
         for (seq, _), out in zip(planned, outs):
             try:
                 results.append((seq, seq.apply(out)))
@@ -154,6 +206,8 @@ class Batch:
                 self.leave(seq)
         if joining is not None:
             self._joined(joining, outs[-1], results)
+        if chunk or (planned and joining is None):
+            self.prompt_rows.observe(time.perf_counter() - t0, forward_s, chunk, bool(planned))
         return results
 
     def _joined(self, joining: _Joining, out: ForwardOut, results: list) -> None:

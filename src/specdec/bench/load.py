@@ -354,8 +354,9 @@ def cmd_load(args) -> int:
     results = []
     runs = [(k, limit, method) for k in range(1, args.repeat + 1) for limit in limits for method in methods]
     for k, limit, method in runs:  # at each limit the methods in turn: they see the same machine
-        print(f"specdec bench serve: {method}, --max-batch {limit}: {args.requests} requests from {args.clients} "
-              f"clients{f' ({args.long} with a long prompt)' if args.long else ''}, {args.max_tokens} tokens each"
+        print(f"specdec bench serve: {method}, --max-batch {limit}: {args.requests} requests"
+              f"{f' and {args.long} with a long prompt' if args.long else ''} from {args.clients} clients, "
+              f"{args.max_tokens} tokens each"
               f"{' (soak)' if soak else ''}"
               f"{f' (round {k} of {args.repeat})' if args.repeat > 1 else ''}", file=sys.stderr)
         results.append(run_one(args, method, limit, prompts + long, out, k, len(long)))

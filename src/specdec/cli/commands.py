@@ -221,7 +221,7 @@ def cmd_serve(args) -> int:
     args.quiet, args.verbose = False, False
     dec = _load(args, rt, opts)
     serve(dec, args.model or "smollm2", host=args.host, port=args.port, max_queue=sv.max_queue,
-          max_batch=sv.max_batch, prefill_chunk=sv.prefill_chunk)
+          max_batch=sv.max_batch, prefill_chunk=sv.prefill_chunk, prefill_stall=sv.prefill_stall)
     return 0
 
 

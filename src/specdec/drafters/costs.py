@@ -36,8 +36,8 @@ from specdec.verify import Verdict
 ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 # the second context the widest forward is timed at: how fast a row's attention grows with the context
 LONG_CTX = 512  # its prefill is most of the ~1 s this adds
-VERSION = 4  # of the measurement (2: attention slope, 3: catch-up per row, 4: forwards learned without their
-# verification, t(n) of 4 repetitions); in the cache key: older files re-measure
+VERSION = 5  # of the measurement (2: attention slope, 3: catch-up per row, 4: forwards learned without their
+# verification, t(n) of 4 repetitions, 5: a draft model's reading per row); in the cache key: older files re-measure
 QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
 
 
@@ -58,7 +58,9 @@ class Costs:
     sampled_s: dict[TreeBudget, float] = field(default_factory=dict)
     attend_s: float = 0.0
     ctx: int = 0
-    catch_row_s: float = 0.0  # each row past a typical step's that the head reads before drafting (clock.CatchUp)
+    # each row past a typical step's that the head reads before drafting (clock.CatchUp); without a head,
+    # each row of context a draft model reads before its chain (headless.HeadlessDrafter.reading_pays)
+    catch_row_s: float = 0.0
 
     def __post_init__(self) -> None:  # here, so that a measurement cached before the floor gets it too
         self.target_s = floor_one_row(self.target_s)
@@ -226,7 +228,8 @@ def measure_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDra
                         menu: list[tuple[TreeBudget, float]], reps: int = 3, ctx_len: int = 384) -> Costs:
     """Costs of `auto` without a head: t(N) up to the n-gram draft's nodes + the longest draft-model chain
     in `menu` + 1, one n-gram propose() on text that repeats (its dearest case), and each menu chain's
-    draft-model propose() as a step that follows the last one drafts it (no catch-up of skipped tokens)."""
+    draft-model propose() as a step that follows the last one drafts it (no catch-up of skipped tokens), and
+    what the draft model's reading of the context costs per row (its first propose() on an empty cache)."""
     top = 1 + (ngram.tree_size if ngram is not None else 0) + max((b.tree_size for b, _ in menu), default=0)
     target_s, attend_s = target_costs(runner, top, {1 + b.tree_size for b, _ in menu}, ctx_len)
     g = torch.Generator().manual_seed(0)
@@ -236,13 +239,19 @@ def measure_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDra
     if ngram is not None:
         ngram.begin(ctx)
         look = _time_warm(lambda: ngram.propose(ctx), reps)
-    draft_s = {}
+    draft_s, read_s = {}, 0.0
     if draft is not None:
         draft.begin(ctx)
         draft_s = {b: _time_warm(lambda: draft.propose(ctx, b), reps) for b, _ in menu}
+        first = menu[0][0]
+
+        def read() -> None:
+            draft.begin(ctx)  # an empty cache: the chain reads the whole context first
+            draft.propose(ctx, first)
+        read_s = max(_time_warm(read, 1) - draft_s[first], 0.0) / (ctx_len + 1)
         draft.runner.reset()
     runner.reset()
-    return Costs(target_s, draft_s, 0.0, look, {}, attend_s, ctx_len)
+    return Costs(target_s, draft_s, 0.0, look, {}, attend_s, ctx_len, read_s)
 
 
 def load_plain_costs(runner, ngram: NgramDrafter | None, draft: DraftModelDrafter | None,

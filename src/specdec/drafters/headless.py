@@ -32,7 +32,7 @@ import torch
 from specdec.drafters.adaptive import MAX_PENDING, FollowsTheMachine, matched
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, NoDrafter, alone
 from specdec.drafters.clock import StepClock
-from specdec.drafters.controller import Controller
+from specdec.drafters.controller import Choice, Controller
 from specdec.drafters.costs import Costs, load_plain_costs
 from specdec.drafters.draft_model import DRAFT_QUANT, DRAFT_VOCAB, DraftModelDrafter, DraftQuant, draft_runner
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
@@ -189,6 +189,7 @@ class HeadlessDrafter(FollowsTheMachine):
         self.ctrl.regain(self.chain_rate.gains(self.menu))
         self.choices = Counter()
         self.pending, self.last, self.rows = [], None, 0
+        self.weighed = self.draft is None  # whether reading the prompt into the draft model was weighed yet
         for d in (self.ngram, self.draft):
             if d is not None:
                 d.begin(ctx)
@@ -199,6 +200,11 @@ class HeadlessDrafter(FollowsTheMachine):
     def drafting(self, ctx: DecodeContext) -> Drafting:
         self.share(ctx)
         room = ctx.max_nodes
+        if not self.weighed:
+            self.weighed = True
+            if not self.reading_pays(ctx):  # this request drafts without the draft model
+                self.ctrl = Controller([], self.costs, 1.0, {}, union=ctx.params.greedy, hurdle=0.0)
+                self.share(ctx)
         ng = self.ngram.propose(ctx) if self.ngram is not None and room > 0 else DraftTree.empty()
         confs, parents = confidences(ng), ng.parents.tolist()
         gains = list(itertools.accumulate(self.cal.values(confs, parents)))
@@ -215,6 +221,19 @@ class HeadlessDrafter(FollowsTheMachine):
         self.choices[len(tree)] += 1
         self.rows, self.rows_ctx = 1 + min(len(tree), room), len(ctx.tokens)  # for the clock
         return tree
+
+    def reading_pays(self, ctx: DecodeContext) -> bool:
+        """Whether the draft model's first chain pays for reading the context first: the seconds its best
+        chain saves over the tokens the answer may still take (at most ctx.max_nodes + 1) against the rows
+        it reads at Costs.catch_row_s, every sequence sharing the step waiting for them. Why: on a 4k-token
+        prompt the Qwen 0.5B read for ~13 s to save ~2 s of a 256-token answer, and stalled the stream."""
+        rows = len(ctx.tokens) - len(self.draft.cached)
+        left = ctx.max_nodes + 1
+        n = len(ctx.tokens)
+        plain = self.ctrl.costs.target(1, n)
+        best = min((secs / tokens for tokens, secs in (self.ctrl.expected(Choice(b, 0), 0, ctx.max_nodes, n)
+                                                       for b, _ in self.menu)), default=plain)
+        return rows * self.costs.catch_row_s * ctx.sharing < left * (plain - best)
 
     def end(self, answer: list[int]) -> None:
         if self.ngram is not None:

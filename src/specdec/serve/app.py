@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.api import Chunk, Decoder, Generation, GenerationParams
-from specdec.batch import PREFILL_CHUNK
+from specdec.batch import PREFILL_CHUNK, STALL
 from specdec.errors import SpecdecError
 from specdec.serve.engine import Engine, Job, QueueFull, make_engine
 from specdec.serve.metrics import Metrics
@@ -40,8 +40,9 @@ class APIError(Exception):
 
 
 def build_app(decoder: Decoder, model_name: str, engine: Engine | None = None, max_queue: int = 64,
-              max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK) -> FastAPI:
-    engine = engine or make_engine(decoder, max_batch, max_queue, prefill_chunk=prefill_chunk)
+              max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK, prefill_stall: float = STALL) -> FastAPI:
+    engine = engine or make_engine(decoder, max_batch, max_queue, prefill_chunk=prefill_chunk,
+                                   prefill_stall=prefill_stall)
     metrics = Metrics()
 
     @asynccontextmanager
@@ -284,14 +285,15 @@ def _event(obj: dict) -> str:
 
 
 def serve(decoder: Decoder, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
-          max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK) -> None:
+          max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK, prefill_stall: float = STALL) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, finish the requests in flight, return.
 
     The engine decodes on this thread, the one that loaded the model, and HTTP runs on another. Why: libgomp's
     idle workers spin only while it manages no more threads than CPUs; a second thread's OpenMP team (the
     load's, then a decoding thread's) made each kernel call wait ~50 us for sleeping workers: forwards 2.7x
     slower on 2 cores."""
-    engine = make_engine(decoder, max_batch, max_queue, thread=False, prefill_chunk=prefill_chunk)
+    engine = make_engine(decoder, max_batch, max_queue, thread=False, prefill_chunk=prefill_chunk,
+                         prefill_stall=prefill_stall)
     server = uvicorn.Server(uvicorn.Config(build_app(decoder, model_name, engine, max_queue, max_batch), host=host,
                                            port=port, log_level="info"))
 

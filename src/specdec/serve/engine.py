@@ -11,8 +11,10 @@ import threading
 import time
 from typing import Protocol
 
+from pydantic import field_validator
+
 from specdec.api import Chunk, Decoder, GenerationParams, TextStream
-from specdec.batch import PREFILL_CHUNK, Batch
+from specdec.batch import PREFILL_CHUNK, STALL, Batch
 from specdec.engine import Sequence
 from specdec.errors import SpecdecError
 from specdec.options import Options, option
@@ -32,6 +34,16 @@ class Serving(Options):
     prefill_chunk: int = option(PREFILL_CHUNK, "rows of a batched step, decoding rows and a joining prompt's chunk "
                                 "together: a long prompt goes in over several steps while the others keep "
                                 "decoding (at most the runner's exact rows, 64)", ge=1, metavar="N")
+    prefill_stall: float = option(STALL, "while others decode, a step carrying a joining prompt's chunk takes at "
+                                  "most this many times a plain step (the chunk sized from measured step times; "
+                                  "0: chunks of --prefill-chunk rows)", metavar="X")
+
+    @field_validator("prefill_stall")
+    @classmethod
+    def _stall(cls, v: float) -> float:
+        if v != 0 and not v >= 1:
+            raise ValueError(f"must be 0 or at least 1, got {v}")
+        return v
 
 
 class QueueFull(Exception):
@@ -179,9 +191,9 @@ class BatchEngine(_Worker):
     when the Decoder's runner or drafter cannot fork (make_engine then serves serially)."""
 
     def __init__(self, decoder: Decoder, max_batch: int = 4, max_queue: int = 64, thread: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, prefill_stall: float = STALL) -> None:
         self.decoder, self.max_batch = decoder, max_batch
-        self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids, prefill_chunk)
+        self.batch = Batch(decoder.runner, decoder.drafter, decoder.eos_ids, prefill_chunk, prefill_stall)
         self._live: dict[Sequence, tuple[Job, TextStream]] = {}
         self._size = 0
         self._start(max_queue, "specdec-serve-batch", thread)
@@ -256,12 +268,12 @@ class BatchEngine(_Worker):
 
 
 def make_engine(decoder: Decoder, max_batch: int = 1, max_queue: int = 64, thread: bool = True,
-                prefill_chunk: int = PREFILL_CHUNK) -> Engine:
+                prefill_chunk: int = PREFILL_CHUNK, prefill_stall: float = STALL) -> Engine:
     """BatchEngine for max_batch > 1 where the method can fork per request; else SerialEngine (a note
     on stderr says why). thread=False: it decodes on the thread that calls its run()."""
     if max_batch > 1:
         try:
-            return BatchEngine(decoder, max_batch, max_queue, thread, prefill_chunk)
+            return BatchEngine(decoder, max_batch, max_queue, thread, prefill_chunk, prefill_stall)
         except SpecdecError as e:
             print(f"specdec serve: {e}: requests decode one at a time", file=sys.stderr)
     return SerialEngine(decoder, max_queue, thread)
