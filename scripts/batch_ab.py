@@ -2,8 +2,11 @@
 alone, and `auto` pricing them as its share of the packed forward (Costs.shared), each a Batch of its own
 over the same MT-bench first turns, stepping in turn (one step of each, then again), so the three see the
 same machine. Prints tokens per second and the ratios; at T = 0 checks the three gave the same tokens.
+`--long N`: N of the long-context set's 2k and 4k prompts spread among them (as `bench serve --long`);
+`--stall`: the batches' prefill stall budget (batch.PromptRows; 0: chunks of the step's rows).
 
     python scripts/batch_ab.py --batch 4 --prompts 16 --temperature 0
+    python scripts/batch_ab.py --batch 4 --prompts 24 --long 3 --stall 0
 """
 import argparse
 import collections
@@ -13,8 +16,9 @@ import time
 import torch
 
 from specdec.api import load
-from specdec.batch import Batch
+from specdec.batch import STALL, Batch
 from specdec.bench.data import MT_BENCH_CATEGORIES, load_questions
+from specdec.bench.load import long_prompts, with_long
 from specdec.sampling import SamplingParams
 
 p = argparse.ArgumentParser()
@@ -23,16 +27,21 @@ p.add_argument("--prompts", type=int, default=16)
 p.add_argument("--temperature", type=float, default=0.0)
 p.add_argument("--max-new-tokens", type=int, default=256)
 p.add_argument("--threads", type=int, default=2)
+p.add_argument("--long", type=int, default=0)
+p.add_argument("--stall", type=float, default=STALL)
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 
 plain = load("smollm2", "vanilla", threads=args.threads)
 auto = load("smollm2", "auto", threads=args.threads)
 qs = [q for q in load_questions("spec_bench") if q.category in MT_BENCH_CATEGORIES][:args.prompts]
-prompts = [plain.encode([{"role": "user", "content": q.turns[0]}]) for q in qs]
+texts = [q.turns[0] for q in qs] + long_prompts(None)
+order = [k for _, k in with_long([("ok", i) for i in range(len(qs))], len(qs), len(texts) - len(qs), args.long)]
+prompts = [plain.encode([{"role": "user", "content": texts[k]}]) for k in order]
 names = ["vanilla", "auto, rows priced alone", "auto"]
-batches = [Batch(plain.runner, plain.drafter, plain.eos_ids), Batch(auto.runner, auto.drafter, auto.eos_ids),
-           Batch(auto.runner, auto.drafter, auto.eos_ids)]
+batches = [Batch(plain.runner, plain.drafter, plain.eos_ids, stall=args.stall),
+           Batch(auto.runner, auto.drafter, auto.eos_ids, stall=args.stall),
+           Batch(auto.runner, auto.drafter, auto.eos_ids, stall=args.stall)]
 forwards = collections.defaultdict(list)  # packed rows -> seconds, over all three
 
 
@@ -72,7 +81,7 @@ while any(t or len(b) for t, b in zip(todo, batches)):
                 out[i][owner[i][seq]] += new
 tokens = [sum(map(len, o.values())) for o in out]
 rates = [n / s for n, s in zip(tokens, secs)]
-print(f"batch {args.batch}, {len(prompts)} prompts, T = {args.temperature:g}" +
+print(f"batch {args.batch}, {len(prompts)} prompts ({args.long} long), stall {args.stall:g}, T = {args.temperature:g}" +
       (f", same tokens: {out[0] == out[1] == out[2]}" if args.temperature == 0 else ""))
 for name, r in zip(names, rates):
     print(f"  {name}: {r:.1f} tok/s, {r / rates[0]:.3f}x vanilla")
