@@ -178,11 +178,8 @@ def test_a_draft_models_chains_are_priced_by_its_learned_acceptance():
     assert last is None or last.depth < after.depth
 
 
-def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
-    model = tiny_model("llama", seed=LOOPS)
-    target = LeanRunner(model)
-    drafter = HeadlessDrafter(NgramDrafter(8, 2), costs(0.05, draft=0.01),
-                              DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97), draft_menu())
+def chains_drafted(drafter: HeadlessDrafter) -> list:
+    """The budget of every draft-model chain the drafter asks for from now on, as a list that grows."""
     chose = []
     orig = drafter.draft.drafting
 
@@ -191,6 +188,15 @@ def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
         return (yield from orig(ctx, b))
 
     drafter.draft.drafting = spy
+    return chose
+
+
+def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
+    model = tiny_model("llama", seed=LOOPS)
+    target = LeanRunner(model)
+    drafter = HeadlessDrafter(NgramDrafter(8, 2), costs(0.05, draft=0.01),
+                              DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97), draft_menu())
+    chose = chains_drafted(drafter)
     for p in PROMPTS + [REPEATS]:
         want, _ = run(target, NoDrafter(), p, SamplingParams(), 30)
         got, _ = run(target, drafter, p, SamplingParams(), 30)
@@ -215,14 +221,7 @@ def test_headless_auto_reads_a_long_context_into_the_draft_only_where_the_answer
     c.catch_row_s = 0.05
     drafter = HeadlessDrafter(NgramDrafter(8, 2), c, DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97),
                               draft_menu())
-    chose = []
-    orig = drafter.draft.drafting
-
-    def spy(ctx, b=None):
-        chose.append(b)
-        return (yield from orig(ctx, b))
-
-    drafter.draft.drafting = spy
+    chose = chains_drafted(drafter)
     long = (PROMPTS[1] * 200)[:200]
     for prompt, tokens, drafts in [(long, 10, False), (long, 60, True), (PROMPTS[1], 10, True)]:
         chose.clear()
