@@ -97,7 +97,7 @@ class Batch:
         stall: a step with a prompt's chunk takes at most this many plain steps (PromptRows; 0: no limit)."""
         if prefill_chunk < 1:
             raise SpecdecError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if not stall == 0 and not stall >= 1:
+        if stall != 0 and not stall >= 1:  # NaN too
             raise SpecdecError(f"stall must be 0 or >= 1, got {stall}")
         self.runner, self.drafter, self.eos_ids = runner, drafter, eos_ids
         self.budget = min(prefill_chunk, runner.exact_rows) if runner.exact_rows else 0  # 0: prompts go in whole

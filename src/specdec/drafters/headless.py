@@ -181,9 +181,7 @@ class HeadlessDrafter(FollowsTheMachine):
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
-        costs = self.costs
-        # a sampled draft-model chain carries its q: it cannot share a verify with point masses
-        self.ctrl = Controller(self.menu, costs, 1.0, {}, union=greedy, hurdle=0.0)
+        self.ctrl = self._controller(self.menu, greedy)
         self.cal = Calibration(1.0 if greedy else SAMPLED_CONF)
         self.chain_rate = ChainAcceptance(DRAFT_ALPHA if greedy else DRAFT_ALPHA_SAMPLED)
         self.ctrl.regain(self.chain_rate.gains(self.menu))
@@ -203,7 +201,7 @@ class HeadlessDrafter(FollowsTheMachine):
         if not self.weighed:
             self.weighed = True
             if not self.reading_pays(ctx):  # this request drafts without the draft model
-                self.ctrl = Controller([], self.costs, 1.0, {}, union=ctx.params.greedy, hurdle=0.0)
+                self.ctrl = self._controller([], ctx.params.greedy)
                 self.share(ctx)
         ng = self.ngram.propose(ctx) if self.ngram is not None and room > 0 else DraftTree.empty()
         confs, parents = confidences(ng), ng.parents.tolist()
@@ -221,6 +219,10 @@ class HeadlessDrafter(FollowsTheMachine):
         self.choices[len(tree)] += 1
         self.rows, self.rows_ctx = 1 + min(len(tree), room), len(ctx.tokens)  # for the clock
         return tree
+
+    def _controller(self, menu: list[tuple[TreeBudget, float]], greedy: bool) -> Controller:
+        # a sampled draft-model chain carries its q: it cannot share a verify with point masses
+        return Controller(menu, self.costs, 1.0, {}, union=greedy, hurdle=0.0)
 
     def reading_pays(self, ctx: DecodeContext) -> bool:
         """Whether the draft model's first chain pays for reading the context first: the seconds its best
