@@ -12,7 +12,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.runtime import stream
 from specdec.runtime.kv import Rows
-from specdec.runtime.packed import Q8
+from specdec.runtime.packed import INT4, Q8
 
 
 @dataclass
@@ -92,14 +92,14 @@ class Runner(Cached, ABC):
         return None
 
     def head_weights(self, head: torch.nn.Module) -> str:
-        """The precision a draft head over this target runs at: the target's, except Q8_0 blocks in place
-        of fp32 (or a GGUF file's blocks) on the streaming kernel. Why: the rounding moves draft scores,
+        """The precision a draft head over this target runs at: the target's, except on the streaming kernel:
+        Q4_1 blocks over a GGUF file's target, Q8_0 blocks over fp32. Why: the rounding moves draft scores,
         never what is accepted, and after a target forward has evicted the head from the caches a draft
-        step reads half the bytes of fp16 on a kernel that reads 16 outputs at a time (SmolLM2's head:
-        its 8k-row LM head 0.69 -> 0.31 ms, docs/benchmarks.md)."""
+        step is a read of its weights from memory (SmolLM2's head over its Q4_1 file: Q8_0 -> Q4_1 blocks
+        cut a draft step by ~0.2 ms at the same tau, docs/benchmarks.md)."""
         if self.weights not in ("fp32", "gguf") or stream.kernel() is None:
             return self.weights
-        return Q8
+        return INT4 if self.weights == "gguf" else Q8
 
     head_ids: torch.Tensor | None = None  # the token ids its logits' columns are (None: every id, in order)
 

@@ -42,9 +42,9 @@ def precision_name(dtype: torch.dtype) -> str:
 
 
 INT4 = "int4"  # Q4_1 blocks of 32 (4-bit codes, fp16 scale and minimum) quantized at load: kernels/quant.cpp
-# Q8_0 blocks of 32 (8-bit codes, fp16 scale) quantized at load: draft heads only (Runner.head_weights), where
-# the rounding moves draft scores, never what is accepted; a linear whose input size is not a multiple of
-# 32 stays fp16
+# Q8_0 blocks of 32 (8-bit codes, fp16 scale) quantized at load: draft heads over an fp32 target
+# (Runner.head_weights), where the rounding moves draft scores, never what is accepted; a linear whose input
+# size is not a multiple of 32 stays fp16
 Q8 = "q8_0"
 
 
