@@ -166,3 +166,17 @@ def test_a_bench_run_holds_its_count_whatever_the_machine_does(monkeypatch):
     threads.install(script)
     bench.run_bench(bench.BenchConfig(methods=[], threads=2, progress=False), [object()], None, None)
     assert seen == [2] * 20 and script.seen == [] and threads._controller is script
+
+
+def test_a_process_loaded_on_one_thread_is_back_on_both_half_a_second_after_the_machine_is_quiet(monkeypatch):
+    """The defaults: a load during a busy second starts on one thread; the first answer must not spend seconds
+    there once the other process has gone (nor move on one reading)."""
+    m = ScriptedMachine(monkeypatch, ncpu=2)
+    torch.set_num_threads(1)
+    f = threads.Follower(2, 1, clock=lambda: m.wall)
+    m.advance(0.25, own=0.25)
+    f.tick()
+    assert torch.get_num_threads() == 1  # one quiet reading moves nothing
+    m.advance(0.25, own=0.25)
+    f.tick()
+    assert torch.get_num_threads() == 2 and f.changes == 1

@@ -5,9 +5,10 @@ its life (SmolLM2 76 tok/s against 87-98 quiet), and one that loaded quiet to tw
 process (a 2-thread decode beside one ran at 0.9 tok/s: OpenMP's barriers wait for the preempted thread).
 The decoding loops call tick() between forwards, never inside one; it re-reads the machine at most every
 EVERY_S, from /proc counters (microseconds, no sleep), and changes the count only after CONFIRM readings in a
-row agree on a new one, so one busy second moves nothing. A row's bits do not depend on the thread count: the
-native kernels split work over output rows, never over a reduction, and the fallbacks (oneDNN's packed GEMMs,
-MKL's GEMV, SDPA) gave the same bits at 1 and 2 threads here; tests/test_threads.py switches it mid-generation."""
+row agree on a new one, so a busy moment shorter than that (0.5 s) moves nothing. A row's bits do not depend
+on the thread count: the native kernels split work over output rows, never over a reduction, and the fallbacks
+(oneDNN's packed GEMMs, MKL's GEMV, SDPA) gave the same bits at 1 and 2 threads here; tests/test_threads.py
+switches it mid-generation."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import torch
 
 from specdec.runtime import cpus
 
-EVERY_S = 1.0
+# Why a quarter second: with readings a second apart, a process loaded during a 1-s busy loop kept one thread
+# for ~2 s of its first answer (SmolLM2, 256 tokens: 0.84-0.88x a quiet load's speed; 0.91-0.94x at 0.25 s)
+EVERY_S = 0.25
 CONFIRM = 2
 
 
