@@ -35,7 +35,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.tuning import load_acceptance, load_tuning
 
-DEFAULT_LOOKUP = 12  # chain tokens when the tuning file has no choice (tune's choice for the shipped head)
+DEFAULT_LOOKUP = 12  # chain tokens when the tuning file names none (or 0: no chain paid in its static tree)
 HEAD_ONLY = ("full_vocab", "depth", "topk", "tree_size", "rank_by", "rerank", "children")
 
 
