@@ -1,51 +1,43 @@
-"""Adaptive speculation: every step, the draft that maximises expected tokens per second under costs
-measured on this machine, including no draft at all (a plain vanilla step).
+"""`auto`'s drafter: adaptive speculation. Every step it looks up an n-gram draft (it depends only on the
+emitted tokens), then verifies whatever pays most by drafters/policy.py: a model's draft (an EAGLE head's
+tree or a draft model's chain), a prefix of the n-gram draft, their union, or nothing (a plain step).
 
-Two models, kept apart because only one of them travels:
-- acceptance (machine-independent; `specdec tune` measures it and ships it with the head): the greedy
-  tau of each EAGLE-2 tree budget by exact replay, and the T = 1 tau of trees whose children are drawn
-  from the draft (sampled requests draft those: tau +0.2 over top-k children at T = 1);
-- costs (machine-dependent, drafters/costs.py): t(N) of the target, each budget's draft time, the
-  head's catch-up after a step, the prompt lookup.
-
-Online, per request (drafters/controller.py), a decaying ratio of observed to expected accepted tokens
-scales the table (text gets easier or harder within an answer: lists, repeats, code), and the decaying
-share of lookup chains that matched at least i tokens prices each prefix of the chain. Without
-observations both drift back to their priors, so a
-stretch of vanilla steps ends with a try. Both read only verdicts of earlier steps, and the costs are
-fixed within a request: a step's draft never depends on that step's verdict (lossless, greedy and
-sampled). Between requests the costs are rescaled to the observed forwards if they drifted from them
-(costs.StepClock: another load; nothing is timed for it). No text depends on these choices: greedy
-text is the target's argmax, and a seeded sampled request's is the target's coupled draw
-(sampling.Coupling), whatever was drafted.
+Costs (drafters/costs.py) are measured on this machine and fixed within a request; between requests they
+are rescaled to what the verify forwards took if that drifted (clock.StepClock: another load; nothing is
+timed for it). Acceptance is learned per request from verdicts of earlier steps (policy.py), and every
+n-gram draft is scored on the tokens emitted after it, verified or not, so a stretch of plain steps still
+learns when the text starts repeating. No text depends on these choices: greedy text is the target's
+argmax, and a seeded sampled request's is the target's coupled draw (sampling.Coupling), whatever was
+drafted; a draft that carries q (sampled children, a sampled draft-model chain) never shares a verify
+with the n-gram draft's point masses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from specdec.drafters.base import DecodeContext, Drafter, Drafting, alone
+from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
 from specdec.drafters.clock import CatchUp, StepClock
-from specdec.drafters.controller import LOOKUP_PRIOR, LOOKUP_PRIOR_SAMPLED, VANILLA, Controller
 from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.ngram import KAPPA, NgramDrafter
+from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.runtime.cpus import ContentionMeter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
-SAMPLED_SCALE = 0.55  # prior for T > 0 when the table has none: shipped head, alpha_1 0.35 at T=1 vs 0.64 greedy
-MAX_PENDING = 8  # unverified chains followed at once (each ends within its length)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share: what a chain matched of the tokens emitted after it."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+# T > 0 without a sampled table: the greedy table scaled (shipped head: alpha_1 0.35 at T = 1 vs 0.64 greedy)
+SAMPLED_SCALE = 0.55
+SAMPLED_CONF = 0.7  # n-gram nodes at T > 0: a point mass x is accepted with the target's p(x), not 1
+DRAFT_ALPHA, DRAFT_ALPHA_SAMPLED = 0.7, 0.5  # a draft model's prior per-token acceptance, greedy and T > 0
+MAX_PENDING = 8  # n-gram drafts followed at once past the step that drafted them
 
 
 def matched(tree: DraftTree, tokens: list[int]) -> int:
@@ -55,144 +47,219 @@ def matched(tree: DraftTree, tokens: list[int]) -> int:
     return len(greedy_walk(tree, lambda _, k: tokens[k] if k < len(tokens) else None)[0])
 
 
-class FollowsTheMachine(Drafter):
-    """A drafter priced by measured costs: fixed within a request, rescaled between requests to what its
-    verify forwards took once they drift from their prices (another load): learned from the steps
-    already run, so no request waits for a measurement.
-    Subclasses set costs, clock (costs.StepClock, or None: costs fixed), relearned = 0 and origin (how the
-    costs were obtained at build: "cached" or "measured at load in 3.1 s")."""
+def confidences(tree: DraftTree) -> list[float]:
+    """Each node's confidence given its parent, from the tree's log path values."""
+    if tree.scores is None:
+        return [1.0] * len(tree)
+    s, par = tree.scores.tolist(), tree.parents.tolist()
+    return [math.exp(v - (s[p] if p >= 0 else 0.0)) for v, p in zip(s, par)]
 
-    origin: str = "given"
-    cache: Path | None = None  # the cost file the costs came from: learned prices go back there
-    _meter: ContentionMeter | None = None  # other processes' load since the prices were last (re)set
 
-    def prepare(self) -> None:
-        if self._meter is None:
-            self._meter = ContentionMeter()
-        if self.clock is not None:
-            self.clock.settle(self.costs.target)
-        if self.clock is not None and self.clock.drifted:
-            self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
-            self.clock = self.clock.restarted()
-            self.relearned += 1
-            busy = self._meter.result().get("other_cpu_frac")
-            if self.cache is not None and busy is not None and busy <= QUIET:  # never prices learned under load
-                with contextlib.suppress(OSError, ValueError, KeyError):
-                    store_learned(self.cache, self.costs)
-            self._meter = ContentionMeter()
+def tried(children: list[list[int]], tokens: list[int], emitted: list[int]) -> tuple[list[tuple[int, bool]], bool]:
+    """The nodes the emitted tokens put to the test (every child of the root and of each matched node)
+    and whether each was the token emitted; and whether the walk is over (a miss or a leaf) rather than
+    waiting for more tokens."""
+    out: list[tuple[int, bool]] = []
+    row = 0
+    for x in emitted:
+        if not children[row]:
+            return out, True
+        hit = None
+        for c in children[row]:
+            out.append((c, tokens[c] == x))
+            if tokens[c] == x:
+                hit = c
+        if hit is None:
+            return out, True
+        row = hit + 1
+    return out, not children[row]
 
-    def share(self, ctx: DecodeContext) -> None:
-        """Price this step's rows for the sequences sharing its forward (ctx.sharing; Costs.shared)."""
-        if ctx.sharing != self.ctrl.sharing:
-            self.ctrl.reprice(self.costs.shared(ctx.sharing), ctx.sharing)
+
+@dataclass
+class NgramDraft:
+    """A step's n-gram draft as the policy reads it, and as it is scored on the tokens emitted after it."""
+
+    tokens: list[int]
+    parents: list[int]
+    confs: list[float]  # each node's raw confidence given its parent
+    start: int  # len(ctx.tokens) when drafted: it guesses ctx.tokens[start:]
+    tree: DraftTree | None = None  # None: a chain, built when verified
+    model: int | None = None  # what the model draft verified on the same step matched (None: none)
+    _children: list[list[int]] | None = None
+
+    def part(self, n: int) -> DraftTree:
+        """Its first n nodes (best first: a tree)."""
+        if self.tree is None:
+            return DraftTree.chain(torch.tensor(self.tokens[:n], dtype=torch.long))
+        return self.tree.select(torch.arange(n))
+
+    def children(self) -> list[list[int]]:
+        if self._children is None:
+            self._children = [[] for _ in range(len(self.tokens) + 1)]
+            for i, p in enumerate(self.parents):
+                self._children[p + 1].append(i)
+        return self._children
+
+
+@dataclass
+class AdaptiveDrafter(Drafter):
+    """model: an EAGLE head (menu: its trees, from the tuning table) or a draft model (menu: its chains);
+    ngram: a prompt-lookup chain (cheapest: beside a head) or an n-gram tree (SuffixDecoding-style)."""
+
+    costs: Costs
+    model: TreeDrafter | None = None
+    menu: list[tuple[TreeBudget, float]] = field(default_factory=list)  # (budget, prior expected accepted tokens)
+    ngram: PromptLookupDrafter | NgramDrafter | None = None
+    # T > 0 with a head: trees with children drawn from the draft (eagle's children="sample"), priced by
+    # costs.sampled_s from the head's sampled acceptance table
+    sampled: list[tuple[TreeBudget, float]] | None = None
+    clock: StepClock | None = None  # None: the costs stay as given
+    origin: str = "given"  # how the costs were obtained ("cached", "measured at load in 3.1 s")
+    cache: Path | None = None  # the cost file they came from: prices learned online go back there
+    choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
+
+    def __post_init__(self) -> None:
+        self.head = self.model if isinstance(self.model, EagleDrafter) else None
+        if self.model is None and self.ngram is None:
+            raise ValueError("adaptive drafting needs a model or an n-gram drafter")
+        if (self.model is None) != (not self.menu):
+            raise ValueError("a menu needs a model, and only then")
+        if (self.sampled is not None) != (self.head is not None and self.head.children == "sample"):
+            raise ValueError("a sampled menu needs an EAGLE drafter with children='sample', and only then")
+        self.aux_layers = self.model.aux_layers if self.model is not None else ()
+        self.draft_depth = max([b.depth for b, _ in [*self.menu, *(self.sampled or [])]] +
+                               [self.ngram.draft_depth if self.ngram is not None else 0])
+        if self.head is not None:
+            self.name = "eagle2+pld adaptive" if self.ngram is not None else "eagle2 adaptive"
+        else:
+            parts = (["ngram"] if self.ngram is not None else []) + (["sps"] if self.model is not None else [])
+            self.name = "+".join(parts) + " adaptive (auto, no head)"
+        self.catch = CatchUp(self.costs.catch_row_s)  # measured at load, then learned over requests
+        self.relearned, self.rows, self.rows_ctx, self.meter = 0, 0, 0, None
+        self.pending: list[NgramDraft] = []
+        self.last: tuple | None = None
+
+    def fork(self) -> AdaptiveDrafter | None:
+        """Another sequence of a batch, priced by these costs as they stand and never learning prices (no
+        clock: in a batch a sequence's forward_s times the whole packed forward)."""
+        model = self.model.fork() if self.model is not None else None
+        if self.model is not None and model is None:
+            return None
+        ngram = self.ngram.fork() if self.ngram is not None else None
+        return replace(self, model=model, ngram=ngram, clock=None, choices=Counter())
+
+    @property
+    def lead(self) -> Drafter:
+        return self.head if self.head is not None else self
 
     @property
     def costs_source(self) -> str:
         return f"{self.origin}, then learned online ({self.relearned}x)" if self.relearned else self.origin
 
-
-@dataclass
-class AdaptiveDrafter(FollowsTheMachine):
-    """`auto`'s drafter: an EAGLE head + a prompt-lookup chain, sized (or skipped) every step by the
-    Controller. The chain is looked up first (it depends only on emitted tokens), then the choice."""
-
-    eagle: EagleDrafter
-    menu: list[tuple[TreeBudget, float]]
-    costs: Costs
-    lookup: int = 0  # chain tokens (0: no lookup)
-    sampled_scale: float = SAMPLED_SCALE  # T > 0 without a sampled menu: the greedy table, scaled
-    # T > 0: (budget, expected accepted tokens) of trees with children drawn from the draft (eagle's
-    # children="sample"), priced by costs.sampled_s; never merged with the chain (point masses only)
-    sampled: list[tuple[TreeBudget, float]] | None = None
-    name: str = "eagle2+pld adaptive"
-    choices: Counter = field(default_factory=Counter)  # this request's choices (bench, tests)
-    clock: StepClock | None = None  # None: the costs stay as given
-    origin: str = "given"
-    cache: Path | None = None
-
-    def __post_init__(self) -> None:
-        self.pld = PromptLookupDrafter(chain_len=self.lookup) if self.lookup else None
-        self.aux_layers = self.eagle.aux_layers  # an EAGLE-3 head reads the target's states at these layers
-        if (self.sampled is not None) != (self.eagle.children == "sample"):
-            raise ValueError("a sampled menu needs an EAGLE drafter with children='sample', and only then")
-        self.draft_depth = max(b.depth for b, _ in [*self.menu, *(self.sampled or [])])
-        if not self.lookup:
-            self.name = "eagle2 adaptive"
-        self.ctrl: Controller | None = None
-        self.last: tuple | None = None  # (choice, head tree, its expected tokens, chain, n-gram)
-        self.pending: list[tuple] = []
-        self.rows = self.rows_ctx = 0  # rows and context of the forward verifying the last proposal (0: none)
-        self.draft_priced: float | None = None
-        self.relearned = 0
-        self.catch = CatchUp(self.costs.catch_row_s)  # measured at load, then learned over requests
-
-    def fork(self) -> AdaptiveDrafter:
-        # state of its own, these costs; no clock: in a batch its forward_s times the whole packed forward
-        return replace(self, eagle=self.eagle.fork(), clock=None, choices=Counter())
-
-    @property
-    def lead(self) -> Drafter:
-        return self.eagle
+    def prepare(self) -> None:
+        """Between requests: prices rescaled to the observed forwards if they drifted from them."""
+        if self.meter is None:
+            self.meter = ContentionMeter()
+        if self.clock is None:
+            return
+        self.clock.settle(self.costs.target)
+        if self.clock.drifted:
+            self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
+            self.clock = self.clock.restarted()
+            self.relearned += 1
+            busy = self.meter.result().get("other_cpu_frac")
+            if self.cache is not None and busy is not None and busy <= QUIET:  # never prices learned under load
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    store_learned(self.cache, self.costs)
+            self.meter = ContentionMeter()
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
-        prior = LOOKUP_PRIOR if greedy else LOOKUP_PRIOR_SAMPLED
-        costs = self.costs
-        if greedy or self.sampled is None:
-            self.ctrl = Controller(self.menu, costs, 1.0 if greedy else self.sampled_scale, prior)
-        else:
-            self.ctrl = Controller(self.sampled, costs, 1.0, prior, draft_s=costs.sampled_s, union=False)
+        if self.head is not None and not greedy and self.sampled is not None:
+            self.policy = Policy(self.sampled, self.costs, draft_s=self.costs.sampled_s, union=False, hurdle=HURDLE)
+        elif self.head is not None:
+            self.policy = Policy(self.menu, self.costs, hurdle=HURDLE)
+        else:  # a draft model's sampled chain carries q: no union with point masses
+            self.policy = Policy(self.menu, self.costs, union=greedy)
+        self.scale = TreeScale(SAMPLED_SCALE if self.head is not None and not greedy and self.sampled is None else 1.0)
+        self.rate = ChainRate(DRAFT_ALPHA if greedy else DRAFT_ALPHA_SAMPLED)
+        if self.head is None and self.menu:
+            self.policy.regain(self.rate.gains(self.menu))
+        self.cal, self.beyond = Calibration(1.0 if greedy else SAMPLED_CONF), Beyond()
+        self.sharing, self.pending, self.last, self.rows = 1, [], None, 0
         self.choices = Counter()
-        self.last = None
-        self.rows = 0
-        # chains still matching past the tokens seen: (tokens, n-gram, start, what the step's tree matched)
-        self.pending: list[tuple] = []
-        self.eagle.begin(ctx)
+        # whether reading the prompt into a draft model was weighed yet (a head reads it lazily, see eagle.py)
+        self.weighed = self.head is not None or self.model is None
+        for d in (self.model, self.ngram):
+            if d is not None:
+                d.begin(ctx)
 
     def propose(self, ctx: DecodeContext) -> DraftTree:
         return alone(self.drafting(ctx))
 
     def drafting(self, ctx: DecodeContext) -> Drafting:
-        self.share(ctx)
-        chain = self.pld.lookup(ctx) if self.pld is not None and ctx.max_nodes > 0 else []
-        self.rows_ctx = len(ctx.tokens)
-        ngram = self.pld.last_ngram if chain else 0
-        # most steps on text that drafts nothing; the chain at its bound and no catch-up (both only make
-        # drafting look better): what choose() would decide
-        if self.ctrl.surely_plain(ctx.max_nodes, self.rows_ctx, 0.0,
-                                  self.ctrl.chain_bound(ngram, min(len(chain), ctx.max_nodes)) if chain else 0.0):
-            self.choices[0] += 1
-            self.last, self.rows, self.draft_priced = (VANILLA, None, 0.0, chain or None, ngram), 1, None
-            self.catch.drafted(0, 0.0)
-            return DraftTree.empty()
-        gains = self.ctrl.chain_gains(ngram, len(chain)) if chain else None
-        beyond = self.ctrl.chain_beyond(ngram) if chain else None
-        backlog = self.eagle.unread_steps
-        extra = self.catch.extra_rows(self.eagle.pending)
-        choice = self.ctrl.choose(len(chain), ctx.max_nodes, self.rows_ctx, gains, self.catch.price(extra), beyond)
-        self.choices[(choice.budget.tree_size if choice.budget else 0) + (len(chain) if choice.chain else 0)] += 1
-        tree = DraftTree.empty()
-        expected = 0.0
+        if ctx.sharing != self.sharing:  # a batch's rows share each forward: price this sequence's share
+            self.sharing = ctx.sharing
+            self.policy.reprice(self.costs.shared(ctx.sharing))
+        room, n_ctx = ctx.max_nodes, len(ctx.tokens)
+        if not self.weighed:
+            self.weighed = True
+            if not self.reading_pays(ctx):  # this request drafts without the draft model
+                self.policy = Policy([], self.policy.costs, union=False)
+        ng = self._ngram(ctx) if room > 0 else None
+        gains = self.cal.gains(ng.confs, ng.parents) if ng is not None else []
+        look = self.costs.lookup_s if ng is not None else 0.0
+        extra = self.catch.extra_rows(self.head.pending) if self.head is not None else 0
+        choice = self.policy.choose(gains, room, n_ctx, self.scale.value, self.catch.price(extra),
+                                    self.beyond.share, look)
+        if ng is not None:
+            self.pending.append(ng)
+        tree, model_tree, expected = DraftTree.empty(), None, 0.0
         if choice.budget is not None:
-            tree = yield from self.eagle.drafting(ctx, choice.budget)
+            backlog = self.head.unread_steps if self.head is not None else 0
+            tree = model_tree = yield from self.model.drafting(ctx, choice.budget)
             b = choice.budget
-            expected = self.ctrl.gain[b] * min(len(tree), b.tree_size) / b.tree_size
-        eagle_tree = tree if choice.budget is not None else None
-        if choice.chain and ctx.max_nodes > len(tree):
-            part = DraftTree.chain(torch.tensor(chain[:min(choice.chain, ctx.max_nodes - len(tree))], dtype=torch.long))
+            expected = self.policy.gain[b] * min(len(tree), b.tree_size) / b.tree_size
+        if choice.chain and room > len(tree):
+            part = ng.part(min(choice.chain, room - len(tree), len(ng.tokens)))
             tree = tree.union(part) if len(tree) else part
-        self.last = (choice, eagle_tree, expected, chain or None, ngram)
-        self.rows = 1 + min(len(tree), ctx.max_nodes)  # the forward's rows (and rows_ctx its context), for the clock
-        # what this step's drafting was priced at, its catch-up included (None: no head tree, only a lookup at
-        # most; or a catch-up of more rows than are counted. Why with the catch-up: priced without it, the
-        # reads after a plain stretch taught the clock drafting costs ~2x, so auto drafted ever less and each
-        # catch-up grew longer; left out, the clock saw only steps right after a draft, and in-situ drafting
-        # at ~2x its probe went unlearned: the README demo prompt kept trying 4-node trees at a loss)
-        base = None if choice.budget is None else \
-            self.ctrl.draft_s[choice.budget] + self.costs.follow_s + (self.costs.lookup_s if len(chain) else 0.0)
-        self.draft_priced = None if base is None or extra > CatchUp.PRICED_ROWS else base + self.catch.price(extra)
-        self.catch.drafted(extra if base is not None and backlog > 1 else 0, base or 0.0)
+        self.last = (model_tree, expected, ng)
+        self.choices[min(len(tree), room)] += 1
+        self.rows, self.rows_ctx = 1 + min(len(tree), room), n_ctx  # the verify forward's, for the clock
+        # a head's drafting priced with its catch-up: priced without it, the reads after a plain stretch
+        # taught the clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer
+        self.draft_priced = None
+        if self.head is not None:
+            base = None if choice.budget is None else self.policy.draft_s[choice.budget] + self.policy.follow_s + look
+            if base is not None and extra <= CatchUp.PRICED_ROWS:
+                self.draft_priced = base + self.catch.price(extra)
+            self.catch.drafted(extra if base is not None and backlog > 1 else 0, base or 0.0)
         return tree
+
+    def _ngram(self, ctx: DecodeContext) -> NgramDraft | None:
+        d = self.ngram
+        if d is None:
+            return None
+        if isinstance(d, PromptLookupDrafter):
+            toks = d.lookup(ctx)
+            # a chain copied after an n-gram match: node i continues a match of n + i tokens
+            confs = [1.0 / (1.0 + KAPPA / (d.last_ngram + i)) for i in range(len(toks))]
+            return NgramDraft(toks, list(range(-1, len(toks) - 1)), confs, len(ctx.tokens)) if toks else None
+        tree = d.propose(ctx)
+        return NgramDraft(tree.tokens.tolist(), tree.parents.tolist(), confidences(tree), len(ctx.tokens),
+                          tree) if len(tree) else None
+
+    def reading_pays(self, ctx: DecodeContext) -> bool:
+        """Whether the draft model's first chain pays for reading the context first: the seconds its best
+        chain saves over the tokens the answer may still take (at most ctx.max_nodes + 1) against the rows
+        it reads at Costs.catch_row_s, every sequence sharing the step waiting for them. Why: on a 4k-token
+        prompt the Qwen 0.5B read for ~13 s to save ~2 s of a 256-token answer, and stalled the stream."""
+        rows = len(ctx.tokens) - len(self.model.cached)
+        n = len(ctx.tokens)
+        plain = self.policy.costs.target(1, n)
+        best = min((secs / tokens for tokens, secs in (self.policy.expected(Choice(b, 0), [], ctx.max_nodes, n)
+                                                       for b, _ in self.menu)), default=plain)
+        return rows * self.costs.catch_row_s * ctx.sharing < (ctx.max_nodes + 1) * (plain - best)
 
     def accept(self, ctx: DecodeContext, verdict: Verdict) -> None:
         if self.rows and self.clock is not None:
@@ -200,39 +267,37 @@ class AdaptiveDrafter(FollowsTheMachine):
                 self.clock.settle(self.costs.target)
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)
-            self.rows = 0
+        self.rows = 0
         self.catch.observe(ctx.draft_s)
-        self.eagle.accept(ctx, verdict)
-        if self.last is None:
-            return
-        choice, eagle_tree, expected, chain, ngram = self.last
-        ctrl, new = self.ctrl, verdict.tokens
-        observed = eagle_tree is not None and len(eagle_tree) > 0
-        ctrl.step(observed)
-        t = None
-        if observed:
-            t = matched(eagle_tree, new)
-            ctrl.observe_tree(t, expected)
-        if chain is not None:
-            m = common_prefix(chain, new)
-            if m == len(new) < len(chain):
-                # still matching past what this step emitted (unverified, or verified in part): follow it over
-                # the next steps' tokens, so a chain is priced by what it would have matched
-                self.pending.append((chain, ngram, len(ctx.tokens) - len(new), t))
-            else:
-                ctrl.observe_chain(ngram, m, len(chain), t)
-        self._follow_pending(ctx)
+        for d in (self.model, self.ngram):
+            if d is not None:
+                d.accept(ctx, verdict)
+        model_tree, expected, ng = self.last or (None, 0.0, None)
         self.last = None
-
-    def _follow_pending(self, ctx: DecodeContext) -> None:
-        keep = []
-        for i, (toks, ngram, start, t) in enumerate(self.pending):
-            seq = ctx.tokens[start:start + len(toks)]
-            m = common_prefix(toks, seq)
-            if m < len(seq) or m == len(toks):  # settled: it stopped matching, or matched whole
-                self.ctrl.observe_chain(ngram, m, len(toks), t)
-            elif len(self.pending) - i > MAX_PENDING:  # among the oldest past the cap: what it showed so far
-                self.ctrl.observe_chain(ngram, m, m, t)
+        observed = model_tree is not None and len(model_tree) > 0
+        self.scale.step(observed)
+        if observed:
+            m = matched(model_tree, verdict.tokens)
+            if self.head is not None:
+                self.scale.observe(m, expected)
             else:
-                keep.append((toks, ngram, start, t))
+                self.rate.observe(m, len(model_tree))
+                self.policy.regain(self.rate.gains(self.menu))
+            if ng is not None:
+                ng.model = m
+        self.cal.step()
+        keep = []
+        for i, p in enumerate(self.pending):
+            outcome, over = tried(p.children(), p.tokens, ctx.tokens[p.start:])
+            if over or len(self.pending) - i > MAX_PENDING:  # the oldest past the cap: what it showed so far
+                for node, hit in outcome:
+                    self.cal.observe(p.confs[node], hit)
+                if p.model is not None:
+                    self.beyond.observe(sum(hit for _, hit in outcome), p.model)
+            else:
+                keep.append(p)
         self.pending = keep
+
+    def end(self, answer: list[int]) -> None:
+        if self.ngram is not None:
+            self.ngram.end(answer)

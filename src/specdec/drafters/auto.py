@@ -1,18 +1,15 @@
 """`auto`: the fastest lossless method we know for this target, decided when the Decoder is built.
 
-With an EAGLE head for the target (the given one, or one shipped in the package): adaptive speculation
-(drafters/adaptive.py) — every step, the EAGLE-2 tree and prompt-lookup chain that maximise expected
-tokens per second under costs measured on this machine, or no draft at all; sampled requests draft
-children drawn from the head's distribution where the head's tuning has their acceptance table (tau +0.2
-over top-k children at T = 1). `adaptive=false` gives the
-static choice instead: the tree and chain `specdec tune` chose on its machine, the chain for greedy
-requests only (sampled text repeats far less).
-
-Without a head (most targets): adaptive speculation over training-free drafts (drafters/headless.py) —
-every step, the prefix of an n-gram draft over the prompt and the answer so far (drafters/ngram.py),
-a chain from the draft model `draft=` gives, their union, or no draft, whichever pays most under the same
-measured costs; `lookup` caps the n-gram draft's nodes (0: none). `adaptive=false`: method `ngram`. The
-head's own options (depth, topk, tree_size, children, rank_by, rerank, full_vocab) are an error there.
+Adaptive speculation (drafters/adaptive.py): every step, the draft that maximises expected tokens per
+second under costs measured on this machine, or no draft at all.
+- With an EAGLE head for the target (the given one, or one shipped in the package): its EAGLE-2 trees
+  and a prompt-lookup chain; sampled requests draft children drawn from the head's distribution where
+  the head's tuning has their acceptance table (tau +0.2 over top-k children at T = 1).
+  `adaptive=false`: the static tree and chain `specdec tune` chose, the chain for greedy requests only.
+- Without a head (most targets): the prefixes of an n-gram draft over the prompt and the answer so far
+  (drafters/ngram.py) and chains from the draft model `draft=` gives; `lookup` caps the n-gram draft's
+  nodes (0: none). `adaptive=false`: method `ngram`. The head's own options (depth, topk, tree_size,
+  children, rank_by, rerank, full_vocab) are an error there.
 """
 
 from __future__ import annotations
@@ -21,22 +18,35 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from specdec.drafters.adaptive import AdaptiveDrafter
-from specdec.drafters.base import Drafter
+from specdec.drafters.adaptive import DRAFT_ALPHA, AdaptiveDrafter
+from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
-from specdec.drafters.controller import menu_from_tuning
-from specdec.drafters.costs import load_costs
-from specdec.drafters.draft_model import DRAFT_VOCAB, DraftQuant, draft_quant_option
+from specdec.drafters.costs import load_costs, load_plain_costs
+from specdec.drafters.draft_model import (
+    DRAFT_QUANT,
+    DRAFT_VOCAB,
+    DraftModelDrafter,
+    DraftQuant,
+    draft_quant_option,
+    draft_runner,
+)
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
-from specdec.drafters.headless import build_headless
+from specdec.drafters.ngram import NgramDrafter, NgramOptions
+from specdec.drafters.policy import menu_from_tuning
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
+from specdec.tree import TreeBudget
 from specdec.tuning import load_acceptance, load_tuning
 
 DEFAULT_LOOKUP = 12  # chain tokens when the tuning file names none (or 0: no chain paid in its static tree)
 HEAD_ONLY = ("full_vocab", "depth", "topk", "tree_size", "rank_by", "rerank", "children")
+NODES = 16  # n-gram draft nodes offered per step without a head (the policy verifies the prefix that pays)
+TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
+MIN_VALUE = 0.01  # nodes less likely than this to be accepted are not worth drafting
+DRAFT_CHAINS = (1, 2, 3, 4, 6)  # draft-model chain lengths offered
 
 
 class AutoOptions(Eagle2Options):
@@ -86,14 +96,39 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
                                children="sample" if sampled else "topk")
         costs, path, origin = load_costs(target.runner, drafter, head_dir, menu, lookup, opts.recalibrate,
                                          sampled or ())
-        return AdaptiveDrafter(drafter, menu, costs, lookup, sampled=sampled, clock=StepClock(), origin=origin,
-                               cache=path)
+        return AdaptiveDrafter(costs, drafter, menu, PromptLookupDrafter(chain_len=lookup) if lookup else None,
+                               sampled, StepClock(), origin, path)
     if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
         raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
     drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank, children=opts.children or "topk")
     if opts.lookup is not None:  # asked for: every request, greedy or sampled
         return with_lookup(drafter, opts.lookup)
     return with_lookup(drafter, tuned.get("lookup", 0), greedy_only=True)
+
+
+def draft_menu() -> list[tuple[TreeBudget, float]]:
+    """Draft-model chains as budgets (depth k, one child, k nodes) with their prior accepted tokens."""
+    return [(TreeBudget(k, 1, k), sum(DRAFT_ALPHA ** i for i in range(1, k + 1))) for k in DRAFT_CHAINS]
+
+
+def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool,
+                   draft_vocab: int | None = DRAFT_VOCAB, draft_quant: DraftQuant = DRAFT_QUANT) -> Drafter:
+    """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none);
+    draft_vocab: the ids the draft model scores (0: all; None: no draft-model chains); draft_quant: the
+    draft's blocks (draft_model.draft_runner)."""
+    nodes = NODES if lookup is None else lookup
+    if not adaptive:  # the static choice: method `ngram` as registered (lookup: its nodes)
+        o = NgramOptions()
+        return NgramDrafter(lookup or o.tree_size, o.topk, o.max_ngram, o.min_value) if nodes else NoDrafter()
+    ngram = NgramDrafter(nodes, TOPK, min_value=MIN_VALUE) if nodes else None
+    draft = None
+    if target.draft_model is not None and draft_vocab is not None:
+        draft = DraftModelDrafter(draft_runner(target, draft_vocab, draft_quant), target.runner.vocab_size)
+    if ngram is None and draft is None:
+        return NoDrafter()
+    menu = draft_menu() if draft is not None else []
+    costs, path, origin = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
+    return AdaptiveDrafter(costs, draft, menu, ngram, clock=StepClock(), origin=origin, cache=path)
 
 
 register(Method("auto", "the default: adaptive speculation with the EAGLE head shipped for this target (every step the "

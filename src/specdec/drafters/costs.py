@@ -59,7 +59,7 @@ class Costs:
     attend_s: float = 0.0
     ctx: int = 0
     # each row past a typical step's that the head reads before drafting (clock.CatchUp); without a head,
-    # each row of context a draft model reads before its chain (headless.HeadlessDrafter.reading_pays)
+    # each row of context a draft model reads before its chain (adaptive.AdaptiveDrafter.reading_pays)
     catch_row_s: float = 0.0
 
     def __post_init__(self) -> None:  # here, so that a measurement cached before the floor gets it too

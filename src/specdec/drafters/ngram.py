@@ -10,7 +10,7 @@ n-gram (total C, length n), c(x) / (C + KAPPA / n) (a continuation not seen yet 
 the mass: short matches guess, long ones copy); where the latest occurrence matches L > n tokens, its
 follower gets at least 1 / (1 + KAPPA / L) and the others share the rest. A node's score is the log
 of its path's product of confidences (EAGLE-2's value V), so its nodes come best first and any prefix
-of them is a tree: a caller verifies as many as pay (drafters/headless.py calibrates the confidences
+of them is a tree: a caller verifies as many as pay (drafters/policy.py calibrates the confidences
 and prices each prefix).
 
 Like SuffixDecoding's global tree, earlier answers help too: each finished answer of the drafter and

@@ -1,0 +1,293 @@
+"""Adaptive speculation's choice (`auto`): every step, the draft with the most expected tokens per second
+under costs measured on this machine, or none (a plain step). Options: a model's draft from its menu (an
+EAGLE head's trees, a draft model's chains), each prefix of the step's n-gram draft, and their union.
+
+One acceptance estimate per drafter, learned online from verdicts of earlier steps only, so a step's
+draft never depends on its own verdict (lossless):
+- head trees: the tuning table's expected tokens (measured by `specdec tune`, shipped with the head)
+  times a decaying ratio of observed to expected accepted tokens (TreeScale);
+- draft-model chains: a learned per-token acceptance alpha (ChainRate);
+- n-gram nodes: each node's raw confidence (its match's counts and length), calibrated by what the
+  emitted tokens showed for nodes of like confidence (Calibration).
+A union of a model draft and an n-gram prefix is priced by the decaying share of the n-gram tokens'
+matches that the model's draft beside them did not match (`beyond`). Pure arithmetic: unit-tested alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from specdec.drafters.costs import Costs
+from specdec.tree import TreeBudget
+
+DECAY = 0.85  # per step, a head tree's evidence: halves in ~4 steps (text changes within an answer)
+PRIOR_WEIGHT = 2.0  # the table's prior counts as this many expected accepted tokens
+CAL_DECAY = 0.95  # per step, the n-gram calibration's: slower, each bucket sees fewer observations
+CAL_PRIOR = 2.0  # a raw confidence counts as this many observations of its bucket
+EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # raw-confidence buckets of the calibration
+ALPHA_PRIOR, ALPHA_DECAY = 4.0, 0.9  # a draft model's prior alpha counts as this many tokens; decay per chain
+TIE = 0.995  # options within 0.5% of the best are ties: the cheapest (vanilla, then smaller drafts) wins
+# a head's draft must promise this much more than a plain step. Why: the best of several estimated options
+# is chosen, so its estimate runs high (the winner's curse): on SmolLM2's MT-bench answers the trees chosen
+# at break-even accepted 0.84 of the tokens they were priced by and lost 7% to plain steps
+HURDLE = 0.05
+BUCKET = 32  # contexts that share the plain-step bounds (t(1) moves ~0.3% over 32 tokens on SmolLM2)
+# n-gram prefixes offered (and the whole draft): finer steps add options to price every step, not speed
+PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def prefixes(length: int, room: int) -> list[int]:
+    """The n-gram draft prefixes a step may verify."""
+    top = min(length, room)
+    return [m for m in PREFIXES if m < top] + [top] if top > 0 else []
+
+
+def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
+    """(budget, expected accepted tokens = tau - 1) per tree size from tune's acceptance table
+    (tuning.load_acceptance): for each size the best tau at depth <= 4 and the best at depth 2 (cheaper
+    to draft), never below a smaller size's best."""
+    best: dict[tuple[int, bool], tuple[float, TreeBudget]] = {}
+    for r in rows:
+        b = TreeBudget(r["depth"], r["topk"], r["tree_size"])
+        if b.depth > 4 or b.topk > 4:
+            continue
+        for shallow in {False, b.depth == 2}:
+            if (b.tree_size, shallow) not in best or r["tau"] > best[b.tree_size, shallow][0]:
+                best[b.tree_size, shallow] = (r["tau"], b)
+    if not best:
+        return [(TreeBudget(2, 3, 4), 0.9), (TreeBudget(3, 4, 8), 1.1)]
+    # a larger tree accepts at least what the best smaller one does: a sampled table's lower estimate is noise
+    menu = {b: max([tau - 1] + [t - 1 for t, s in best.values() if s.tree_size < b.tree_size])
+            for tau, b in best.values()}
+    return sorted(menu.items(), key=lambda x: (x[0].tree_size, x[0].depth))
+
+
+@dataclass(frozen=True)
+class Choice:
+    budget: TreeBudget | None  # the model draft verified (None: none)
+    chain: int  # n-gram draft nodes joined to the verify (0: none)
+
+    @property
+    def vanilla(self) -> bool:
+        return self.budget is None and not self.chain
+
+
+VANILLA = Choice(None, 0)
+
+
+class TreeScale:
+    """Observed over expected accepted tokens of a head's trees, decayed per step. A step without a tree
+    pulls it back toward the prior (so a stretch of plain steps ends with a try); a tree that had nothing
+    accepted halves that pull for the next ones (down to an eighth): on text the head cannot follow, each
+    try is a loss, and they should come ever more rarely."""
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.num, self.den, self.misses = PRIOR_WEIGHT * prior, PRIOR_WEIGHT, 0
+
+    @property
+    def value(self) -> float:
+        return self.num / self.den
+
+    def step(self, observed: bool) -> None:
+        w = PRIOR_WEIGHT * 0.5 ** min(self.misses, 3)
+        self.num, self.den = DECAY * self.num, DECAY * self.den
+        if not observed:  # a pull on every step too would weigh the prior like ~30% of the evidence
+            self.num += (1 - DECAY) * w * self.prior
+            self.den += (1 - DECAY) * w
+
+    def observe(self, accepted: int, expected: float) -> None:
+        self.num += accepted
+        self.den += expected
+        self.misses = 0 if accepted else self.misses + 1
+
+
+class ChainRate:
+    """P(a draft-model token is accepted | its parent was): a chain of k tokens whose first m were accepted
+    shows m acceptances in min(m + 1, k) tries. Learned, not scaled: a same-family draft accepting 0.9 a
+    token makes long chains pay, which a scale on the prior's shape never shows."""
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.hits, self.tries = ALPHA_PRIOR * prior, ALPHA_PRIOR
+
+    def gains(self, menu: list[tuple[TreeBudget, float]]) -> dict[TreeBudget, float]:
+        a = self.hits / self.tries
+        return {b: sum(a ** i for i in range(1, b.depth + 1)) for b, _ in menu}
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        d = ALPHA_DECAY
+        self.hits = d * self.hits + (1 - d) * ALPHA_PRIOR * self.prior + accepted
+        self.tries = d * self.tries + (1 - d) * ALPHA_PRIOR + min(accepted + 1, drafted)
+
+
+class Calibration:
+    """P(an n-gram node's token is emitted next | its parent's was), by the node's raw confidence, decayed
+    per step; the raw confidence (times `scale`: at T > 0 a point mass x is accepted with p(x), not 1) is
+    its prior."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.hits = [0.0] * (len(EDGES) + 1)
+        self.tries = [0.0] * (len(EDGES) + 1)
+
+    def rate(self, conf: float) -> float:
+        b = bisect.bisect_right(EDGES, conf)
+        return (self.hits[b] + CAL_PRIOR * self.scale * conf) / (self.tries[b] + CAL_PRIOR)
+
+    def gains(self, confs: list[float], parents: list[int]) -> list[float]:
+        """Expected accepted tokens of the draft's first m nodes, m = 1..len: the calibrated rates along
+        each node's path, summed (nodes come best first, so each prefix is a tree)."""
+        value: list[float] = []
+        out, total = [], 0.0
+        for c, p in zip(confs, parents):
+            value.append((value[p] if p >= 0 else 1.0) * self.rate(c))
+            total += value[-1]
+            out.append(total)
+        return out
+
+    def observe(self, conf: float, hit: bool) -> None:
+        b = bisect.bisect_right(EDGES, conf)
+        self.hits[b] += hit
+        self.tries[b] += 1.0
+
+    def step(self) -> None:
+        self.hits = [CAL_DECAY * h for h in self.hits]
+        self.tries = [CAL_DECAY * t for t in self.tries]
+
+
+class Beyond:
+    """The decaying share of an n-gram draft's matched tokens that the model draft verified beside it did
+    not match: what their union adds over the model's draft. Prior: half, as one draft's worth."""
+
+    def __init__(self) -> None:
+        self.beyond, self.matched = 0.5, 1.0
+
+    @property
+    def share(self) -> float:
+        return self.beyond / self.matched
+
+    def observe(self, matched: int, model_matched: int) -> None:
+        self.beyond = CAL_DECAY * self.beyond + max(0, matched - model_matched)
+        self.matched = CAL_DECAY * self.matched + matched
+        if self.matched < 1e-6:
+            self.beyond, self.matched = 0.5, 1.0
+
+
+class Policy:
+    """The per-step choice over a menu of model drafts ((budget, expected accepted tokens) before `scale`)
+    priced by `draft_s` (default: costs.draft_s) plus `follow_s` (a head reading the step's rows), and the
+    prefixes of the step's n-gram draft; unions only if `union` (both drafts point masses)."""
+
+    def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, draft_s: dict | None = None,
+                 union: bool = True, follow_s: float | None = None, hurdle: float = 0.0) -> None:
+        self.union, self.hurdle = union, hurdle
+        self.draft_s = costs.draft_s if draft_s is None else draft_s
+        self.follow_s = costs.follow_s if follow_s is None else follow_s
+        self.gain = dict(menu)
+        self.widest = max((b.tree_size for b in self.gain), default=0)
+        self.reprice(costs)
+
+    def reprice(self, costs: Costs) -> None:
+        """Price the options by these forward costs from now on (a batch's share: Costs.shared)."""
+        self.costs, self._times, self._bounds = costs, {}, {}
+
+    def regain(self, gains: dict[TreeBudget, float]) -> None:
+        self.gain = {b: gains.get(b, g) for b, g in self.gain.items()}
+        self._bounds = {}
+
+    def plain_bounds(self, ctx: int, look: float) -> tuple[list[float], float]:
+        """For ctx's bucket of BUCKET contexts: ([K per menu draft], C). Menu draft i, with or without an
+        n-gram part expected to add G tokens, cannot beat a plain step if scale * g_i + G < K_i; an n-gram
+        prefix alone cannot if its expected tokens are under C. Bounds: a plain step is priced at the
+        bucket's end, the others at its start and without the n-gram rows, and t(n) never falls as the
+        rows or the context grow."""
+        lo = ctx - ctx % BUCKET
+        got = self._bounds.get((lo, look))
+        if got is None:
+            c = self.costs
+            plain = (1.0 + self.hurdle) / (look + c.target(1, lo + BUCKET - 1))
+            got = self._bounds[lo, look] = (
+                [plain * (look + self.draft_s[b] + self.follow_s + c.target(1 + b.tree_size, lo)) - 1.0
+                 for b in self.gain], plain * (look + c.target(2, lo)) - 1.0)
+        return got
+
+    def times(self, ctx: int | None, rows: int) -> list[float]:
+        """[t(n) for n < at least rows] at the middle of ctx's bucket of BUCKET contexts (None: at the
+        measured context): one list per bucket instead of a call per option and step."""
+        key = None if ctx is None else ctx - ctx % BUCKET + BUCKET // 2
+        got = self._times.get(key)
+        if got is None or len(got) < rows:
+            got = self._times[key] = [0.0] + [self.costs.target(n, key) for n in range(1, max(rows, 34 + self.widest))]
+        return got
+
+    def expected(self, choice: Choice, gains: list[float], room: int, ctx: int | None = None, scale: float = 1.0,
+                 catch_up: float = 0.0, beyond: float = 0.0, look: float = 0.0) -> tuple[float, float]:
+        """(expected tokens, seconds) of one step with this choice; catch_up: what a head pays first to
+        read the rows of steps it skipped; look: the n-gram draft's own cost (paid either way)."""
+        tree, nodes, secs = 0.0, 0, look
+        if choice.budget is not None:
+            b = choice.budget
+            nodes = min(b.tree_size, room)
+            tree = scale * self.gain[b] * nodes / b.tree_size
+            secs += self.draft_s[b] + self.follow_s + catch_up
+        extra = 0.0
+        n = min(choice.chain, room - nodes)
+        if n > 0:
+            alone = gains[n - 1]
+            extra = min(float(n), max(0.0, alone - tree, beyond * alone) if choice.budget is not None else alone)
+            nodes += n
+        return 1.0 + tree + extra, secs + self.times(ctx, 2 + nodes)[1 + nodes]
+
+    def choose(self, gains: list[float], room: int, ctx: int | None = None, scale: float = 1.0,
+               catch_up: float = 0.0, beyond: float = 0.0, look: float = 0.0) -> Choice:
+        """The option with the most expected tokens per second, as `expected` prices each (inlined: this
+        runs every step). gains[m - 1]: the n-gram draft's first m nodes' expected accepted tokens."""
+        if room <= 0:
+            return VANILLA
+        menu = list(self.gain.items())
+        keep, alone = range(len(menu)), True  # the menu drafts and whether n-gram prefixes alone are priced
+        if ctx is not None and room >= self.widest and self.costs.attend_s >= 0:
+            # most steps: only what plain_bounds cannot rule out (on text that drafts nothing, pricing every
+            # option was most of what `auto` added to a step)
+            bars, least = self.plain_bounds(ctx, look)
+            whole = gains[min(len(gains), room) - 1] if gains else 0.0
+            keep = [i for i, k in enumerate(bars) if scale * menu[i][1] + whole >= k]
+            alone = whole >= least
+            if not keep and not alone:
+                return VANILLA
+        lengths = prefixes(len(gains), room)
+        t = self.times(ctx, 2 + self.widest + (lengths[-1] if lengths else 0))
+        # (rate, rank, budget, chain): rank orders vanilla, the menu, then the prefixes and their unions
+        rates = [((1.0 + self.hurdle) / (look + t[1]), 0, None, 0)]
+        trees = []
+        for i in keep:
+            b, g = menu[i]
+            nodes = min(b.tree_size, room)
+            tree, secs = scale * g * nodes / b.tree_size, look + self.draft_s[b] + self.follow_s + catch_up
+            trees.append((i, b, nodes, tree, secs))
+            rates.append(((1.0 + tree) / (secs + t[1 + nodes]), i + 1, b, 0))
+        k = len(menu) + 1
+        if alone:
+            rates += [((1.0 + min(float(m), gains[m - 1])) / (look + t[1 + m]), k * (j + 1), None, m)
+                      for j, m in enumerate(lengths)]
+        if self.union and lengths:
+            band = max(r[0] for r in rates) * TIE
+            for i, b, nodes, tree, secs in trees:
+                top = min(lengths[-1], room - nodes)
+                # the union's best case (the whole draft) at its cheapest (one row more) under the band:
+                # none of this tree's unions can win, and most steps price none
+                if top <= 0:
+                    continue
+                g = gains[top - 1]
+                if (1.0 + tree + min(float(top), max(0.0, g - tree, beyond * g))) / (secs + t[2 + nodes]) < band:
+                    continue
+                for j, m in enumerate(lengths):
+                    n = min(m, room - nodes)
+                    add = min(float(n), max(0.0, gains[n - 1] - tree, beyond * gains[n - 1])) if n > 0 else 0.0
+                    if add > 0:
+                        rates.append(((1.0 + tree + add) / (secs + t[1 + nodes + n]), k * (j + 1) + i + 1, b, m))
+        best = max(r[0] for r in rates) * TIE
+        _, _, b, m = min((x for x in rates if x[0] >= best), key=lambda x: x[1])
+        return VANILLA if b is None and not m else Choice(b, m)
