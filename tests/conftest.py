@@ -167,7 +167,7 @@ def fixed_costs(monkeypatch):
     """`auto` (with a head or without) priced by fixed_costs_for instead of costs measured on this machine,
     and kept at those prices (no StepClock following the forwards' wall time): assertions about what it
     accepts hold on any machine, however loaded."""
-    from specdec.drafters import auto, headless
+    from specdec.drafters import auto
 
     def head_costs(runner, drafter, head_dir, menu, lookup, recalibrate=False, sampled=()):
         return fixed_costs_for(menu, sampled), None, "fixed (tests)"
@@ -176,6 +176,5 @@ def fixed_costs(monkeypatch):
         return fixed_costs_for(menu), None, "fixed (tests)"
 
     monkeypatch.setattr(auto, "load_costs", head_costs)
-    monkeypatch.setattr(headless, "load_plain_costs", plain_costs)
+    monkeypatch.setattr(auto, "load_plain_costs", plain_costs)
     monkeypatch.setattr(auto, "StepClock", lambda: None)
-    monkeypatch.setattr(headless, "StepClock", lambda: None)

@@ -1,21 +1,36 @@
-"""Adaptive speculation (`auto`): the controller's choices, the cost cache, and losslessness with the
-draft size changing from step to step (greedy equality, chi-square at T > 0 with top-k / top-p)."""
+"""Adaptive speculation (`auto`): the policy's choice and its estimates, the cost cache, and losslessness
+with the draft size changing from step to step (greedy equality, chi-square at T > 0 with top-k / top-p)."""
 
 import itertools
 import json
+import math
 import random
 
 import pytest
 import torch
 
-from specdec.drafters.adaptive import AdaptiveDrafter, matched
-from specdec.drafters.base import NoDrafter
+from specdec.drafters.adaptive import SAMPLED_SCALE, AdaptiveDrafter, NgramDraft, matched
+from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.clock import StepClock
-from specdec.drafters.controller import Choice, Controller, menu_from_tuning, prefixes
 from specdec.drafters.costs import Costs, load_costs, size_class
+from specdec.drafters.policy import (
+    BUCKET,
+    HURDLE,
+    TIE,
+    VANILLA,
+    Beyond,
+    Calibration,
+    Choice,
+    Policy,
+    TreeScale,
+    menu_from_tuning,
+    prefixes,
+)
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, TreeBudget
+from specdec.verify import Verdict, greedy_walk
 from tests.helpers import (
     PROMPTS,
     SMALL_V,
@@ -33,33 +48,34 @@ B4, B8 = TreeBudget(2, 2, 4), TreeBudget(3, 3, 8)
 MENU = [(B4, 0.9), (B8, 1.3)]
 
 
-def geometric_tail(mean: float, length: int = 12) -> tuple[float, ...]:
-    """P(a chain matches at least i tokens), i = 1..length, when each token continues a match with a fixed
-    chance a and a + a^2 + ... + a^length = mean."""
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        a = (lo + hi) / 2
-        lo, hi = (a, hi) if sum(a ** i for i in range(1, length + 1)) < mean else (lo, a)
-    return tuple(lo ** i for i in range(1, length + 1))
-
-
-# a lookup chain's prior by the n-gram it matched: matched tokens 0.5, 1.0, 1.5 in a geometric tail
-PRIOR = {n: geometric_tail(m) for n, m in {1: 0.5, 2: 1.0, 3: 1.5}.items()}
-
-
-def pick(ctrl: Controller, chain_len: int, room: int = 100, ngram: int = 0, **kw) -> Choice:
-    """The controller's choice for a lookup chain of chain_len tokens after an n-gram match, priced by
-    what it learnt of such chains (AdaptiveDrafter.propose's call)."""
-    return ctrl.choose(chain_len, room, gains=ctrl.chain_gains(ngram, chain_len) if chain_len else None,
-                       beyond=ctrl.chain_beyond(ngram) if chain_len else None, **kw)
-
-
 def costs(slope: float, draft: float = 0.05) -> Costs:
     """t(N) = 1 + slope * (N - 1) seconds (a unit forward), drafts `draft` each."""
     return Costs({n: 1 + slope * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: draft, B8: 2 * draft}, 0.01, 0.001)
 
 
-# ---- the controller ----
+def head_policy(c: Costs, menu=MENU, **kw) -> Policy:
+    """The policy `auto` prices a head's options by (a draft must beat a plain step by the hurdle)."""
+    return Policy(menu, c, hurdle=HURDLE, **kw)
+
+
+def chain_after(ngram: int, length: int) -> NgramDraft:
+    """The lookup chain `auto` drafts beside a head after an n-gram match of this length: `length` tokens
+    copied from the match's latest occurrence, each node's raw confidence from the match."""
+    seen = list(range(100, 100 + ngram))
+    ctx = DecodeContext(seen + list(range(length)) + [99] + seen, SamplingParams(), None, 1)
+    d = AdaptiveDrafter(costs(0.1), ngram=PromptLookupDrafter(chain_len=length))
+    d.begin(ctx)
+    d.propose(ctx)
+    draft = d.pending[-1]  # the step's n-gram draft, as the policy priced it
+    assert draft.tokens == list(range(length)) and d.ngram.last_ngram == ngram
+    return draft
+
+
+def priced(cal: Calibration, draft: NgramDraft) -> list[float]:
+    return cal.gains(draft.confs, draft.parents)
+
+
+# ---- the policy ----
 
 def test_a_disturbed_one_row_forward_is_floored_by_the_wider_ones():
     from specdec.drafters.costs import floor_one_row
@@ -82,14 +98,14 @@ def test_a_row_shared_by_a_batch_costs_its_share_of_the_forward_and_drafts_pay_l
         assert s.target(k) - s.target(1) == pytest.approx(c.target(4 + k - 1) - c.target(4))
     assert s.draft_s == c.draft_s and s.follow_s == c.follow_s and s.attend_s == c.attend_s
 
-    ctrl = Controller([], c, 1.0, {2: (0.3, 0.3, 0.3, 0.3)})
-    assert pick(ctrl, 4, ngram=2).chain > 0  # alone: 1.3 tokens a step for t(2) = 1.1
-    ctrl.reprice(c.shared(4), 4)
-    assert pick(ctrl, 4, ngram=2).vanilla  # shared by 4: a row adds 0.1 to a 0.325 share
-    sure = Controller([], c.shared(4), 1.0, {2: (0.95, 0.95, 0.95, 0.95)})
-    assert pick(sure, 4, ngram=2).chain > 0
-    ctrl.reprice(c, 1)
-    assert pick(ctrl, 4, ngram=2).chain > 0
+    weak, sure = [0.3, 0.6, 0.9, 1.2], [0.95, 1.9, 2.85, 3.8]  # expected accepted tokens of each prefix
+    p = head_policy(c, [])
+    assert p.choose(weak, 100).chain > 0  # alone: 1.3 tokens a step for t(2) = 1.1
+    p.reprice(c.shared(4))
+    assert p.choose(weak, 100).vanilla  # shared by 4: a row adds 0.1 to a 0.325 share
+    assert head_policy(c.shared(4), []).choose(sure, 100).chain > 0
+    p.reprice(c)
+    assert p.choose(weak, 100).chain > 0
 
 
 def test_costs_interpolate_between_and_beyond_measured_sizes():
@@ -101,86 +117,192 @@ def test_costs_interpolate_between_and_beyond_measured_sizes():
     assert c.target(3) == pytest.approx(3.0) and c.target(13) == pytest.approx(12.0)
 
 
-def reference_choice(ctrl: Controller, chain_len: int, room: int, ctx, gains, catch_up=0.0, beyond=None) -> Choice:
+def options(p: Policy, gains: list[float], room: int, scale: float, beyond: float) -> list[Choice]:
+    """Every option of a step, cheapest first: vanilla, each menu draft, then per n-gram prefix the prefix
+    alone and its union with each menu draft where the n-gram part adds expected tokens to the draft's."""
+    out = [VANILLA]
+    if room <= 0:
+        return out
+    out += [Choice(b, 0) for b in p.gain]
+    for m in prefixes(len(gains), room):
+        out.append(Choice(None, m))
+        for b, g in p.gain.items() if p.union else ():
+            nodes = min(b.tree_size, room)
+            n, tree = min(m, room - nodes), scale * g * nodes / b.tree_size
+            if n > 0 and max(0.0, gains[n - 1] - tree, beyond * gains[n - 1]) > 0:
+                out.append(Choice(b, m))
+    return out
+
+
+def reference_choice(p: Policy, gains, room, ctx=None, scale=1.0, catch_up=0.0, beyond=0.0, look=0.0) -> Choice:
     """The choice spelled out: every option priced by `expected`, the best rate (vanilla's raised by the
-    hurdle), ties within 0.5% to the earliest option. A tree + chain is an option where the chain adds
-    expected tokens beyond the tree's."""
-    options = [Choice(None, 0)]
-    if room > 0:
-        options += [Choice(b, 0) for b, _ in ctrl.menu]
-        for m in prefixes(chain_len, room):
-            options.append(Choice(None, m))
-            for b, g in ctrl.menu if ctrl.union else []:
-                n = min(m, room - min(b.tree_size, room))
-                tree = ctrl.scale * g * min(b.tree_size, room) / b.tree_size
-                if n > 0 and ctrl.added(gains[n - 1], tree, beyond) > 0:
-                    options.append(Choice(b, m))
+    hurdle), ties within TIE to the cheapest option."""
+    opts = options(p, gains, room, scale, beyond)
     rates = []
-    for o in options:
-        tokens, secs = ctrl.expected(o, chain_len, room, ctx, gains, catch_up, beyond)
-        rates.append(tokens / secs * (1 + ctrl.hurdle if o.vanilla and not o.chain else 1))
+    for o in opts:
+        tokens, secs = p.expected(o, gains, room, ctx, scale, catch_up, beyond, look)
+        rates.append(tokens / secs * (1 + p.hurdle if o.vanilla else 1))
     best = max(rates)
-    return next(o for o, r in zip(options, rates) if r >= best * 0.995)
+    return next(o for o, r in zip(opts, rates) if r >= best * TIE)
 
 
 RANDOM_MENU = [(TreeBudget(2, 2, 4), 0.9), (TreeBudget(3, 3, 8), 1.3), (TreeBudget(4, 4, 16), 1.6)]
 
 
 def random_costs(u: list[float], attend: float) -> Costs:
-    """Costs from uniforms u[0..4]: t(n)'s slope, the drafts, follow, lookup and the attention slope."""
-    return Costs({n: 1 + u[0] * 0.3 * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
+    """Costs from uniforms u[0..4]: t(n)'s slope, the drafts, follow, lookup and the attention slope. t(n)
+    rises with the rows at every context the tests price (the bounds' premise): its slope, at least 0.03 a
+    row, outweighs what attention takes off a row below the measured context (at most attend * 300)."""
+    return Costs({n: 1 + (0.03 + 0.3 * u[0]) * (n - 1) for n in (1, 2, 5, 9, 17, 33)},
                  {b: 0.3 * u[1] * b.tree_size / 4 for b, _ in RANDOM_MENU}, 0.05 * u[2], 0.01 * u[3],
                  attend_s=attend * u[4], ctx=300)
 
 
+def random_draft(rng: random.Random) -> tuple[list[float], list[int]]:
+    """An n-gram draft's raw confidences and parents: a chain (prompt lookup) or a tree, best first."""
+    n = rng.randrange(1, 20)
+    confs = sorted((rng.random() for _ in range(n)), reverse=True)
+    if rng.random() < 0.5:
+        return confs, list(range(-1, n - 1))
+    return confs, [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+
+
 def test_a_plain_step_below_the_tree_bar_is_the_choice_pricing_every_tree_makes():
-    """Without a chain, a tree scale under the bar of the context's bucket skips pricing the trees: the
-    choice is still the one every option priced gives, on both sides of the bar and at every context."""
+    """Without an n-gram draft, a tree scale under the bar of the context's bucket (no menu draft beats a
+    plain step below it) skips pricing the drafts: the choice is still the one every option priced gives,
+    on both sides of the bar and at every context."""
     g = torch.Generator().manual_seed(1)
     below = drafted = 0
-    for _ in range(300):
+    for i in range(300):
         u = torch.rand(8, generator=g).tolist()
-        ctrl = Controller(RANDOM_MENU, random_costs(u, 1e-3), 1.0, PRIOR)
+        p = Policy(RANDOM_MENU, random_costs(u, 1e-4), hurdle=HURDLE if i % 2 else 0.0)
         ctx = int(3000 * u[5])
-        bar = ctrl.plain_bounds(ctx, False)[2]  # no tree beats a plain step below this scale
-        ctrl.num = ctrl.den * bar * (0.8 + 0.4 * u[6])  # a scale within 20% of the bar, either side
+        bars, _ = p.plain_bounds(ctx, 0.0)
+        bar = min(k / g for k, (_, g) in zip(bars, RANDOM_MENU))
+        scale = bar * (0.8 + 0.4 * u[6])  # within 20% of the bar, either side
         catch_up = 0.1 * u[7]
-        got = ctrl.choose(0, 100, ctx, None, catch_up)
-        assert got == reference_choice(ctrl, 0, 100, ctx, None, catch_up)
-        below += ctrl.scale < bar
+        got = p.choose([], 100, ctx, scale, catch_up)
+        assert got == reference_choice(p, [], 100, ctx, scale, catch_up), (i, u)
+        below += scale < bar
         drafted += not got.vanilla
     assert below > 100 and drafted > 30
 
 
 def test_the_step_choice_is_the_best_priced_option_over_random_states():
+    """choose() equals pricing every option by expected() (vanilla with the hurdle, each menu draft, each
+    n-gram prefix alone and in union with each draft) over random costs, tree scales, n-gram drafts priced by
+    a calibration with a random history, unions' shares, catch-ups and rooms: where the bounds of the
+    context's bucket prune (a context given and room for the widest draft) and where every option is priced."""
+    rng = random.Random(0)
     g = torch.Generator().manual_seed(0)
-    differ = unions = 0
-    for i in range(400):
-        u = torch.rand(12, generator=g).tolist()
-        ctrl = Controller(RANDOM_MENU, random_costs(u, 1e-4), 0.3 + 1.5 * u[5], PRIOR, union=u[6] < 0.7)
-        ctrl.observe_chain(2, int(12 * u[7]), 12, int(3 * u[8]))
-        chain_len = int(u[9] * 14)
-        room = [0, 3, 7, 100][i % 4]
-        gains = ctrl.chain_gains(2, chain_len) if i % 3 else \
-            [sum(0.9 ** j * 3 * u[10] for j in range(1, m + 1)) for m in range(1, chain_len + 1)]
-        ctx = [None, 50, 2000][i % 3]
-        catch_up = [0.0, 0.1 * u[11]][i % 2]
-        beyond = ctrl.chain_beyond(2) if i % 5 else None
-        got = ctrl.choose(chain_len, room, ctx, gains, catch_up, beyond)
-        assert got == reference_choice(ctrl, chain_len, room, ctx, gains, catch_up, beyond), (i, u)
-        differ += got != Choice(None, 0)
+    pruned = ruled_out = partly = whole = differ = unions = 0
+    for i in range(1200):
+        u = torch.rand(8, generator=g).tolist()
+        # text that drafts little, text in between, text both drafts follow (cheap rows and drafts, a chain
+        # whose matches come beyond the trees')
+        kind = rng.randrange(3)
+        if kind == 2:
+            u[0], u[1] = 0.2 * u[0], 0.2 * u[1]
+        c = random_costs(u, 1e-4)
+        p = Policy(RANDOM_MENU, c, union=u[5] < 0.7, hurdle=rng.choice([0.0, HURDLE]))
+        cal, beyond = Calibration(), Beyond()
+        for _ in range(rng.randrange(0, 30)):
+            cal.step()
+            cal.observe(rng.random(), rng.random() < u[6])
+            beyond.observe(rng.randrange(0, 8), rng.randrange(0, 8) if kind < 2 else 0)
+        confs, parents = random_draft(rng) if rng.random() < 0.75 else ([], [])
+        gains = cal.gains([x * (0.3 if kind == 0 else 1.0) for x in confs], parents)
+        look = c.lookup_s if gains else 0.0
+        room, ctx = rng.choice([0, 3, 7, 16, 100]), rng.choice([None, 50, 300, 2000])
+        scale, catch_up = (0.5, 1.7, 2.0)[kind] * u[7], rng.choice([0.0, 0.1 * rng.random()])
+        got = p.choose(gains, room, ctx, scale, catch_up, beyond.share, look)
+        assert got == reference_choice(p, gains, room, ctx, scale, catch_up, beyond.share, look), (i, u)
+        if ctx is not None and room >= p.widest:
+            pruned += 1
+            bars, least = p.plain_bounds(ctx, look)
+            top = gains[min(len(gains), room) - 1] if gains else 0.0
+            out = sum(scale * g + top < k for k, (_, g) in zip(bars, RANDOM_MENU)) + (top < least)
+            ruled_out += out == len(bars) + 1
+            partly += 0 < out <= len(bars) and not got.vanilla
+        else:
+            whole += 1
+        differ += not got.vanilla
         unions += got.budget is not None and got.chain > 0
-    assert differ > 100 and unions >= 3  # the states cover drafting choices, unions among them
+    # both paths, with steps whose options were all ruled out and drafting ones with some ruled out
+    assert pruned > 300 and whole > 600 and ruled_out > 50 and partly > 80
+    assert differ > 500 and unions > 30
+
+
+def test_a_step_whose_options_the_bounds_rule_out_prices_none_of_them():
+    """The bounds are the break-even of an option priced at its bucket's first context against a plain step
+    priced at its last, and a step uses them: just under them (the tree scale under the bar; beside an n-gram
+    draft, the draft under its own bound and the scale under what is left of each draft's) it is a plain step
+    that prices no option; just over them it prices its options."""
+    g = torch.Generator().manual_seed(2)
+    both = 0
+    for i in range(100):
+        u = torch.rand(8, generator=g).tolist()
+        c = random_costs(u, 1e-4)
+        p = Policy(RANDOM_MENU, c, hurdle=HURDLE if i % 2 else 0.0)
+        calls = []
+        times = p.times
+        p.times = lambda *a, times=times, calls=calls: calls.append(1) or times(*a)
+        ctx, look = 300 + int(3000 * u[5]), c.lookup_s
+        first, last = ctx - ctx % BUCKET, ctx - ctx % BUCKET + BUCKET - 1
+        cases = []
+        for cost in (0.0, look):
+            plain = (1 + p.hurdle) / (cost + c.target(1, last))
+            bars = [plain * (cost + c.draft_s[b] + c.follow_s + c.target(1 + b.tree_size, first)) - 1
+                    for b, _ in RANDOM_MENU]
+            least = plain * (cost + c.target(2, first)) - 1
+            assert p.plain_bounds(ctx, cost) == (pytest.approx(bars), pytest.approx(least))
+        bars, least = p.plain_bounds(ctx, 0.0)
+        bar = min(k / g for k, (_, g) in zip(bars, RANDOM_MENU))
+        assert least > 0 and bar > 0
+        cases += [([], bar * 0.999, 0.0, False), ([], bar * 1.001, 0.0, True)]
+        bars, least = p.plain_bounds(ctx, look)
+        top = least * 0.999
+        room = min((k - top) / g for k, (_, g) in zip(bars, RANDOM_MENU))  # the scale left under every bound
+        if room > 0:
+            both += 1
+            cases += [([top], room * 0.999, look, False), ([least * 1.001], room * 0.999, look, True),
+                      ([top], room * 1.001, look, True)]
+        for gains, scale, cost, prices in cases:
+            calls.clear()
+            got = p.choose(gains, 100, ctx, scale, 0.0, 0.5, cost)
+            assert bool(calls) == prices, (i, gains, scale)
+            assert got == reference_choice(p, gains, 100, ctx, scale, 0.0, 0.5, cost)
+            assert prices or got.vanilla
+    assert both > 50
+
+
+def test_a_draft_just_beyond_the_ties_with_a_plain_step_is_never_ruled_out():
+    """The bounds hold over the whole bucket of contexts: a menu draft, or an n-gram draft alone, priced just
+    beyond the ties' band of a plain step at the step's own context is the choice, wherever in its bucket the
+    context lies, under a steep attention slope (the bucket's contexts priced furthest apart)."""
+    g = torch.Generator().manual_seed(3)
+    for i in range(200):
+        u = torch.rand(8, generator=g).tolist()
+        c = random_costs(u, 1e-3)
+        p, look = Policy(RANDOM_MENU, c, hurdle=HURDLE if i % 2 else 0.0), c.lookup_s
+        ctx = 300 + BUCKET * int(50 * u[5]) + i % BUCKET
+        beyond = (1 + p.hurdle) / p.expected(VANILLA, [], 100, ctx)[1] / TIE * 1.0001  # a rate just past the ties
+        scale = min((beyond * p.expected(Choice(b, 0), [], 100, ctx)[1] - 1) / g for b, g in RANDOM_MENU)
+        got = p.choose([], 100, ctx, scale)
+        assert not got.vanilla and got == reference_choice(p, [], 100, ctx, scale), (i, u)
+        beyond = (1 + p.hurdle) / p.expected(VANILLA, [], 100, ctx, look=look)[1] / TIE * 1.0001
+        one = beyond * p.expected(Choice(None, 1), [0.0], 100, ctx, look=look)[1] - 1  # a 1-node draft's tokens
+        assert p.choose([one], 100, ctx, 0.0, 0.0, 0.5, look) == Choice(None, 1), (i, u)
 
 
 def test_choice_follows_the_cost_of_a_wider_forward():
-    free = Controller(MENU, costs(0.0), 1.0, PRIOR)  # verifying more rows costs nothing: the biggest tree
-    assert free.choose(0, 100) == Choice(B8, False)
-    steep = Controller(MENU, costs(0.5), 1.0, PRIOR)  # t(5) = 3 t(1): no tree pays
-    assert steep.choose(0, 100).vanilla
-    mid = Controller(MENU, costs(0.1), 1.0, PRIOR)  # t(5) = 1.4, t(9) = 1.8: the small tree
-    assert mid.choose(0, 100) == Choice(B4, False)
-    assert mid.choose(0, 0).vanilla  # no room left in the context
+    free = head_policy(costs(0.0))  # verifying more rows costs nothing: the biggest tree
+    assert free.choose([], 100) == Choice(B8, 0)
+    steep = head_policy(costs(0.5))  # t(5) = 3 t(1): no tree pays
+    assert steep.choose([], 100).vanilla
+    mid = head_policy(costs(0.1))  # t(5) = 1.4, t(9) = 1.8: the small tree
+    assert mid.choose([], 100) == Choice(B4, 0)
+    assert mid.choose([], 0).vanilla  # no room left in the context
 
 
 def test_a_draft_must_beat_a_plain_step_by_the_hurdle():
@@ -188,20 +310,20 @@ def test_a_draft_must_beat_a_plain_step_by_the_hurdle():
     not drafted, one promising 8% more is (the hurdle is 5%)."""
     c = Costs({1: 1.0, 5: 1.5, 9: 2.0}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)
     menu = [(B4, 0.5)]  # B4: 1.5 expected tokens for t(5) = 1.5: break-even at scale 1
-    assert Controller(menu, c, 1.03, {}).choose(0, 100).vanilla
-    assert Controller(menu, c, 1.03, {}, hurdle=0.0).choose(0, 100) == Choice(B4, False)
-    assert Controller(menu, c, 1.25, {}).choose(0, 100) == Choice(B4, False)  # 1.625 / 1.5 = 1.083
+    assert head_policy(c, menu).choose([], 100, scale=1.03).vanilla
+    assert Policy(menu, c).choose([], 100, scale=1.03) == Choice(B4, 0)  # no hurdle (no head)
+    assert head_policy(c, menu).choose([], 100, scale=1.25) == Choice(B4, 0)  # 1.625 / 1.5 = 1.083
 
 
 def test_a_head_tree_after_plain_steps_is_priced_with_its_catch_up():
     """A tree that pays after a drafted step does not pay when the head must first read a stretch of
-    plain steps' rows; a chain (no head forward) is not charged for them."""
-    c = costs(0.1)
-    ctrl = Controller(MENU, c, 1.0, PRIOR)
-    assert ctrl.choose(0, 100) == Choice(B4, False)
-    assert ctrl.choose(0, 100, catch_up=0.5).vanilla
-    chain = pick(ctrl, 4, ngram=3)
-    assert chain.budget is None and chain.chain and pick(ctrl, 4, ngram=3, catch_up=0.5) == chain
+    plain steps' rows; a lookup chain (no head forward) is not charged for them."""
+    p = head_policy(costs(0.1))
+    assert p.choose([], 100) == Choice(B4, 0)
+    assert p.choose([], 100, catch_up=0.5).vanilla
+    gains, look = priced(Calibration(), chain_after(3, 4)), costs(0.1).lookup_s
+    chain = p.choose(gains, 100, beyond=0.5, look=look)
+    assert chain.budget is None and chain.chain and p.choose(gains, 100, catch_up=0.5, beyond=0.5, look=look) == chain
 
 
 def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
@@ -219,21 +341,21 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     free = Costs({n: 1 + 0.17 * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)  # no prior
-    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the policy mixes vanilla steps and trees
         free.target_s = {n: 1 + slope * (n - 1) for n in free.target_s}
-        d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, free, 0)
+        d = AdaptiveDrafter(free, drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU)
         assert d.catch.row_s == 0.0
         extras = []
-        orig = d.eagle.drafting
+        orig = d.model.drafting
 
         def slow(ctx, budget=None, orig=orig, d=d, extras=extras):
-            extra = max(0, sum(f.shape[0] for f, _ in d.eagle.pending) - 2)
-            if len(d.eagle.pending) > 1 and extra:
+            extra = max(0, sum(f.shape[0] for f, _ in d.model.pending) - 2)
+            if len(d.model.pending) > 1 and extra:
                 extras.append(extra)
                 clock.now += 0.02 * extra
             return (yield from orig(ctx, budget))
 
-        d.eagle.drafting = slow
+        d.model.drafting = slow
         run(target, d, PROMPTS[1], SamplingParams(), 40)
         if extras:
             break
@@ -252,9 +374,9 @@ def test_a_longer_context_prices_every_row_its_attention():
     assert c.target(5, 0) == pytest.approx(1.4 - 5 * 0.04)  # a short context: less than at the probe's
     assert c.target(5, -10**9) == pytest.approx(0.25 * 1.4)  # floored, whatever the slope
     assert Costs.from_json(c.to_json()).target(5, 1400) == pytest.approx(c.target(5, 1400))
-    ctrl = Controller(MENU, c, 1.0, PRIOR)
-    assert ctrl.choose(0, 100, ctx=400) == Choice(B4, False)
-    assert ctrl.choose(0, 100, ctx=4000).vanilla  # t(5) = 1.4 + 1.8 for 1.9 tokens: does not pay
+    p = head_policy(c)
+    assert p.choose([], 100, ctx=400) == Choice(B4, 0)
+    assert p.choose([], 100, ctx=4000).vanilla  # t(5) = 1.4 + 1.8 for 1.9 tokens: does not pay
 
 
 def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost(monkeypatch):
@@ -290,132 +412,181 @@ def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost(monkeypat
 
 
 def test_low_acceptance_stops_drafting_and_a_later_try_follows():
-    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
-    assert c.choose(0, 100).budget == B4
+    p, s = head_policy(costs(0.1)), TreeScale(1.0)
+    assert p.choose([], 100, scale=s.value).budget == B4
     for _ in range(4):  # the text turned hard: nothing accepted
-        c.step(tree_observed=True)
-        c.observe_tree(0, 0.9)
-    assert c.scale < 0.5 and c.choose(0, 100).vanilla
+        s.step(True)
+        s.observe(0, 0.9)
+    assert s.value < 0.5 and p.choose([], 100, scale=s.value).vanilla
     steps = 0
-    while c.choose(0, 100).vanilla:  # vanilla steps observe nothing: the estimate drifts back to the prior
-        c.step()
+    while p.choose([], 100, scale=s.value).vanilla:  # plain steps observe nothing: the scale drifts back
+        s.step(False)
         steps += 1
-    assert 3 <= steps <= 40 and c.choose(0, 100).budget == B4
+    assert 3 <= steps <= 40 and p.choose([], 100, scale=s.value).budget == B4
 
 
 def test_tries_that_fail_in_a_row_come_ever_more_rarely():
-    """After a run of trees with nothing accepted, the estimate returns to the prior more slowly: the next
-    try comes later than from the same estimate with no misses counted; one accepted token resets it."""
+    """After a run of trees with nothing accepted, the scale returns to the prior more slowly: the next
+    try comes later than from the same scale with no misses counted; one accepted token resets it."""
+    p = head_policy(costs(0.1))
 
-    def steps_to_retry(c: Controller) -> int:
+    def steps_to_retry(s: TreeScale) -> int:
         n = 0
-        while c.choose(0, 100).vanilla:
-            c.step()
+        while p.choose([], 100, scale=s.value).vanilla:
+            s.step(False)
             n += 1
         return n
 
-    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    s = TreeScale(1.0)
     for _ in range(4):
-        c.step(tree_observed=True)
-        c.observe_tree(0, 0.9)
-    assert c.misses == 4
-    same = Controller(MENU, costs(0.1), 1.0, PRIOR)
-    same.num, same.den = c.num, c.den  # the same estimate, no misses counted
-    slow, fast = steps_to_retry(c), steps_to_retry(same)
+        s.step(True)
+        s.observe(0, 0.9)
+    assert s.misses == 4
+    same = TreeScale(1.0)
+    same.num, same.den = s.num, s.den  # the same scale, no misses counted
+    slow, fast = steps_to_retry(s), steps_to_retry(same)
     assert slow >= 2 * fast > 0
-    c.step(tree_observed=True)
-    c.observe_tree(1, 0.9)
-    assert c.misses == 0
+    s.step(True)
+    s.observe(1, 0.9)
+    assert s.misses == 0
 
 
 def test_steady_acceptance_is_read_as_it_is_not_pulled_toward_the_prior():
-    """Text accepting half the table's tokens, step after step: the estimate settles at 0.5, and the
-    controller stops drafting where half the gain does not pay (the prior pull once read it as ~0.66)."""
-    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
+    """Text accepting half the table's tokens, step after step: the scale settles at 0.5, and the policy
+    stops drafting where half the gain does not pay (a pull toward the prior on every step read it as ~0.66)."""
+    p, s = head_policy(costs(0.1)), TreeScale(1.0)
     for _ in range(60):
-        b = c.choose(0, 100).budget or B4
-        c.step(tree_observed=True)
-        c.observe_tree(0.5 * c.gain[b], c.gain[b])
-    assert c.scale == pytest.approx(0.5, abs=0.01)
-    # at t(5) = 1.4 t(1): 1 + 0.9 * 0.5 = 1.45 tokens for 1.46 s does not pay; 1 + 0.9 * 0.66 = 1.59 did
-    assert c.choose(0, 100).vanilla
+        b = p.choose([], 100, scale=s.value).budget or B4
+        s.step(True)
+        s.observe(0.5 * p.gain[b], p.gain[b])
+    assert s.value == pytest.approx(0.5, abs=0.01)
+    # at t(5) = 1.4 t(1): 1 + 0.9 * 0.5 = 1.45 tokens for 1.46 s does not pay; 1 + 0.9 * 0.66 = 1.59 would
+    assert p.choose([], 100, scale=s.value).vanilla
 
 
-def test_high_acceptance_grows_the_tree_and_a_good_chain_is_used():
-    c = Controller(MENU, costs(0.06), 1.0, PRIOR)
-    assert c.choose(0, 100) == Choice(B4, False)
+def test_high_acceptance_grows_the_tree():
+    p, s = head_policy(costs(0.06)), TreeScale(1.0)
+    assert p.choose([], 100, scale=s.value) == Choice(B4, 0)
     for _ in range(6):
-        c.step(tree_observed=True)
-        c.observe_tree(3, 1.3)
-    assert c.choose(0, 100) == Choice(B8, False)
-    assert pick(c, 8, ngram=1).chain <= 2  # a 1-gram match is a poor bet a priori: a token or two at most
-    for _ in range(6):  # the answer repeats itself: chains of 8 from 3-gram matches match 7 tokens
-        c.step()
-        c.observe_chain(3, 7, 8, 3)
-    assert pick(c, 8, ngram=3).chain >= 6  # (alone here: 7 tokens for t(9) beat the tree + chain)
-    assert pick(c, 8, ngram=1).chain <= 2  # evidence about 3-gram matches says nothing of 1-gram ones
-    assert c.choose(0, 100).chain == 0  # no chain this step: nothing to add
-    for _ in range(40):  # the repeats end: chains stop matching
-        c.step()
-        c.observe_chain(3, 0, 8)
-    assert not pick(c, 8, ngram=3).chain
+        s.step(True)
+        s.observe(3, 1.3)
+    assert p.choose([], 100, scale=s.value) == Choice(B8, 0)
 
 
-def test_a_chain_prefix_is_priced_by_how_far_chains_matched():
-    """Chains that match their first two tokens and then stop: the controller verifies a short prefix,
-    not the whole chain (a failed 12-token chain costs t(13)); the same evidence decays toward the prior
-    over plain steps without being touched on each of them."""
-    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
-    for _ in range(10):
-        c.step()
-        c.observe_chain(3, 2, 12)
-    gains = c.chain_gains(3, 12)
-    assert gains[1] > 1.6 and gains[-1] - gains[1] < 0.5
-    assert 2 <= pick(c, 12, ngram=3).chain <= 3
-    est = c.chain[3]
-    for _ in range(200):
-        c.step()
-    assert est.at < c.now  # nothing touched it over the plain steps
-    assert c.chain_gains(3, 12) == pytest.approx(list(itertools.accumulate(geometric_tail(1.5))), abs=1e-3)
+def test_a_lookup_chain_is_priced_by_the_calibration_of_its_confidences():
+    """A chain's nodes are priced by their raw confidences (a long n-gram match copies further) calibrated
+    by what chains of like confidence matched: chains that keep matching raise the price and longer
+    prefixes get verified; once they miss, the chain is no longer verified."""
+    p, cal, look = head_policy(costs(0.06)), Calibration(), costs(0.06).lookup_s
+    one, three = chain_after(1, 8), chain_after(3, 8)
+    assert priced(cal, one)[-1] < priced(cal, three)[-1] < 2.5  # a priori: about two tokens of eight
+    assert p.choose(priced(cal, one), 100, beyond=0.5, look=look).chain <= 2  # a 1-gram match: a token or two
+    for _ in range(6):  # the answer repeats itself: 3-gram chains match whole
+        cal.step()
+        for conf in three.confs:
+            cal.observe(conf, True)
+    assert priced(cal, three)[-1] > 6
+    assert p.choose(priced(cal, three), 100, beyond=0.5, look=look).chain >= 6
+    assert p.choose([], 100).chain == 0  # no chain this step: nothing to add
+    for _ in range(40):  # the repeats end: chains miss at their first node
+        cal.step()
+        cal.observe(three.confs[0], False)
+    assert priced(cal, three)[-1] < 0.5 * priced(Calibration(), three)[-1]  # under half its prior
+    assert not p.choose(priced(cal, three), 100, beyond=0.5, look=look).chain
 
 
-def test_one_n_grams_misses_lower_the_price_of_another_then_fade():
-    """A text whose 1-gram chains all miss prices its next 3-gram chain lower too (the README demo prompt's
-    answer repeats no phrase of any length); plain steps bring the price back to the prior."""
-    c = Controller(MENU, costs(0.1), 1.0, PRIOR)
-    before = c.chain_gains(3, 12)[2]
+def test_misses_lower_the_price_of_nodes_of_like_confidence_then_fade():
+    """Calibration is by raw confidence, not by n-gram: 2-gram chains that miss at once lower the price of a
+    3-gram chain whose first node is as confident, never a node of another confidence; plain steps bring the
+    price back to the confidences' own."""
+    cal = Calibration()
+    two, three = chain_after(2, 12), chain_after(3, 12)
+    before = priced(cal, three)
+    own = list(itertools.accumulate(math.prod(three.confs[:i + 1]) for i in range(12)))
+    assert before == pytest.approx(own)  # no evidence: the confidences' own
     for _ in range(3):
-        c.step()
-        c.observe_chain(1, 0, 12)
-    assert c.chain_gains(3, 12)[2] < 0.5 * before
+        cal.step()
+        cal.observe(two.confs[0], False)
+    assert priced(cal, three)[0] < 0.5 * before[0]
+    assert cal.rate(0.95) == pytest.approx(0.95) and cal.rate(0.3) == pytest.approx(0.3)  # other buckets: prior
     for _ in range(150):
-        c.step()
-    assert c.chain_gains(3, 12)[2] == pytest.approx(before, rel=0.05)
-    before2 = c.chain_gains(2, 12)[5]
-    c.observe_chain(2, 6, 12)  # one long match raises its own n-gram's estimate, not the others'
-    assert c.chain_gains(3, 12)[2] == pytest.approx(before, rel=0.05)
-    assert c.chain_gains(2, 12)[5] > 1.5 * before2
+        cal.step()
+    assert priced(cal, three) == pytest.approx(before, rel=0.01)
 
 
-def test_a_chains_bound_holds_at_every_later_step_until_it_is_observed():
-    """chain_bound lets a step skip pricing its chain: it must be at least what chain_gains gives for every
-    length at every step until the chain's n-gram is next observed, over random histories; a plain step it
-    declares sure is the one choose() makes with the chain priced."""
-    rng = random.Random(5)
-    for _ in range(60):
-        c = Controller(MENU, costs(0.1), 1.0, PRIOR)
-        for _ in range(rng.randrange(0, 30)):
-            c.step()
-            n, length = rng.choice([1, 2, 3]), rng.randrange(1, 20)
-            c.observe_chain(n, rng.randrange(0, length + 1), length)
-        for _ in range(rng.randrange(0, 60)):
-            for n in (1, 2, 3):
-                for length in (1, 2, 5, 12, 19, 31):
-                    assert c.chain_bound(n, length) >= c.chain_gains(n, length)[-1] - 1e-12
-            length = rng.randrange(1, 32)
-            if c.surely_plain(64, 300, 0.0, c.chain_bound(3, length)):
-                assert c.choose(length, 64, 300, c.chain_gains(3, length), 0.0, c.chain_beyond(3)).vanilla
-            c.step()
+def test_calibration_follows_what_the_emitted_tokens_showed():
+    cal = Calibration()
+    assert cal.rate(0.6) == pytest.approx(0.6)  # no evidence: the draft's own confidence
+    for _ in range(40):
+        cal.step()
+        cal.observe(0.6, True)
+    assert cal.rate(0.6) > 0.9 and cal.rate(0.95) == pytest.approx(0.95)  # another bucket is untouched
+    r = cal.rate(0.6)
+    # a tree: node 1 under node 0, node 2 another root child; each prefix's expected accepted tokens
+    assert cal.gains([0.6, 0.6, 0.95], [-1, 0, -1]) == pytest.approx([r, r + r * r, r + r * r + 0.95])
+    assert Calibration(0.7).rate(0.6) == pytest.approx(0.7 * 0.6)  # at T > 0: a point mass x is accepted with p(x)
+
+
+def test_a_union_is_priced_by_what_the_n_gram_part_adds_beyond_the_model_draft():
+    """Beyond starts at half and follows the share of the n-gram draft's matched tokens that the model's
+    draft beside it did not match, decaying; a weak chain joins a tree only where its tokens come beyond
+    the tree's."""
+    b = Beyond()
+    assert b.share == 0.5
+    for _ in range(20):  # the model's draft matched none of what the n-gram draft matched
+        b.observe(4, 0)
+    assert b.share > 0.95
+    for i in range(60):  # the model's draft matched as far, or further
+        b.observe(3, 3 + i % 2)
+    assert b.share < 0.1
+    held = b.share
+    for _ in range(100):  # nothing matched: no evidence either way, the share holds
+        b.observe(0, 2)
+    assert b.share == pytest.approx(held)
+    p, weak = head_policy(costs(0.01)), [0.5, 0.8, 0.9, 0.95]  # under what the B8 tree expects (1.3)
+    assert p.choose(weak, 100, beyond=1.0) == Choice(B8, 4)
+    assert p.choose(weak, 100, beyond=0.0) == Choice(B8, 0)
+
+
+def step_along(d: AdaptiveDrafter, ctx: DecodeContext, text: list[int]) -> DraftTree:
+    """One step of d against a target whose answer is `text` (ctx.tokens a prefix of it): the draft verified
+    as the engine verifies it (the longest path the text follows, then the text's next token)."""
+    at = len(ctx.tokens)
+    tree = d.propose(ctx)
+    path = greedy_walk(tree, lambda _, k: text[at + k] if at + k < len(text) else None)[0]
+    new = text[at:at + len(path) + 1]
+    ctx.tokens.extend(new)
+    d.accept(ctx, Verdict(path, new, new[-1]))
+    return tree
+
+
+def test_a_union_learns_what_the_n_gram_draft_matched_beyond_the_model_draft():
+    """On a step that verifies a model draft and a lookup chain, the chain's matched tokens are scored
+    against what the model's draft matched: beyond a draft that matched nothing, the share rises; beside a
+    draft that matched as far, it falls. The text repeats, so every chain matches whole."""
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    d = AdaptiveDrafter(costs(0.0, draft=0.0), drafter_for(model, make_head(model, seed=3), True), MENU,
+                        PromptLookupDrafter(chain_len=6))
+    d.model.begin = d.model.accept = lambda *a: None  # the head's trees are scripted below
+    text = [9] + [1, 2, 3, 4, 5, 6, 7, 8] * 20
+    ctx = DecodeContext(text[:12], SamplingParams(), None, 12)
+    d.begin(ctx)
+
+    def trees(tokens):
+        def drafting(c, budget=None):
+            return DraftTree.chain(torch.tensor(tokens(len(c.tokens))[:budget.tree_size]))
+            yield  # a generator, as drafting() is
+
+        d.model.drafting = drafting
+
+    trees(lambda at: [0] * 8)  # a token the text never has
+    before = d.beyond.share
+    assert len(step_along(d, ctx, text)) == 8 + 6  # the union: the whole tree and the whole chain
+    assert d.beyond.share > 0.9 > before
+    trees(lambda at: text[at:])  # the text's own continuation: it matches as far as the chain
+    for _ in range(5):
+        step_along(d, ctx, text)
+    assert d.beyond.share < 0.3
 
 
 def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
@@ -429,39 +600,36 @@ def test_menu_takes_the_best_tau_per_size_and_a_shallow_alternative():
     assert dict(menu_from_tuning(noisy))[TreeBudget(3, 2, 6)] == pytest.approx(0.66)  # never below a smaller tree
 
 
-def test_an_unverified_chain_is_followed_until_it_stops_matching(tiny, trained):
-    """A chain the controller did not verify is scored on the tokens emitted after it (what it would have
-    matched), so a chain priced out by its prior is taken up once the text repeats."""
-    from specdec.drafters.base import DecodeContext
-    from specdec.heads.io import load_head
-    from specdec.verify import Verdict
-
-    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
-    d = AdaptiveDrafter(drafter_for(tiny, head, True), MENU, costs(0.7), lookup=6)
-    d.eagle.begin = d.eagle.accept = lambda *a: None  # the head plays no part here
-    ctx = DecodeContext([40, 41], SamplingParams(), None, 1)
+def test_an_unverified_chain_is_followed_until_it_stops_matching():
+    """A lookup chain the policy does not verify is scored on the tokens emitted after it (what it would
+    have matched), followed over the steps until it misses or matches whole: a chain priced out by its
+    confidences is taken up once the text repeats, and dropped again once chains stop matching."""
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    d = AdaptiveDrafter(costs(0.8), drafter_for(model, make_head(model, seed=3), True), MENU,
+                        PromptLookupDrafter(chain_len=6))
+    d.model.begin = d.model.accept = lambda *a: None  # the head plays no part: no tree pays at these costs
+    loop = [1, 2, 3, 4, 5, 6, 7, 8]
+    repeats = [40, 41] + loop * 12
+    text = repeats + [t for k in range(40) for t in (1, 2, 3, 4, 100 + k)]  # then "1 2 3 4 k": chains miss
+    ctx = DecodeContext(text[:13], SamplingParams(), None, 13)
     d.begin(ctx)
-    assert not pick(d.ctrl, 6, ngram=3).chain  # t(2) = 1.7 t(1): the 3-gram prior (1.5 tokens of 12) does not pay
-    chain = [1, 2, 3, 4, 5, 6]
-
-    def vanilla_step(tok, with_chain):
-        d.last = (Choice(None, 0), None, 0.0, chain if with_chain else None, 3)
-        ctx.tokens.append(tok)
-        d.accept(ctx, Verdict([], [tok], tok))
-
-    for _ in range(3):  # the text repeats the chain, one plain step at a time
-        for i, tok in enumerate([1, 2, 3, 4, 5, 6]):
-            vanilla_step(tok, i == 0)
-            assert len(d.pending) == (i < 5)  # followed until it matched whole
-    assert d.ctrl.chain_gains(3, 6)[-1] > 3 and pick(d.ctrl, 6, ngram=3).chain
-    vanilla_step(1, True)
-    vanilla_step(9, False)  # stops matching after one token: scored 1
-    assert not d.pending
-    before = d.ctrl.chain_gains(3, 6)[-1]
-    for _ in range(30):
-        vanilla_step(1, True)
-        vanilla_step(9, False)
-    assert d.ctrl.chain_gains(3, 6)[-1] < min(before, 1.5)
+    three = chain_after(3, 6)
+    prior = priced(d.cal, three)[-1]
+    assert not d.policy.choose(priced(d.cal, three), 100, 13, 1.0, 0.0, 0.5, d.costs.lookup_s).chain
+    sizes = []
+    while len(ctx.tokens) < len(repeats):
+        tree = step_along(d, ctx, text)
+        if not any(sizes) and not len(tree):  # plain steps so far: each chain followed until it matched whole,
+            # which a 6-token chain does on the 6th step: the chains of the last 5 steps are pending
+            assert len(d.pending) == min(len(sizes) + 1, 5) and all(len(p.tokens) == 6 for p in d.pending)
+        sizes.append(len(tree))
+    first = next(i for i, n in enumerate(sizes) if n)
+    assert first >= 5 and sum(n > 0 for n in sizes[first:]) > 0.8 * len(sizes[first:])
+    assert priced(d.cal, three)[-1] > prior + 2
+    sizes.clear()
+    while len(ctx.tokens) < len(text) - 8:
+        sizes.append(len(step_along(d, ctx, text)))
+    assert any(sizes) and not any(sizes[-20:]) and priced(d.cal, three)[-1] < prior
 
 
 def test_matched_follows_emitted_tokens_through_the_tree():
@@ -470,13 +638,34 @@ def test_matched_follows_emitted_tokens_through_the_tree():
     assert matched(DraftTree.empty(), [1, 2]) == 0
 
 
+def test_an_adaptive_drafter_needs_a_draft_and_a_menu_only_with_a_model():
+    c = costs(0.1)
+    with pytest.raises(ValueError, match="needs a model or an n-gram drafter"):
+        AdaptiveDrafter(c)
+    with pytest.raises(ValueError, match="a menu needs a model"):
+        AdaptiveDrafter(c, menu=MENU, ngram=PromptLookupDrafter())
+    model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
+    with pytest.raises(ValueError, match="a menu needs a model"):
+        AdaptiveDrafter(c, drafter_for(model, make_head(model, seed=3), True))
+    d = AdaptiveDrafter(c, drafter_for(model, make_head(model, seed=3), True), MENU, PromptLookupDrafter(chain_len=5))
+    assert d.name == "eagle2+pld adaptive" and d.draft_depth == 5 and d.lead is d.model
+    assert AdaptiveDrafter(c, d.model, MENU).name == "eagle2 adaptive"
+    d.model.begin = lambda ctx: None
+    for params, scale in ((SamplingParams(), 1.0), (SamplingParams(1.0), SAMPLED_SCALE)):
+        d.begin(DecodeContext([1, 2], params, None, 2))  # a head's drafts must beat a plain step by the hurdle
+        assert d.policy.hurdle == HURDLE and d.policy.union and d.scale.value == scale
+    plain = AdaptiveDrafter(c, ngram=PromptLookupDrafter())
+    plain.begin(DecodeContext([1, 2], SamplingParams(), None, 2))
+    assert plain.policy.hurdle == 0 and plain.name.endswith("(auto, no head)")
+
+
 # ---- losslessness with the size changing every step ----
 
-def adaptive_for(model, head, slope, lookup=0, sampled_scale=1.0, sampled=None):
+def adaptive_for(model, head, slope, lookup=0, sampled=None):
     eagle = drafter_for(model, head, True, depth=3, topk=3, tree_size=8, children="sample" if sampled else "topk")
     c = costs(slope)
     c.sampled_s = {b: 0.05 * b.tree_size / 4 for b, _ in sampled or []}
-    return AdaptiveDrafter(eagle, MENU, c, lookup, sampled_scale=sampled_scale, sampled=sampled)
+    return AdaptiveDrafter(c, eagle, MENU, PromptLookupDrafter(chain_len=lookup) if lookup else None, sampled=sampled)
 
 
 def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
@@ -485,7 +674,7 @@ def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
     target = LeanRunner(tiny)
     prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8]
-    seen = set()
+    seen, unions = set(), 0
     for slope in (0.02, 0.1, 0.13):
         for lookup in (0, 6):
             drafter = adaptive_for(tiny, head, slope, lookup)
@@ -494,7 +683,9 @@ def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
                 got, stats = run(target, drafter, p, SamplingParams(), 40)
                 assert got == want
                 seen |= set(stats.tree_sizes)
-    assert 0 in seen and len(seen) >= 3  # vanilla steps and trees of several sizes were verified
+                unions += drafter.beyond.share != 0.5  # a tree verified beside a chain: what the chain added, learned
+    assert 0 in seen and len(seen) >= 3  # plain steps and drafts of several sizes were verified
+    assert unions
 
 
 @pytest.mark.slow
@@ -502,7 +693,9 @@ def test_adaptive_greedy_equals_vanilla_while_the_size_changes(tiny, trained):
                          ids=["T1", "T0.8-topk3-topp0.9"])
 def test_adaptive_sampling_matches_the_target_distribution(params):
     model = flat_tiny()
-    drafter = adaptive_for(model, make_head(model, seed=3), 0.17, lookup=3)  # at the border: history decides
+    # at the border: at T > 0 top-k trees are priced at SAMPLED_SCALE of the table; at this slope the 4-node
+    # tree pays at the prior (1.495 tokens for 1.26 s) and no longer after two misses: history decides
+    drafter = adaptive_for(model, make_head(model, seed=3), 0.05, lookup=3)
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
     counts, sizes = sample_first3(target, drafter, prompt, params, whole=True)
@@ -523,13 +716,13 @@ def test_adaptive_sampled_children_match_the_target_distribution(params, coupled
     model = flat_tiny()
     drafter = adaptive_for(model, make_head(model, seed=3), 0.1, lookup=3, sampled=SAMPLED_MENU)
     seen = []
-    orig = drafter.eagle.drafting
+    orig = drafter.model.drafting
 
     def spy(ctx, b=None):
         seen.append(t := (yield from orig(ctx, b)))
         return t
 
-    drafter.eagle.drafting = spy
+    drafter.model.drafting = spy
     target = LeanRunner(model)
     prompt = [1, 3, 0, 2, 1, 3, 0]
     counts, sizes = sample_first3(target, drafter, prompt, params, coupled=coupled, whole=True)
@@ -542,17 +735,20 @@ def test_adaptive_sampled_children_match_the_target_distribution(params, coupled
 def test_a_sampled_request_never_merges_a_sampled_tree_with_the_chain():
     c = costs(0.01)
     c.sampled_s = {b: 0.01 for b, _ in SAMPLED_MENU}
-    ctrl = Controller(SAMPLED_MENU, c, 1.0, {3: (1.0,) * 12}, draft_s=c.sampled_s, union=False)
-    assert pick(ctrl, 6, ngram=3) == Choice(None, 6)  # a sure chain: alone, never joined
-    both = Controller(MENU, c, 1.0, {3: geometric_tail(3.0)})
-    for _ in range(5):  # chains that match 4 tokens where the head's trees matched none
-        both.observe_chain(3, 4, 6, tree=0)
-    assert pick(both, 6, ngram=3).chain and pick(both, 6, ngram=3).budget is not None  # greedy: the union
-    cheap = Controller(SAMPLED_MENU, c, 2.0, {}, draft_s=c.sampled_s, union=False)
-    assert cheap.choose(0, 100) == Choice(TreeBudget(2, 3, 6), False)  # priced by the sampled table and costs
+    sure = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    sampled = head_policy(c, SAMPLED_MENU, draft_s=c.sampled_s, union=False)
+    assert sampled.choose(sure, 100, beyond=1.0) == Choice(None, 6)  # a sure chain: alone, never joined
+    greedy = head_policy(c)
+    assert greedy.choose(sure, 100, beyond=1.0) == Choice(B4, 6)  # greedy: the union
+    cheap = head_policy(c, SAMPLED_MENU, draft_s=c.sampled_s, union=False)
+    assert cheap.choose([], 100, scale=2.0) == Choice(TreeBudget(2, 3, 6), 0)  # priced by the sampled table and costs
     model = tiny_model("llama", vocab_size=SMALL_V, seed=5)
     with pytest.raises(ValueError, match="children='sample'"):  # a top-k drafter cannot serve a sampled menu
-        AdaptiveDrafter(drafter_for(model, make_head(model, seed=3), True), MENU, c, 0, sampled=SAMPLED_MENU)
+        AdaptiveDrafter(c, drafter_for(model, make_head(model, seed=3), True), MENU, sampled=SAMPLED_MENU)
+    d = adaptive_for(model, make_head(model, seed=3), 0.01, lookup=3, sampled=SAMPLED_MENU)
+    d.model.begin = lambda ctx: None
+    d.begin(DecodeContext([1, 2, 1, 2], SamplingParams(1.0), None, 4))
+    assert not d.policy.union and d.policy.gain == dict(SAMPLED_MENU) and d.policy.draft_s is d.costs.sampled_s
 
 
 def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
@@ -563,17 +759,17 @@ def test_lazy_head_catch_up_equals_following_every_step(tiny, trained):
     target = LeanRunner(tiny)
     eager = drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8)
     want, _ = run(target, eager, PROMPTS[1], SamplingParams(), 30)
-    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
-        lazy = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0)
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the policy mixes vanilla steps and trees
+        lazy = AdaptiveDrafter(costs(slope), drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU)
         lazy_trees = []
-        orig = lazy.eagle.drafting
+        orig = lazy.model.drafting
 
         def spy(ctx, budget=None, orig=orig, lazy_trees=lazy_trees):
             t = yield from orig(ctx, budget)
             lazy_trees.append((len(ctx.tokens), t.tokens.tolist()))
             return t
 
-        lazy.eagle.drafting = spy
+        lazy.model.drafting = spy
         got, stats = run(target, lazy, PROMPTS[1], SamplingParams(), 30)
         assert got == want
         if 0 in stats.tree_sizes and lazy_trees:
@@ -783,25 +979,25 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
     target = LeanRunner(tiny)
 
     def drive(slope, prompt):
-        d = AdaptiveDrafter(drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU, costs(slope), 0,
+        d = AdaptiveDrafter(costs(slope), drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU,
                             clock=StepClock())
         wanted, observed = [], []
-        orig = d.eagle.drafting
+        orig = d.model.drafting
 
         def spy(ctx, budget=None):
-            extra = d.catch.extra_rows(d.eagle.pending)
-            price = d.ctrl.draft_s[budget] + d.costs.follow_s + d.catch.price(extra)
-            wanted.append((d.eagle.unread_steps, extra, price))
+            extra = d.catch.extra_rows(d.model.pending)
+            price = d.policy.draft_s[budget] + d.costs.follow_s + d.catch.price(extra)
+            wanted.append((d.model.unread_steps, extra, price))
             return (yield from orig(ctx, budget))
 
-        d.eagle.drafting = spy
+        d.model.drafting = spy
         d.clock.observe_draft = lambda seconds, priced: observed.append(priced)
         run(target, d, prompt, SamplingParams(), 40)
         assert observed == [p for _, e, p in wanted if e <= CatchUp.PRICED_ROWS] and all(p > 0 for p in observed)
         return wanted
 
     counted = uncounted = False
-    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the controller mixes vanilla steps and trees
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the policy mixes vanilla steps and trees
         counted |= any(b > 1 and 0 < e <= CatchUp.PRICED_ROWS for b, e, _ in drive(slope, PROMPTS[1]))
         uncounted |= any(e > CatchUp.PRICED_ROWS for _, e, _ in drive(slope, PROMPTS[3]))  # the first tree reads 28
         if counted and uncounted:

@@ -12,11 +12,11 @@ import torch
 from specdec.api import from_models
 from specdec.batch import MIN_CHUNK, Batch, PromptRows
 from specdec.drafters.adaptive import AdaptiveDrafter
+from specdec.drafters.auto import draft_menu
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
 from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.headless import HeadlessDrafter, draft_menu
 from specdec.drafters.medusa import MedusaDrafter, sparse_choices
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -94,12 +94,12 @@ def unit_costs(slope: float, menu) -> Costs:
 def auto_drafters(model) -> dict[str, Drafter]:
     """`auto` with a tiny head (and lookup chain), without one (n-gram draft, and a draft model), Medusa."""
     menu = [(B4, 0.9), (B8, 1.3)]
-    return {"auto": AdaptiveDrafter(drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8),
-                                    menu, unit_costs(0.1, menu), lookup=4),
-            "auto-headless": HeadlessDrafter(NgramDrafter(8, 2), unit_costs(0.05, [])),
-            "auto-headless+sps": HeadlessDrafter(NgramDrafter(8, 2), unit_costs(0.05, draft_menu()),
-                                                 DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1), exact=True),
-                                                                   model.config.vocab_size), draft_menu()),
+    head = drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8)
+    draft = DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1), exact=True), model.config.vocab_size)
+    return {"auto": AdaptiveDrafter(unit_costs(0.1, menu), head, menu, PromptLookupDrafter(chain_len=4)),
+            "auto-headless": AdaptiveDrafter(unit_costs(0.05, []), ngram=NgramDrafter(8, 2)),
+            "auto-headless+sps": AdaptiveDrafter(unit_costs(0.05, draft_menu()), draft, draft_menu(),
+                                                 NgramDrafter(8, 2)),
             "medusa": MedusaDrafter(MedusaRunner(make_heads(model, 3), model.lm_head.weight),
                                     sparse_choices([[0.6, 0.2, 0.1]] * 3, 8))}
 
@@ -127,10 +127,10 @@ def test_forks_of_auto_never_teach_the_clock(model):
     costs and observe nothing, so the template's clock stays as it was."""
     menu = [(B4, 0.9), (B8, 1.3)]
     clock = StepClock()
-    drafter = AdaptiveDrafter(drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8),
-                              menu, unit_costs(0.1, menu), lookup=4, clock=clock)
+    head = drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8)
+    drafter = AdaptiveDrafter(unit_costs(0.1, menu), head, menu, PromptLookupDrafter(chain_len=4), clock=clock)
     fork = drafter.fork()
-    assert fork.clock is None and fork.costs is drafter.costs and fork.eagle.runner is not drafter.eagle.runner
+    assert fork.clock is None and fork.costs is drafter.costs and fork.model.runner is not drafter.model.runner
     drive(Batch(LeanRunner(model, exact=True), drafter, EOS), REQUESTS, SamplingParams(), max_batch=4)
     assert clock.steps == 0 and not clock.log and not drafter.choices
 

@@ -6,11 +6,11 @@ import torch
 
 from specdec.batch import Batch
 from specdec.drafters.adaptive import AdaptiveDrafter
+from specdec.drafters.auto import draft_menu
 from specdec.drafters.base import TreeDrafter, alone, propose_many
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.forwards import HeadForward
-from specdec.drafters.headless import HeadlessDrafter, draft_menu
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.union import UnionDrafter
@@ -62,18 +62,17 @@ def make_drafter(model, method):
         return UnionDrafter(drafter_for(model, make_head(model, seed=1), dynamic=False), PromptLookupDrafter(3))
     if method == "auto":
         menu = [(B4, 0.9), (B8, 1.3)]
-        return AdaptiveDrafter(drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8),
-                               menu, unit_costs(0.1, menu), lookup=4)
+        head = drafter_for(model, make_head(model, seed=1), True, depth=3, topk=3, tree_size=8)
+        return AdaptiveDrafter(unit_costs(0.1, menu), head, menu, PromptLookupDrafter(chain_len=4))
     if method == "auto-headless+sps":
-        return HeadlessDrafter(NgramDrafter(8, 2), unit_costs(0.05, draft_menu()), DraftModelDrafter(
-            draft_runner(model), V), draft_menu())
+        return AdaptiveDrafter(unit_costs(0.05, draft_menu()), DraftModelDrafter(draft_runner(model), V), draft_menu(),
+                               NgramDrafter(8, 2))
     raise ValueError(method)
 
 
 def model_layers(drafter):
     """The first layer of the model a drafter runs (shared by all its forks)."""
-    inner = getattr(drafter, "eagle", None) or getattr(drafter, "draft", None) or \
-        getattr(drafter, "members", [drafter])[0]
+    inner = getattr(drafter, "model", None) or getattr(drafter, "members", [drafter])[0]
     return inner.runner.layers[0]
 
 

@@ -320,5 +320,5 @@ def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, 
         assert got == want
     target = LeanRunner(tiny)
     cont, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 16)
-    w = walk(d.eagle, target, PROMPTS[0], cont, [TreeBudget(3, 2, 4)])
+    w = walk(d.model, target, PROMPTS[0], cont, [TreeBudget(3, 2, 4)])
     assert max(w.accepted[TreeBudget(3, 2, 4)]) >= 1  # the trained head's drafts get accepted in the replay

@@ -6,20 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.drafters.adaptive import DRAFT_ALPHA, DRAFT_ALPHA_SAMPLED, AdaptiveDrafter, tried
+from specdec.drafters.auto import draft_menu
 from specdec.drafters.base import DecodeContext, NoDrafter
-from specdec.drafters.controller import Controller
 from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.headless import (
-    DRAFT_ALPHA,
-    DRAFT_ALPHA_SAMPLED,
-    Calibration,
-    ChainAcceptance,
-    HeadlessDrafter,
-    draft_menu,
-    tried,
-)
 from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.policy import ChainRate, Policy
 from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.errors import SpecdecError
 from specdec.runtime.lean import LeanRunner
@@ -114,22 +107,14 @@ def test_the_verified_prefix_is_priced_by_the_target_cost_of_its_rows():
     """Calibrated acceptance of each node + t(N): a flat t(N) verifies the whole sure draft, a steep one
     (an int8 target's t(8) ~ 2.4 t(1)) only its likely head, and a draft worth nothing is not verified."""
     gains = [0.9, 1.7, 2.3, 2.7, 2.9, 3.0, 3.05, 3.08]  # expected accepted tokens of the first m nodes
-    flat = Controller([], costs(0.0), 1.0, {}).choose(8, 100, None, gains)
-    steep = Controller([], costs(0.2), 1.0, {}).choose(8, 100, None, gains)
+    look = costs(0.0).lookup_s
+    flat = Policy([], costs(0.0)).choose(gains, 100, look=look)
+    steep = Policy([], costs(0.2)).choose(gains, 100, look=look)
     assert flat.budget is None and flat.chain == 8
     assert 2 <= steep.chain <= 4
-    assert Controller([], costs(0.2), 1.0, {}).choose(8, 100, None, [0.05 * i for i in range(1, 9)]).vanilla
-    assert Controller([], costs(0.0), 1.0, {}).choose(8, 3, None, gains).chain == 3  # no more room
-
-
-def test_calibration_follows_what_the_emitted_tokens_showed():
-    cal = Calibration()
-    assert cal.rate(0.6) == pytest.approx(0.6)  # no evidence: the draft's own confidence
-    for _ in range(40):
-        cal.step()
-        cal.observe(0.6, True)
-    assert cal.rate(0.6) > 0.9 and cal.rate(0.95) == pytest.approx(0.95)  # another bucket is untouched
-    assert cal.values([0.6, 0.6, 0.95], [-1, 0, -1]) == pytest.approx([cal.rate(0.6), cal.rate(0.6) ** 2, 0.95])
+    # at best 1.05 tokens for t(2) = 1.2 against a plain step's 1 for 1: no hurdle (no head) needed
+    assert Policy([], costs(0.2)).choose([0.05 * i for i in range(1, 9)], 100, look=look).vanilla
+    assert Policy([], costs(0.0)).choose(gains, 3, look=look).chain == 3  # no more room
 
 
 # ---- losslessness ----
@@ -140,7 +125,7 @@ def test_headless_auto_greedy_equals_vanilla_and_mixes_plain_steps_and_drafts():
     sizes = set()
     for slope in (0.02, 0.15, 0.4):
         for topk in (1, 2):
-            drafter = HeadlessDrafter(NgramDrafter(12, topk), costs(slope))
+            drafter = AdaptiveDrafter(costs(slope), ngram=NgramDrafter(12, topk))
             for p in PROMPTS + [REPEATS]:
                 want, _ = run(target, NoDrafter(), p, SamplingParams(), 40)
                 got, stats = run(target, drafter, p, SamplingParams(), 40)
@@ -154,48 +139,49 @@ def test_headless_auto_greedy_equals_vanilla_and_mixes_plain_steps_and_drafts():
 def test_a_draft_models_chains_are_priced_by_its_learned_acceptance():
     """Chains accepted whole raise the per-token rate from its prior, and the choice moves to longer chains;
     chains rejected at once lower it, and the choice moves back to shorter ones (or none)."""
-    rate = ChainAcceptance()
-    assert rate.alpha == pytest.approx(DRAFT_ALPHA)
-    menu = draft_menu()
+    rate, menu = ChainRate(DRAFT_ALPHA), draft_menu()
+    one = menu[0][0]  # a chain of one token: its expected accepted tokens are the per-token rate
+    assert rate.gains(menu) == pytest.approx(dict(menu)) and rate.gains(menu)[one] == pytest.approx(DRAFT_ALPHA)
     # a forward as dear as 5 drafted tokens, flat up to 9 rows: at the prior's 0.7 a chain of 1 pays most
     c = Costs({n: 1.0 if n <= 9 else 2.0 for n in (1, 2, 3, 5, 7, 9, 13)}, {b: 0.2 * b.depth for b, _ in menu},
               0.0, 0.0)
-    ctrl = Controller(menu, c, 1.0, union=False)
-    before = ctrl.choose(0, 16).budget
+    p = Policy(menu, c, union=False)
+    p.regain(rate.gains(menu))
+    before = p.choose([], 16).budget
     for _ in range(20):
         rate.observe(4, 4)
-    assert rate.alpha > 0.9
+    assert rate.gains(menu)[one] > 0.9
     gains = rate.gains(menu)
     assert all(gains[a] < gains[b] for (a, _), (b, _) in zip(menu, menu[1:]))
-    ctrl.regain(gains)
-    after = ctrl.choose(0, 16).budget
+    p.regain(gains)
+    after = p.choose([], 16).budget
     assert before is not None and after is not None and after.depth > before.depth
     for _ in range(20):
         rate.observe(0, 4)
-    assert rate.alpha < 0.5
-    ctrl.regain(rate.gains(menu))
-    last = ctrl.choose(0, 16).budget
+    assert rate.gains(menu)[one] < 0.5
+    p.regain(rate.gains(menu))
+    last = p.choose([], 16).budget
     assert last is None or last.depth < after.depth
 
 
-def chains_drafted(drafter: HeadlessDrafter) -> list:
+def chains_drafted(drafter: AdaptiveDrafter) -> list:
     """The budget of every draft-model chain the drafter asks for from now on, as a list that grows."""
     chose = []
-    orig = drafter.draft.drafting
+    orig = drafter.model.drafting
 
     def spy(ctx, b=None):
         chose.append(b)
         return (yield from orig(ctx, b))
 
-    drafter.draft.drafting = spy
+    drafter.model.drafting = spy
     return chose
 
 
 def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
     model = tiny_model("llama", seed=LOOPS)
     target = LeanRunner(model)
-    drafter = HeadlessDrafter(NgramDrafter(8, 2), costs(0.05, draft=0.01),
-                              DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97), draft_menu())
+    drafter = AdaptiveDrafter(costs(0.05, draft=0.01), DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97),
+                              draft_menu(), NgramDrafter(8, 2))
     chose = chains_drafted(drafter)
     for p in PROMPTS + [REPEATS]:
         want, _ = run(target, NoDrafter(), p, SamplingParams(), 30)
@@ -203,12 +189,12 @@ def test_headless_auto_with_a_draft_model_is_lossless_and_uses_it():
         assert got == want
     assert chose and len({b.depth for b in chose}) >= 2  # draft-model chains of several lengths
     # chains are priced by the learned per-token rate alone: a miss lowers it once, not once more as a scale
-    learned = drafter.chain_rate.gains(drafter.menu)
-    assert drafter.chain_rate.alpha != pytest.approx(DRAFT_ALPHA)
-    assert {b: drafter.ctrl.scale * drafter.ctrl.gain[b] for b, _ in drafter.menu} == pytest.approx(learned)
+    learned = drafter.rate.gains(drafter.menu)
+    assert learned[drafter.menu[0][0]] > DRAFT_ALPHA  # a close copy of the target: accepted above the prior
+    assert {b: drafter.scale.value * drafter.policy.gain[b] for b, _ in drafter.menu} == pytest.approx(learned)
     chose.clear()
     run(target, drafter, REPEATS, SamplingParams(0.8, seed=1), 30)  # sampled chains, never merged with n-grams
-    assert chose and drafter.chain_rate.prior == DRAFT_ALPHA_SAMPLED
+    assert chose and drafter.rate.prior == DRAFT_ALPHA_SAMPLED and not drafter.policy.union
 
 
 def test_headless_auto_reads_a_long_context_into_the_draft_only_where_the_answer_repays_it():
@@ -219,8 +205,8 @@ def test_headless_auto_reads_a_long_context_into_the_draft_only_where_the_answer
     target = LeanRunner(model)
     c = costs(0.05, draft=0.01)
     c.catch_row_s = 0.05
-    drafter = HeadlessDrafter(NgramDrafter(8, 2), c, DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97),
-                              draft_menu())
+    drafter = AdaptiveDrafter(c, DraftModelDrafter(LeanRunner(noisy_copy(model, 0.1)), 97), draft_menu(),
+                              NgramDrafter(8, 2))
     chose = chains_drafted(drafter)
     long = (PROMPTS[1] * 200)[:200]
     for prompt, tokens, drafts in [(long, 10, False), (long, 60, True), (PROMPTS[1], 10, True)]:
@@ -236,7 +222,7 @@ def test_headless_auto_reads_a_long_context_into_the_draft_only_where_the_answer
                          ids=["T1", "T0.8-topk3-topp0.9"])
 def test_headless_auto_sampling_matches_the_target_distribution(params):
     model = flat_tiny()
-    drafter = HeadlessDrafter(NgramDrafter(6, 2), costs(0.05))
+    drafter = AdaptiveDrafter(costs(0.05), ngram=NgramDrafter(6, 2))
     prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1, 3]
     counts, sizes = sample_first3(LeanRunner(model), drafter, prompt, params)
     assert 0 in sizes and max(sizes) >= 2  # plain steps and drafts among the first tokens
@@ -252,7 +238,7 @@ def test_a_step_draft_depends_only_on_earlier_verdicts():
     answers = (common + [2, 3, 4, 1, 2, 3, 9, 9], common + [7, 7, 1, 2, 3, 4, 1, 2])
 
     def drafts(answer):
-        d = HeadlessDrafter(NgramDrafter(8, 2), costs(0.1))
+        d = AdaptiveDrafter(costs(0.1), ngram=NgramDrafter(8, 2))
         ctx = ctx_of(prompt + answer[:1])
         d.begin(ctx)
         out = []
@@ -275,20 +261,20 @@ def test_a_step_draft_depends_only_on_earlier_verdicts():
 
 # ---- auto resolves to it ----
 
-def test_auto_without_a_head_runs_the_headless_drafter(tmp_path, monkeypatch):
+def test_auto_without_a_head_runs_the_adaptive_drafter_without_a_model(tmp_path, monkeypatch):
     from specdec.api import from_models
     from specdec.drafters import registry
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     model = tiny_model("llama", seed=LOOPS)
     dec = from_models(model, None, "auto")
-    assert isinstance(dec.drafter, HeadlessDrafter) and dec.drafter.draft is None
+    assert isinstance(dec.drafter, AdaptiveDrafter) and dec.drafter.model is None
     assert "no head" in dec.method and dec.drafter.costs.target(1) > 0
     want, _ = run(LeanRunner(model), NoDrafter(), REPEATS, SamplingParams(), 30)
     got, stats = run(dec.runner, dec.drafter, REPEATS, SamplingParams(), 30)
     assert got == want and "no head" in stats.summary()["drafter"] and "ngram" in stats.drafter
     with_draft = from_models(model, None, "auto", draft_model=noisy_copy(model, 0.1))
-    assert with_draft.drafter.draft is not None and "sps" in with_draft.drafter.name
+    assert isinstance(with_draft.drafter.model, DraftModelDrafter) and "sps" in with_draft.drafter.name
     assert isinstance(from_models(model, None, "auto", adaptive=False).drafter, NgramDrafter)
     assert isinstance(from_models(model, None, "auto", lookup=0).drafter, NoDrafter)
     with pytest.raises(SpecdecError, match="no head"):

@@ -141,7 +141,7 @@ def test_tune_writes_the_choice_and_from_target_uses_it(tiny, trained, tmp_path,
     assert load_tuning(head, auto=True) == rec["auto"] and load_tuning(head) == dict(zip(TUNED, best))
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # adaptive auto caches its measured costs
     a = from_models(tiny, None, "auto", head=str(head)).drafter  # adaptive (default): the tuned chain length,
-    assert a.lookup == 5 and {astuple(b) for b, _ in a.menu} <= {astuple(c) for c in configs}  # tune's table
+    assert a.ngram.chain_len == 5 and {astuple(b) for b, _ in a.menu} <= {astuple(c) for c in configs}  # tune's table
     u = from_models(tiny, None, "auto", head=str(head), adaptive=False)  # static: tune's choice as is
     e, p = u.drafter.members
     assert u.drafter.name == "eagle2+pld" and (*astuple(e.budget), p.inner.chain_len) == (3, 2, 6, 5)
@@ -198,7 +198,7 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     save_tuning({"depth": 2, "topk": 2, "tree_size": 3, "acceptance": greedy_rows}, tuning_path(head))
     assert load_acceptance(head, sampled=True) == []  # not measured: auto's sampled requests draft top-k
     a = from_models(tiny, None, "auto", head=str(head)).drafter
-    assert a.sampled is None and a.eagle.children == "topk"
+    assert a.sampled is None and a.model.children == "topk"
     with pytest.raises(SpecdecError, match="no sampled acceptance table"):
         from_models(tiny, None, "auto", head=str(head), children="sample")
     save_tuning({"depth": 2, "topk": 2, "tree_size": 3, "acceptance": greedy_rows, "acceptance_sampled": rows},
@@ -206,7 +206,7 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     assert load_acceptance(head, sampled=True) == [{k: r[k] for k in (*TUNED, "tau")} for r in rows]
     a = from_models(tiny, None, "auto", head=str(head))
     d = a.drafter
-    assert isinstance(d, AdaptiveDrafter) and d.eagle.children == "sample"
+    assert isinstance(d, AdaptiveDrafter) and d.model.children == "sample"
     assert {astuple(b) for b, _ in d.sampled} <= {astuple(b) for b in budgets} and set(d.costs.sampled_s) == {
         b for b, _ in d.sampled}
     assert from_models(tiny, None, "auto", head=str(head), children="topk").drafter.sampled is None
@@ -216,13 +216,13 @@ def test_sampled_acceptance_table_sizes_autos_sampled_requests(tiny, trained, tm
     d.costs = Costs({1: 1.0, 64: 1.0}, dict.fromkeys(d.costs.draft_s, 0.0), 0.0, 0.0,
                                     dict.fromkeys(d.costs.sampled_s, 0.0))
     trees = []
-    orig = d.eagle.drafting
+    orig = d.model.drafting
 
     def spy(ctx, b=None):
         trees.append(t := (yield from orig(ctx, b)))
         return t
 
-    d.eagle.drafting = spy
+    d.model.drafting = spy
     for prompt in PROMPTS[:3]:
         torch.manual_seed(1)
         run(a.runner, d, prompt, SamplingParams(1.0), 24)  # unseeded: children drawn from the draft

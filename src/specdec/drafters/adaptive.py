@@ -15,7 +15,6 @@ with the n-gram draft's point masses.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter,
 from specdec.drafters.clock import CatchUp, StepClock
 from specdec.drafters.costs import QUIET, Costs, store_learned
 from specdec.drafters.eagle import EagleDrafter
-from specdec.drafters.ngram import KAPPA, NgramDrafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.runtime.cpus import ContentionMeter
@@ -45,14 +44,6 @@ def matched(tree: DraftTree, tokens: list[int]) -> int:
     never be emitted (a point mass leaves the residual no mass there; a sampled child x is rejected only
     where p(x) < q(x), where the residual max(0, p - q) is 0), so this is the accepted length in the tree."""
     return len(greedy_walk(tree, lambda _, k: tokens[k] if k < len(tokens) else None)[0])
-
-
-def confidences(tree: DraftTree) -> list[float]:
-    """Each node's confidence given its parent, from the tree's log path values."""
-    if tree.scores is None:
-        return [1.0] * len(tree)
-    s, par = tree.scores.tolist(), tree.parents.tolist()
-    return [math.exp(v - (s[p] if p >= 0 else 0.0)) for v, p in zip(s, par)]
 
 
 def tried(children: list[list[int]], tokens: list[int], emitted: list[int]) -> tuple[list[tuple[int, bool]], bool]:
@@ -119,7 +110,7 @@ class AdaptiveDrafter(Drafter):
     choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
 
     def __post_init__(self) -> None:
-        self.head = self.model if isinstance(self.model, EagleDrafter) else None
+        self.head: EagleDrafter | None = self.model if self.model is not None and self.model.reads_features else None
         if self.model is None and self.ngram is None:
             raise ValueError("adaptive drafting needs a model or an n-gram drafter")
         if (self.model is None) != (not self.menu):
@@ -237,17 +228,10 @@ class AdaptiveDrafter(Drafter):
         return tree
 
     def _ngram(self, ctx: DecodeContext) -> NgramDraft | None:
-        d = self.ngram
-        if d is None:
+        if self.ngram is None:
             return None
-        if isinstance(d, PromptLookupDrafter):
-            toks = d.lookup(ctx)
-            # a chain copied after an n-gram match: node i continues a match of n + i tokens
-            confs = [1.0 / (1.0 + KAPPA / (d.last_ngram + i)) for i in range(len(toks))]
-            return NgramDraft(toks, list(range(-1, len(toks) - 1)), confs, len(ctx.tokens)) if toks else None
-        tree = d.propose(ctx)
-        return NgramDraft(tree.tokens.tolist(), tree.parents.tolist(), confidences(tree), len(ctx.tokens),
-                          tree) if len(tree) else None
+        toks, parents, confs, tree = self.ngram.scored(ctx)
+        return NgramDraft(toks, parents, confs, len(ctx.tokens), tree) if toks else None
 
     def reading_pays(self, ctx: DecodeContext) -> bool:
         """Whether the draft model's first chain pays for reading the context first: the seconds its best

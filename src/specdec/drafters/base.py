@@ -143,6 +143,10 @@ class TreeDrafter(Drafter):
     """A drafter whose tree a caller may size per call: adaptive `auto` picks a budget every step, cost
     measurement and `specdec tune` price many."""
 
+    # drafts from the target's features (an EAGLE-style head), read lazily: a draft after plain steps first
+    # reads their rows, which a caller pricing its drafts must price too (clock.CatchUp)
+    reads_features: bool = False
+
     @abstractmethod
     def drafting(self, ctx: DecodeContext, budget: TreeBudget | None = None) -> Drafting:
         """budget: this call's tree instead of the drafter's own."""

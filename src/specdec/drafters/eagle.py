@@ -103,6 +103,8 @@ def _choices_or_error(choices: Sequence[Sequence[int]]) -> list[tuple]:
 
 
 class EagleDrafter(TreeDrafter):
+    reads_features = True
+
     def __init__(self, runner: HeadRunner, budget: TreeBudget | None = None,
                  choices: Sequence[Sequence[int]] | None = None, rank_by: str = "value", rerank: bool = True,
                  children: str = "topk", sampled_budget: TreeBudget | None = None) -> None:

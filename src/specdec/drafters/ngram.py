@@ -31,12 +31,11 @@ import threading
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.prompt_lookup import NgramIndex
+from specdec.drafters.prompt_lookup import KAPPA, NgramIndex
 from specdec.drafters.registry import Method, Options, option, register
 from specdec.errors import SpecdecError
 from specdec.tree import Allowed, DraftTree
 
-KAPPA = 2.0  # pseudo-count of a continuation not seen yet, over the match length
 MAX_MATCH = 64  # longest match measured (beyond it a copy is as sure as it gets)
 HISTORY_TOKENS = 16384  # earlier answers' tokens kept (the n-gram index costs ~1 kB a token)
 HISTORY_MIN_N = 3  # shorter matches in other answers guess worse than the request's own text
@@ -131,6 +130,13 @@ class NgramDrafter(Drafter):
         if not tokens:
             return DraftTree.empty()
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(logv))
+
+    def scored(self, ctx: DecodeContext) -> tuple[list[int], list[int], list[float], DraftTree]:
+        """propose() with each node's parent and confidence given its parent (from the path values), for a
+        caller that prices its prefixes (`auto`)."""
+        tree = self.propose(ctx)
+        s, par = tree.scores.tolist() if len(tree) else [], tree.parents.tolist()
+        return tree.tokens.tolist(), par, [math.exp(v - (s[p] if p >= 0 else 0.0)) for v, p in zip(s, par)], tree
 
     def _push(self, heap: list, order, toks: list[int], path: tuple, node: int, value: float, longest: int,
               allowed: Allowed | None) -> None:

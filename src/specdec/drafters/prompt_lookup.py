@@ -11,6 +11,8 @@ from specdec.drafters.registry import Method, Options, option, register
 from specdec.errors import SpecdecError
 from specdec.tree import DraftTree, allowed_prefix
 
+KAPPA = 2.0  # pseudo-count of a continuation not seen yet, over the match length (ngram.py's confidences too)
+
 
 class PromptLookupDrafter(Drafter):
     name = "pld"
@@ -32,6 +34,14 @@ class PromptLookupDrafter(Drafter):
         # a deterministic chain: q is a point mass, so the verifier stays exact at any temperature
         toks = self.lookup(ctx)
         return DraftTree.chain(torch.tensor(toks, dtype=torch.long)) if toks else DraftTree.empty()
+
+    def scored(self, ctx: DecodeContext) -> tuple[list[int], list[int], list[float], None]:
+        """lookup() as a chain with each node's parent and confidence given its parent, for a caller that
+        prices it (`auto`): node i continues a match of n + i tokens, so 1 / (1 + KAPPA / (n + i)), as
+        ngram.py rates a match of that length seen once. No tree is built (None): most are never verified."""
+        toks = self.lookup(ctx)
+        n = self.last_ngram
+        return toks, list(range(-1, len(toks) - 1)), [1.0 / (1.0 + KAPPA / (n + i)) for i in range(len(toks))], None
 
     def lookup(self, ctx: DecodeContext) -> list[int]:
         """The chain's tokens ([]: no match), and last_ngram set. Why apart from propose: a caller that
