@@ -32,9 +32,10 @@ from specdec.runtime.cpus import ContentionMeter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
-# T > 0 without a sampled table: the greedy table scaled (shipped head: alpha_1 0.35 at T = 1 vs 0.64 greedy)
+# a point-mass draft at T > 0 against its greedy prior: x is accepted with the target's p(x), not whenever
+# it is the argmax (the shipped head's tune tables: alpha_1 0.35 at T = 1 vs 0.64 greedy). Scales a head's
+# greedy table when it has no sampled one, and the n-gram nodes' raw confidences
 SAMPLED_SCALE = 0.55
-SAMPLED_CONF = 0.7  # n-gram nodes at T > 0: a point mass x is accepted with the target's p(x), not 1
 DRAFT_ALPHA, DRAFT_ALPHA_SAMPLED = 0.7, 0.5  # a draft model's prior per-token acceptance, greedy and T > 0
 MAX_PENDING = 8  # n-gram drafts followed at once past the step that drafted them
 
@@ -176,7 +177,7 @@ class AdaptiveDrafter(Drafter):
         self.rate = ChainRate(DRAFT_ALPHA if greedy else DRAFT_ALPHA_SAMPLED)
         if self.head is None and self.menu:
             self.policy.regain(self.rate.gains(self.menu))
-        self.cal, self.beyond = Calibration(1.0 if greedy else SAMPLED_CONF), Beyond()
+        self.cal, self.beyond = Calibration(1.0 if greedy else SAMPLED_SCALE), Beyond()
         self.sharing, self.pending, self.last, self.rows = 1, [], None, 0
         self.choices = Counter()
         # whether reading the prompt into a draft model was weighed yet (a head reads it lazily, see eagle.py)

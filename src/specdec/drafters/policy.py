@@ -24,7 +24,7 @@ from specdec.tree import TreeBudget
 DECAY = 0.85  # per step, a head tree's evidence: halves in ~4 steps (text changes within an answer)
 PRIOR_WEIGHT = 2.0  # the table's prior counts as this many expected accepted tokens
 CAL_DECAY = 0.95  # per step, the n-gram calibration's: slower, each bucket sees fewer observations
-CAL_PRIOR = 2.0  # a raw confidence counts as this many observations of its bucket
+CAL_PRIOR = 4.0  # a raw confidence counts as this many observations of its bucket
 EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9)  # raw-confidence buckets of the calibration
 ALPHA_PRIOR, ALPHA_DECAY = 4.0, 0.9  # a draft model's prior alpha counts as this many tokens; decay per chain
 TIE = 0.995  # options within 0.5% of the best are ties: the cheapest (vanilla, then smaller drafts) wins
@@ -131,9 +131,20 @@ class Calibration:
         self.scale = scale
         self.hits = [0.0] * (len(EDGES) + 1)
         self.tries = [0.0] * (len(EDGES) + 1)
+        self.now, self.at = 0, [0] * (len(EDGES) + 1)  # steps taken; the step each bucket is decayed to
+
+    def _bucket(self, conf: float) -> int:
+        """conf's bucket, its decay brought up to now (lazily: a step pays nothing for the buckets it skips)."""
+        b = bisect.bisect_right(EDGES, conf)
+        if self.at[b] != self.now:
+            f = CAL_DECAY ** (self.now - self.at[b])
+            self.hits[b] *= f
+            self.tries[b] *= f
+            self.at[b] = self.now
+        return b
 
     def rate(self, conf: float) -> float:
-        b = bisect.bisect_right(EDGES, conf)
+        b = self._bucket(conf)
         return (self.hits[b] + CAL_PRIOR * self.scale * conf) / (self.tries[b] + CAL_PRIOR)
 
     def gains(self, confs: list[float], parents: list[int]) -> list[float]:
@@ -148,13 +159,12 @@ class Calibration:
         return out
 
     def observe(self, conf: float, hit: bool) -> None:
-        b = bisect.bisect_right(EDGES, conf)
+        b = self._bucket(conf)
         self.hits[b] += hit
         self.tries[b] += 1.0
 
     def step(self) -> None:
-        self.hits = [CAL_DECAY * h for h in self.hits]
-        self.tries = [CAL_DECAY * t for t in self.tries]
+        self.now += 1
 
 
 class Beyond:
@@ -186,6 +196,7 @@ class Policy:
         self.draft_s = costs.draft_s if draft_s is None else draft_s
         self.follow_s = costs.follow_s if follow_s is None else follow_s
         self.gain = dict(menu)
+        self.menu = list(self.gain.items())
         self.widest = max((b.tree_size for b in self.gain), default=0)
         self.reprice(costs)
 
@@ -195,7 +206,7 @@ class Policy:
 
     def regain(self, gains: dict[TreeBudget, float]) -> None:
         self.gain = {b: gains.get(b, g) for b, g in self.gain.items()}
-        self._bounds = {}
+        self.menu, self._bounds = list(self.gain.items()), {}
 
     def plain_bounds(self, ctx: int, look: float) -> tuple[list[float], float]:
         """For ctx's bucket of BUCKET contexts: ([K per menu draft], C). Menu draft i, with or without an
@@ -203,14 +214,20 @@ class Policy:
         prefix alone cannot if its expected tokens are under C. Bounds: a plain step is priced at the
         bucket's end, the others at its start and without the n-gram rows, and t(n) never falls as the
         rows or the context grow."""
+        return self._plain(ctx, look)[:2]
+
+    def _plain(self, ctx: int, look: float) -> tuple[list[float], float, float]:
+        """plain_bounds, and the bar: no menu draft can beat a plain step if scale < bar (G = 0)."""
         lo = ctx - ctx % BUCKET
         got = self._bounds.get((lo, look))
         if got is None:
             c = self.costs
             plain = (1.0 + self.hurdle) / (look + c.target(1, lo + BUCKET - 1))
-            got = self._bounds[lo, look] = (
-                [plain * (look + self.draft_s[b] + self.follow_s + c.target(1 + b.tree_size, lo)) - 1.0
-                 for b in self.gain], plain * (look + c.target(2, lo)) - 1.0)
+            bars = [plain * (look + self.draft_s[b] + self.follow_s + c.target(1 + b.tree_size, lo)) - 1.0
+                    for b in self.gain]
+            bar = -float("inf") if any(g <= 0 and k <= 0 for k, (_, g) in zip(bars, self.menu)) else \
+                min((k / g for k, (_, g) in zip(bars, self.menu) if g > 0), default=float("inf"))
+            got = self._bounds[lo, look] = (bars, plain * (look + c.target(2, lo)) - 1.0, bar)
         return got
 
     def times(self, ctx: int | None, rows: int) -> list[float]:
@@ -246,12 +263,14 @@ class Policy:
         runs every step). gains[m - 1]: the n-gram draft's first m nodes' expected accepted tokens."""
         if room <= 0:
             return VANILLA
-        menu = list(self.gain.items())
+        menu = self.menu
         keep, alone = range(len(menu)), True  # the menu drafts and whether n-gram prefixes alone are priced
         if ctx is not None and room >= self.widest and self.costs.attend_s >= 0:
             # most steps: only what plain_bounds cannot rule out (on text that drafts nothing, pricing every
             # option was most of what `auto` added to a step)
-            bars, least = self.plain_bounds(ctx, look)
+            bars, least, bar = self._plain(ctx, look)
+            if not gains and scale < bar:
+                return VANILLA
             whole = gains[min(len(gains), room) - 1] if gains else 0.0
             keep = [i for i, k in enumerate(bars) if scale * menu[i][1] + whole >= k]
             alone = whole >= least

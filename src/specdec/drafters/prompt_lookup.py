@@ -40,6 +40,8 @@ class PromptLookupDrafter(Drafter):
         prices it (`auto`): node i continues a match of n + i tokens, so 1 / (1 + KAPPA / (n + i)), as
         ngram.py rates a match of that length seen once. No tree is built (None): most are never verified."""
         toks = self.lookup(ctx)
+        if not toks:
+            return toks, [], [], None
         n = self.last_ngram
         return toks, list(range(-1, len(toks) - 1)), [1.0 / (1.0 + KAPPA / (n + i)) for i in range(len(toks))], None
 
