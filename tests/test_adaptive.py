@@ -481,7 +481,7 @@ def test_a_lookup_chain_is_priced_by_the_calibration_of_its_confidences():
     one, three = chain_after(1, 8), chain_after(3, 8)
     assert priced(cal, one)[-1] < priced(cal, three)[-1] < 2.5  # a priori: about two tokens of eight
     assert p.choose(priced(cal, one), 100, beyond=0.5, look=look).chain <= 2  # a 1-gram match: a token or two
-    for _ in range(6):  # the answer repeats itself: 3-gram chains match whole
+    for _ in range(12):  # the answer repeats itself: 3-gram chains match whole
         cal.step()
         for conf in three.confs:
             cal.observe(conf, True)
@@ -504,7 +504,7 @@ def test_misses_lower_the_price_of_nodes_of_like_confidence_then_fade():
     before = priced(cal, three)
     own = list(itertools.accumulate(math.prod(three.confs[:i + 1]) for i in range(12)))
     assert before == pytest.approx(own)  # no evidence: the confidences' own
-    for _ in range(3):
+    for _ in range(5):  # the prior counts as CAL_PRIOR (4) observations
         cal.step()
         cal.observe(two.confs[0], False)
     assert priced(cal, three)[0] < 0.5 * before[0]

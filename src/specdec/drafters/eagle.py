@@ -193,8 +193,7 @@ class EagleDrafter(TreeDrafter):
         feats, self.pending = self.pending, []
         if not self._fits(ctx):
             return
-        n = self.runner.length
-        new = ctx.tokens[n + 1:]
+        new = ctx.tokens[self.runner.length + 1:]
         f, aux = zip(*feats)
         join = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
         feats = self.runner.target_input(join(f), join(aux) if self.aux_layers else None)
