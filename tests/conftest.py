@@ -152,9 +152,8 @@ def bench_result(bench_models, tmp_path_factory):
 
 def fixed_costs_for(menu, sampled=()):
     """Costs shaped as SmolLM2's measured on a 2-core CPU (t(n) rises ~3% a row, a head level costs ~2% of a
-    one-row forward), in units so large (a forward: 1000 s) that the one real timing the drafters still learn
-    from, the head's catch-up (ms, the excess over its price), is always nothing: the choices follow the
-    acceptance alone, the same on every machine, however loaded."""
+    one-row forward), never rescaled by a clock: the choices follow the acceptance alone, the same on every
+    machine, however loaded."""
     from specdec.drafters.costs import ANCHORS, Costs
 
     unit, level = 1e3, 0.02e3
@@ -169,12 +168,8 @@ def fixed_costs(monkeypatch):
     accepts hold on any machine, however loaded."""
     from specdec.drafters import auto
 
-    def head_costs(runner, drafter, head_dir, menu, lookup, recalibrate=False, sampled=()):
+    def fixed(runner, model, menu, ngram, head=None, recalibrate=False, sampled=()):
         return fixed_costs_for(menu, sampled), None, "fixed (tests)"
 
-    def plain_costs(runner, ngram, draft, menu, recalibrate=False):
-        return fixed_costs_for(menu), None, "fixed (tests)"
-
-    monkeypatch.setattr(auto, "load_costs", head_costs)
-    monkeypatch.setattr(auto, "load_plain_costs", plain_costs)
+    monkeypatch.setattr(auto, "load_costs", fixed)
     monkeypatch.setattr(auto, "StepClock", lambda: None)

@@ -27,7 +27,7 @@ def test_a_poisoned_user_cache_changes_nothing(tmp_path, monkeypatch):
     theirs = tmp_path / ".cache" / "specdec" / "costs" / first.cache.name
     theirs.parent.mkdir(parents=True)
     rec = json.loads(first.cache.read_text())
-    rec["costs"]["target_ms"] = {n: 1000 * t if n == "1" else t for n, t in rec["costs"]["target_ms"].items()}
+    rec["costs"]["target_s"] = {n: 1000 * t if n == "1" else t for n, t in rec["costs"]["target_s"].items()}
     theirs.write_text(json.dumps(rec))
     again = from_models(model, None, "auto").drafter
     assert again.origin == "cached" and again.cache == first.cache

@@ -3,10 +3,10 @@ emitted tokens), then verifies whatever pays most by drafters/policy.py: a model
 tree or a draft model's chain), a prefix of the n-gram draft, their union, or nothing (a plain step).
 
 Costs (drafters/costs.py) are measured on this machine and fixed within a request; between requests they
-are rescaled to what the verify forwards took if that drifted (clock.StepClock: another load; nothing is
-timed for it). Acceptance is learned per request from verdicts of earlier steps (policy.py), and every
-n-gram draft is scored on the tokens emitted after it, verified or not, so a stretch of plain steps still
-learns when the text starts repeating. No text depends on these choices: greedy text is the target's
+are rescaled to what the verify forwards took if that drifted (clock.StepClock), for this process only.
+Acceptance is learned per request from verdicts of earlier steps (policy.py), and every n-gram draft is
+scored on the tokens emitted after it, verified or not, so a stretch of plain steps still learns when the
+text starts repeating. No text depends on these choices: greedy text is the target's
 argmax, and a seeded sampled request's is the target's coupled draw (sampling.Coupling), whatever was
 drafted; a draft that carries q (sampled children, a sampled draft-model chain) never shares a verify
 with the n-gram draft's point masses.
@@ -14,7 +14,6 @@ with the n-gram draft's point masses.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,13 +21,12 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
-from specdec.drafters.clock import CatchUp, StepClock
-from specdec.drafters.costs import QUIET, Costs, store_learned
+from specdec.drafters.clock import StepClock
+from specdec.drafters.costs import PRICED_ROWS, TYPICAL_ROWS, Costs
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.runtime.cpus import ContentionMeter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
@@ -65,6 +63,17 @@ def tried(children: list[list[int]], tokens: list[int], emitted: list[int]) -> t
             return out, True
         row = hit + 1
     return out, not children[row]
+
+
+def unread_rows(pending: list[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
+    """Rows of a head's queued steps past a drafted step's TYPICAL_ROWS, counted only as far as priced (the
+    queue grows by a step on every plain step)."""
+    rows = 0
+    for f, _ in pending:
+        rows += f.shape[0]
+        if rows > TYPICAL_ROWS + PRICED_ROWS:
+            break
+    return max(0, rows - TYPICAL_ROWS)
 
 
 @dataclass
@@ -107,7 +116,7 @@ class AdaptiveDrafter(Drafter):
     sampled: list[tuple[TreeBudget, float]] | None = None
     clock: StepClock | None = None  # None: the costs stay as given
     origin: str = "given"  # how the costs were obtained ("cached", "measured at load in 3.1 s")
-    cache: Path | None = None  # the cost file they came from: prices learned online go back there
+    cache: Path | None = None  # the cost file they came from
     choices: Counter = field(default_factory=Counter)  # this request's verified draft sizes (bench, tests)
 
     def __post_init__(self) -> None:
@@ -126,8 +135,7 @@ class AdaptiveDrafter(Drafter):
         else:
             parts = (["ngram"] if self.ngram is not None else []) + (["sps"] if self.model is not None else [])
             self.name = "+".join(parts) + " adaptive (auto, no head)"
-        self.catch = CatchUp(self.costs.catch_row_s)  # measured at load, then learned over requests
-        self.relearned, self.rows, self.rows_ctx, self.meter = 0, 0, 0, None
+        self.relearned, self.rows, self.rows_ctx = 0, 0, 0
         self.pending: list[NgramDraft] = []
         self.last: tuple | None = None
 
@@ -150,8 +158,6 @@ class AdaptiveDrafter(Drafter):
 
     def prepare(self) -> None:
         """Between requests: prices rescaled to the observed forwards if they drifted from them."""
-        if self.meter is None:
-            self.meter = ContentionMeter()
         if self.clock is None:
             return
         self.clock.settle(self.costs.target)
@@ -159,11 +165,6 @@ class AdaptiveDrafter(Drafter):
             self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
             self.clock = self.clock.restarted()
             self.relearned += 1
-            busy = self.meter.result().get("other_cpu_frac")
-            if self.cache is not None and busy is not None and busy <= QUIET:  # never prices learned under load
-                with contextlib.suppress(OSError, ValueError, KeyError):
-                    store_learned(self.cache, self.costs)
-            self.meter = ContentionMeter()
 
     def begin(self, ctx: DecodeContext) -> None:
         greedy = ctx.params.greedy
@@ -201,14 +202,13 @@ class AdaptiveDrafter(Drafter):
         ng = self._ngram(ctx) if room > 0 else None
         gains = self.cal.gains(ng.confs, ng.parents) if ng is not None else []
         look = self.costs.lookup_s if ng is not None else 0.0
-        extra = self.catch.extra_rows(self.head.pending) if self.head is not None else 0
-        choice = self.policy.choose(gains, room, n_ctx, self.scale.value, self.catch.price(extra),
-                                    self.beyond.share, look)
+        extra = unread_rows(self.head.pending) if self.head is not None else 0
+        catch_up = self.costs.catch_row_s * min(extra, PRICED_ROWS)
+        choice = self.policy.choose(gains, room, n_ctx, self.scale.value, catch_up, self.beyond.share, look)
         if ng is not None:
             self.pending.append(ng)
         tree, model_tree, expected = DraftTree.empty(), None, 0.0
         if choice.budget is not None:
-            backlog = self.head.unread_steps if self.head is not None else 0
             tree = model_tree = yield from self.model.drafting(ctx, choice.budget)
             b = choice.budget
             expected = self.policy.gain[b] * min(len(tree), b.tree_size) / b.tree_size
@@ -221,11 +221,8 @@ class AdaptiveDrafter(Drafter):
         # a head's drafting priced with its catch-up: priced without it, the reads after a plain stretch
         # taught the clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer
         self.draft_priced = None
-        if self.head is not None:
-            base = None if choice.budget is None else self.policy.draft_s[choice.budget] + self.policy.follow_s + look
-            if base is not None and extra <= CatchUp.PRICED_ROWS:
-                self.draft_priced = base + self.catch.price(extra)
-            self.catch.drafted(extra if base is not None and backlog > 1 else 0, base or 0.0)
+        if self.head is not None and choice.budget is not None and extra <= PRICED_ROWS:
+            self.draft_priced = self.policy.draft_s[choice.budget] + self.policy.follow_s + look + catch_up
         return tree
 
     def _ngram(self, ctx: DecodeContext) -> NgramDraft | None:
@@ -253,7 +250,6 @@ class AdaptiveDrafter(Drafter):
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)
         self.rows = 0
-        self.catch.observe(ctx.draft_s)
         for d in (self.model, self.ngram):
             if d is not None:
                 d.accept(ctx, verdict)

@@ -21,7 +21,7 @@ from pydantic import model_validator
 from specdec.drafters.adaptive import DRAFT_ALPHA, AdaptiveDrafter
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.clock import StepClock
-from specdec.drafters.costs import load_costs, load_plain_costs
+from specdec.drafters.costs import load_costs
 from specdec.drafters.draft_model import (
     DRAFT_QUANT,
     DRAFT_VOCAB,
@@ -94,10 +94,9 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         sampled = menu_from_tuning(rows) if rows else None
         drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
                                children="sample" if sampled else "topk")
-        costs, path, origin = load_costs(target.runner, drafter, head_dir, menu, lookup, opts.recalibrate,
-                                         sampled or ())
-        return AdaptiveDrafter(costs, drafter, menu, PromptLookupDrafter(chain_len=lookup) if lookup else None,
-                               sampled, StepClock(), origin, path)
+        pld = PromptLookupDrafter(chain_len=lookup) if lookup else None
+        costs, path, origin = load_costs(target.runner, drafter, menu, pld, head_dir, opts.recalibrate, sampled or ())
+        return AdaptiveDrafter(costs, drafter, menu, pld, sampled, StepClock(), origin, path)
     if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
         raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
     drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank, children=opts.children or "topk")
@@ -127,7 +126,7 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
     if ngram is None and draft is None:
         return NoDrafter()
     menu = draft_menu() if draft is not None else []
-    costs, path, origin = load_plain_costs(target.runner, ngram, draft, menu, recalibrate)
+    costs, path, origin = load_costs(target.runner, draft, menu, ngram, recalibrate=recalibrate)
     return AdaptiveDrafter(costs, draft, menu, ngram, clock=StepClock(), origin=origin, cache=path)
 
 

@@ -144,7 +144,7 @@ class TreeDrafter(Drafter):
     measurement and `specdec tune` price many."""
 
     # drafts from the target's features (an EAGLE-style head), read lazily: a draft after plain steps first
-    # reads their rows, which a caller pricing its drafts must price too (clock.CatchUp)
+    # reads their rows, which a caller pricing its drafts must price too (Costs.catch_row_s)
     reads_features: bool = False
 
     @abstractmethod

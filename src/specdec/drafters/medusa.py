@@ -27,7 +27,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import cost_file, cost_key, read_cost_file, write_cost_file
+from specdec.drafters.costs import cached, machine_key
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
@@ -198,24 +198,20 @@ def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, r
     """{"target_s": {N: s}, "draft_s": s}: t(N) for 1 + SIZES and one heads forward, cached per machine,
     threads, torch, target, precision and heads (a few seconds the first time)."""
     # the full path: trained heads all sit in dirs named "heads", and their draft costs differ
-    key = cost_key(target_runner, head_dir, [], 0) | {"medusa_sizes": list(SIZES),
-                                                      "heads_path": os.path.realpath(head_dir)}
-    path = cost_file(key, "medusa-")
-    rec = None if recalibrate else read_cost_file(path, key)
-    if rec is not None:
-        try:
-            return {"target_s": {int(n): t for n, t in rec["target_s"].items()}, "draft_s": rec["draft_s"]}
-        except (KeyError, TypeError, ValueError, AttributeError):
-            pass  # a damaged cache entry is measured again
-    target_s = forward_costs(target_runner, [1 + n for n in (0, *SIZES)], reps=3, ctx=384, stat=min)
-    f = torch.randn(drafter_runner.hidden_size)
-    ts = []
-    for _ in range(8):
-        t = time.perf_counter()
-        drafter_runner.logits(f)
-        ts.append(time.perf_counter() - t)
-    write_cost_file(path, key, target_s={str(n): t for n, t in target_s.items()}, draft_s=min(ts[2:]))
-    return {"target_s": target_s, "draft_s": min(ts[2:])}
+    key = machine_key(target_runner) | {"medusa_sizes": list(SIZES), "heads_path": os.path.realpath(head_dir)}
+
+    def measure() -> dict:
+        target_s = forward_costs(target_runner, [1 + n for n in (0, *SIZES)], reps=3, ctx=384, stat=min)
+        f = torch.randn(drafter_runner.hidden_size)
+        ts = []
+        for _ in range(8):
+            t = time.perf_counter()
+            drafter_runner.logits(f)
+            ts.append(time.perf_counter() - t)
+        return {"target_s": {str(n): t for n, t in target_s.items()}, "draft_s": min(ts[2:])}
+
+    return cached(key, measure, lambda d: {"target_s": {int(n): t for n, t in d["target_s"].items()},
+                                           "draft_s": float(d["draft_s"])}, recalibrate)[0]
 
 
 # ---- registration ----

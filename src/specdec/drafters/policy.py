@@ -131,20 +131,9 @@ class Calibration:
         self.scale = scale
         self.hits = [0.0] * (len(EDGES) + 1)
         self.tries = [0.0] * (len(EDGES) + 1)
-        self.now, self.at = 0, [0] * (len(EDGES) + 1)  # steps taken; the step each bucket is decayed to
-
-    def _bucket(self, conf: float) -> int:
-        """conf's bucket, its decay brought up to now (lazily: a step pays nothing for the buckets it skips)."""
-        b = bisect.bisect_right(EDGES, conf)
-        if self.at[b] != self.now:
-            f = CAL_DECAY ** (self.now - self.at[b])
-            self.hits[b] *= f
-            self.tries[b] *= f
-            self.at[b] = self.now
-        return b
 
     def rate(self, conf: float) -> float:
-        b = self._bucket(conf)
+        b = bisect.bisect_right(EDGES, conf)
         return (self.hits[b] + CAL_PRIOR * self.scale * conf) / (self.tries[b] + CAL_PRIOR)
 
     def gains(self, confs: list[float], parents: list[int]) -> list[float]:
@@ -159,42 +148,41 @@ class Calibration:
         return out
 
     def observe(self, conf: float, hit: bool) -> None:
-        b = self._bucket(conf)
+        b = bisect.bisect_right(EDGES, conf)
         self.hits[b] += hit
         self.tries[b] += 1.0
 
     def step(self) -> None:
-        self.now += 1
+        self.hits = [CAL_DECAY * h for h in self.hits]
+        self.tries = [CAL_DECAY * t for t in self.tries]
 
 
 class Beyond:
     """The decaying share of an n-gram draft's matched tokens that the model draft verified beside it did
-    not match: what their union adds over the model's draft. Prior: half, as one draft's worth."""
+    not match: what their union adds over the model's draft. Prior: half, worth one matched token."""
 
     def __init__(self) -> None:
-        self.beyond, self.matched = 0.5, 1.0
+        self.beyond = self.matched = 0.0
 
     @property
     def share(self) -> float:
-        return self.beyond / self.matched
+        return (self.beyond + 0.5) / (self.matched + 1.0)
 
     def observe(self, matched: int, model_matched: int) -> None:
         self.beyond = CAL_DECAY * self.beyond + max(0, matched - model_matched)
         self.matched = CAL_DECAY * self.matched + matched
-        if self.matched < 1e-6:
-            self.beyond, self.matched = 0.5, 1.0
 
 
 class Policy:
     """The per-step choice over a menu of model drafts ((budget, expected accepted tokens) before `scale`)
-    priced by `draft_s` (default: costs.draft_s) plus `follow_s` (a head reading the step's rows), and the
+    priced by `draft_s` (default: costs.draft_s) plus costs.follow_s (a head reading the step's rows), and the
     prefixes of the step's n-gram draft; unions only if `union` (both drafts point masses)."""
 
     def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, draft_s: dict | None = None,
-                 union: bool = True, follow_s: float | None = None, hurdle: float = 0.0) -> None:
+                 union: bool = True, hurdle: float = 0.0) -> None:
         self.union, self.hurdle = union, hurdle
         self.draft_s = costs.draft_s if draft_s is None else draft_s
-        self.follow_s = costs.follow_s if follow_s is None else follow_s
+        self.follow_s = costs.follow_s
         self.gain = dict(menu)
         self.menu = list(self.gain.items())
         self.widest = max((b.tree_size for b in self.gain), default=0)
@@ -208,16 +196,12 @@ class Policy:
         self.gain = {b: gains.get(b, g) for b, g in self.gain.items()}
         self.menu, self._bounds = list(self.gain.items()), {}
 
-    def plain_bounds(self, ctx: int, look: float) -> tuple[list[float], float]:
-        """For ctx's bucket of BUCKET contexts: ([K per menu draft], C). Menu draft i, with or without an
-        n-gram part expected to add G tokens, cannot beat a plain step if scale * g_i + G < K_i; an n-gram
-        prefix alone cannot if its expected tokens are under C. Bounds: a plain step is priced at the
-        bucket's end, the others at its start and without the n-gram rows, and t(n) never falls as the
-        rows or the context grow."""
-        return self._plain(ctx, look)[:2]
-
-    def _plain(self, ctx: int, look: float) -> tuple[list[float], float, float]:
-        """plain_bounds, and the bar: no menu draft can beat a plain step if scale < bar (G = 0)."""
+    def plain_bounds(self, ctx: int, look: float) -> tuple[list[float], float, float]:
+        """For ctx's bucket of BUCKET contexts: ([K per menu draft], C, bar). Menu draft i, with or without
+        an n-gram part expected to add G tokens, cannot beat a plain step if scale * g_i + G < K_i; an n-gram
+        prefix alone cannot if its expected tokens are under C; no menu draft can if scale < bar (G = 0).
+        Bounds: a plain step is priced at the bucket's end, the others at its start and without the n-gram
+        rows, and t(n) never falls as the rows or the context grow."""
         lo = ctx - ctx % BUCKET
         got = self._bounds.get((lo, look))
         if got is None:
@@ -239,28 +223,36 @@ class Policy:
             got = self._times[key] = [0.0] + [self.costs.target(n, key) for n in range(1, max(rows, 34 + self.widest))]
         return got
 
+    def _tree(self, b: TreeBudget, room: int, scale: float, catch_up: float, look: float) -> tuple[int, float, float]:
+        """Menu draft b's (nodes, expected accepted tokens, seconds before the verify)."""
+        nodes = min(b.tree_size, room)
+        return nodes, scale * self.gain[b] * nodes / b.tree_size, look + self.draft_s[b] + self.follow_s + catch_up
+
+    @staticmethod
+    def _added(gains: list[float], n: int, tree: float | None, beyond: float) -> float:
+        """Expected tokens the n-gram draft's first n nodes add: alone (tree None), or beside a model draft
+        expected to accept `tree` tokens (what it matches beyond the model's: at least `beyond` of it)."""
+        if n <= 0:
+            return 0.0
+        g = gains[n - 1]
+        return min(float(n), g if tree is None else max(0.0, g - tree, beyond * g))
+
     def expected(self, choice: Choice, gains: list[float], room: int, ctx: int | None = None, scale: float = 1.0,
                  catch_up: float = 0.0, beyond: float = 0.0, look: float = 0.0) -> tuple[float, float]:
-        """(expected tokens, seconds) of one step with this choice; catch_up: what a head pays first to
-        read the rows of steps it skipped; look: the n-gram draft's own cost (paid either way)."""
-        tree, nodes, secs = 0.0, 0, look
+        """(expected tokens, seconds) of one step with this choice; gains[m - 1]: the n-gram draft's first m
+        nodes' expected accepted tokens; catch_up: what a head pays first to read the rows of steps it
+        skipped; look: the n-gram draft's own cost (paid either way)."""
+        nodes, tree, secs = 0, None, look
         if choice.budget is not None:
-            b = choice.budget
-            nodes = min(b.tree_size, room)
-            tree = scale * self.gain[b] * nodes / b.tree_size
-            secs += self.draft_s[b] + self.follow_s + catch_up
-        extra = 0.0
-        n = min(choice.chain, room - nodes)
-        if n > 0:
-            alone = gains[n - 1]
-            extra = min(float(n), max(0.0, alone - tree, beyond * alone) if choice.budget is not None else alone)
-            nodes += n
-        return 1.0 + tree + extra, secs + self.times(ctx, 2 + nodes)[1 + nodes]
+            nodes, tree, secs = self._tree(choice.budget, room, scale, catch_up, look)
+        n = max(0, min(choice.chain, room - nodes))
+        rows = 1 + nodes + n
+        return 1.0 + (tree or 0.0) + self._added(gains, n, tree, beyond), secs + self.times(ctx, rows + 1)[rows]
 
     def choose(self, gains: list[float], room: int, ctx: int | None = None, scale: float = 1.0,
                catch_up: float = 0.0, beyond: float = 0.0, look: float = 0.0) -> Choice:
-        """The option with the most expected tokens per second, as `expected` prices each (inlined: this
-        runs every step). gains[m - 1]: the n-gram draft's first m nodes' expected accepted tokens."""
+        """The option with the most expected tokens per second, each priced as `expected` does, over one
+        list of t(n) (this runs every step)."""
         if room <= 0:
             return VANILLA
         menu = self.menu
@@ -268,7 +260,7 @@ class Policy:
         if ctx is not None and room >= self.widest and self.costs.attend_s >= 0:
             # most steps: only what plain_bounds cannot rule out (on text that drafts nothing, pricing every
             # option was most of what `auto` added to a step)
-            bars, least, bar = self._plain(ctx, look)
+            bars, least, bar = self.plain_bounds(ctx, look)
             if not gains and scale < bar:
                 return VANILLA
             whole = gains[min(len(gains), room) - 1] if gains else 0.0
@@ -280,33 +272,26 @@ class Policy:
         t = self.times(ctx, 2 + self.widest + (lengths[-1] if lengths else 0))
         # (rate, rank, budget, chain): rank orders vanilla, the menu, then the prefixes and their unions
         rates = [((1.0 + self.hurdle) / (look + t[1]), 0, None, 0)]
-        trees = []
-        for i in keep:
-            b, g = menu[i]
-            nodes = min(b.tree_size, room)
-            tree, secs = scale * g * nodes / b.tree_size, look + self.draft_s[b] + self.follow_s + catch_up
-            trees.append((i, b, nodes, tree, secs))
-            rates.append(((1.0 + tree) / (secs + t[1 + nodes]), i + 1, b, 0))
+        trees = [(i, *self._tree(menu[i][0], room, scale, catch_up, look)) for i in keep]
+        rates += [((1.0 + tree) / (secs + t[1 + nodes]), i + 1, menu[i][0], 0) for i, nodes, tree, secs in trees]
         k = len(menu) + 1
         if alone:
-            rates += [((1.0 + min(float(m), gains[m - 1])) / (look + t[1 + m]), k * (j + 1), None, m)
+            rates += [((1.0 + self._added(gains, m, None, beyond)) / (look + t[1 + m]), k * (j + 1), None, m)
                       for j, m in enumerate(lengths)]
         if self.union and lengths:
             band = max(r[0] for r in rates) * TIE
-            for i, b, nodes, tree, secs in trees:
+            for i, nodes, tree, secs in trees:
                 top = min(lengths[-1], room - nodes)
                 # the union's best case (the whole draft) at its cheapest (one row more) under the band:
                 # none of this tree's unions can win, and most steps price none
-                if top <= 0:
-                    continue
-                g = gains[top - 1]
-                if (1.0 + tree + min(float(top), max(0.0, g - tree, beyond * g))) / (secs + t[2 + nodes]) < band:
+                if top <= 0 or (1.0 + tree + self._added(gains, top, tree, beyond)) / (secs + t[2 + nodes]) < band:
                     continue
                 for j, m in enumerate(lengths):
                     n = min(m, room - nodes)
-                    add = min(float(n), max(0.0, gains[n - 1] - tree, beyond * gains[n - 1])) if n > 0 else 0.0
+                    add = self._added(gains, n, tree, beyond)
                     if add > 0:
-                        rates.append(((1.0 + tree + add) / (secs + t[1 + nodes + n]), k * (j + 1) + i + 1, b, m))
+                        rate = (1.0 + tree + add) / (secs + t[1 + nodes + n])
+                        rates.append((rate, k * (j + 1) + i + 1, menu[i][0], m))
         best = max(r[0] for r in rates) * TIE
         _, _, b, m = min((x for x in rates if x[0] >= best), key=lambda x: x[1])
         return VANILLA if b is None and not m else Choice(b, m)

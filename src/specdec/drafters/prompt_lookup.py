@@ -22,7 +22,7 @@ class PromptLookupDrafter(Drafter):
             raise SpecdecError(f"prompt lookup needs 1 <= min_ngram <= max_ngram and chain_len >= 1, got "
                                f"min_ngram={min_ngram}, max_ngram={max_ngram}, chain_len={chain_len}")
         self.max_ngram, self.min_ngram, self.chain_len = max_ngram, min_ngram, chain_len
-        self.draft_depth = chain_len
+        self.draft_depth = self.tree_size = chain_len  # a chain: as deep as it has nodes
         self.index: NgramIndex | None = None
 
     last_ngram = 0  # the n-gram length the last propose() matched (0: none): longer ones predict better
