@@ -326,6 +326,43 @@ def test_a_head_tree_after_plain_steps_is_priced_with_its_catch_up():
     assert chain.budget is None and chain.chain and p.choose(gains, 100, catch_up=0.5, beyond=0.5, look=look) == chain
 
 
+def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
+    """The head's reading of skipped rows is timed against the drafting's own price: a head whose catch-up
+    takes 20 ms per extra row is learnt as such (from a measured price of 0 here). The engine's clock is one
+    that only the catch-up advances: what is learnt is exact, however busy the machine."""
+    from types import SimpleNamespace
+
+    from specdec import engine
+    from specdec.heads.io import load_head
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine, "_clock", lambda device: clock.now)
+
+    head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
+    target = LeanRunner(tiny)
+    free = Costs({n: 1 + 0.17 * (n - 1) for n in (1, 2, 5, 9, 17, 33)}, {B4: 0.0, B8: 0.0}, 0.0, 0.0)  # no prior
+    for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the policy mixes vanilla steps and trees
+        free.target_s = {n: 1 + slope * (n - 1) for n in free.target_s}
+        d = AdaptiveDrafter(free, drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU)
+        assert d.catch.row_s == 0.0
+        extras = []
+        orig = d.model.drafting
+
+        def slow(ctx, budget=None, orig=orig, d=d, extras=extras):
+            extra = max(0, sum(f.shape[0] for f, _ in d.model.pending) - 2)
+            if len(d.model.pending) > 1 and extra:
+                extras.append(extra)
+                clock.now += 0.02 * extra
+            return (yield from orig(ctx, budget))
+
+        d.model.drafting = slow
+        run(target, d, PROMPTS[1], SamplingParams(), 40)
+        if extras:
+            break
+    assert extras
+    assert 0.01 < d.catch.row_s < 0.06, (d.catch.row_s, extras)
+
+
 def test_a_longer_context_prices_every_row_its_attention():
     """Each verified row attends over the whole context: t(n) grows by n * slope per cached token, so a
     tree that pays at a short context is dropped at a long one (long summarization prompts drafted at
@@ -932,7 +969,7 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
     against its drafting's price plus the catch-up's (timed against one step's drafting it read as dear
     drafting, and fewer drafts, longer catch-ups); a catch-up of more rows than are counted is not observed."""
     from specdec.drafters.adaptive import unread_rows
-    from specdec.drafters.costs import PRICED_ROWS
+    from specdec.drafters.clock import PRICED_ROWS
     from specdec.heads.io import load_head
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
@@ -946,7 +983,7 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
 
         def spy(ctx, budget=None):
             extra = unread_rows(d.model.pending)
-            price = d.policy.draft_s[budget] + d.costs.follow_s + d.costs.catch_row_s * min(extra, PRICED_ROWS)
+            price = d.policy.draft_s[budget] + d.costs.follow_s + d.catch.price(extra)
             wanted.append((d.model.unread_steps, extra, price))
             return (yield from orig(ctx, budget))
 

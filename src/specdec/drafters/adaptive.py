@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
-from specdec.drafters.clock import StepClock
-from specdec.drafters.costs import PRICED_ROWS, TYPICAL_ROWS, Costs
+from specdec.drafters.clock import PRICED_ROWS, TYPICAL_ROWS, CatchUp, StepClock
+from specdec.drafters.costs import Costs
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
@@ -135,6 +135,7 @@ class AdaptiveDrafter(Drafter):
         else:
             parts = (["ngram"] if self.ngram is not None else []) + (["sps"] if self.model is not None else [])
             self.name = "+".join(parts) + " adaptive (auto, no head)"
+        self.catch = CatchUp(self.costs.catch_row_s)  # measured at load, then learned over requests
         self.relearned, self.rows, self.rows_ctx = 0, 0, 0
         self.pending: list[NgramDraft] = []
         self.last: tuple | None = None
@@ -203,12 +204,13 @@ class AdaptiveDrafter(Drafter):
         gains = self.cal.gains(ng.confs, ng.parents) if ng is not None else []
         look = self.costs.lookup_s if ng is not None else 0.0
         extra = unread_rows(self.head.pending) if self.head is not None else 0
-        catch_up = self.costs.catch_row_s * min(extra, PRICED_ROWS)
+        catch_up = self.catch.price(extra)
         choice = self.policy.choose(gains, room, n_ctx, self.scale.value, catch_up, self.beyond.share, look)
         if ng is not None:
             self.pending.append(ng)
         tree, model_tree, expected = DraftTree.empty(), None, 0.0
         if choice.budget is not None:
+            backlog = self.head.unread_steps if self.head is not None else 0
             tree = model_tree = yield from self.model.drafting(ctx, choice.budget)
             b = choice.budget
             expected = self.policy.gain[b] * min(len(tree), b.tree_size) / b.tree_size
@@ -221,8 +223,10 @@ class AdaptiveDrafter(Drafter):
         # a head's drafting priced with its catch-up: priced without it, the reads after a plain stretch
         # taught the clock drafting costs ~2x, so auto drafted ever less and each catch-up grew longer
         self.draft_priced = None
-        if self.head is not None and choice.budget is not None and extra <= PRICED_ROWS:
-            self.draft_priced = self.policy.draft_s[choice.budget] + self.policy.follow_s + look + catch_up
+        if self.head is not None and choice.budget is not None:
+            base = self.policy.draft_s[choice.budget] + self.policy.follow_s + look
+            self.draft_priced = base + catch_up if extra <= PRICED_ROWS else None
+            self.catch.drafted(extra if backlog > 1 else 0, base)
         return tree
 
     def _ngram(self, ctx: DecodeContext) -> NgramDraft | None:
@@ -250,6 +254,7 @@ class AdaptiveDrafter(Drafter):
             if self.draft_priced is not None:
                 self.clock.observe_draft(ctx.draft_s, self.draft_priced)
         self.rows = 0
+        self.catch.observe(ctx.draft_s)
         for d in (self.model, self.ngram):
             if d is not None:
                 d.accept(ctx, verdict)

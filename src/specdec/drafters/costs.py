@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter, begin_on, follow
-from specdec.drafters.clock import size_class
+from specdec.drafters.clock import PRICED_ROWS, TYPICAL_ROWS, size_class
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import attention_slope, forward_costs
 from specdec.runtime.base import Runner
@@ -33,10 +33,6 @@ ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 LONG_CTX = 512  # the widest forward is timed again this many tokens later: the attention slope
 VERSION = 6  # of the measurement; in the cache key, so older files re-measure
 QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
-# a head after a drafted step reads TYPICAL_ROWS rows (the accepted token and the bonus); after plain steps
-# more, each priced at catch_row_s up to PRICED_ROWS: that catch-up is paid once for all the drafting after
-# it, so a long plain stretch must not price every later try out
-TYPICAL_ROWS, PRICED_ROWS = 2, 8
 T = TypeVar("T")
 
 
