@@ -223,36 +223,60 @@ class Policy:
             got = self._times[key] = [0.0] + [self.costs.target(n, key) for n in range(1, max(rows, 34 + self.widest))]
         return got
 
-    def _tree(self, b: TreeBudget, room: int, scale: float, catch_up: float, look: float) -> tuple[int, float, float]:
-        """Menu draft b's (nodes, expected accepted tokens, seconds before the verify)."""
-        nodes = min(b.tree_size, room)
-        return nodes, scale * self.gain[b] * nodes / b.tree_size, look + self.draft_s[b] + self.follow_s + catch_up
-
-    @staticmethod
-    def _added(gains: list[float], n: int, tree: float | None, beyond: float) -> float:
-        """Expected tokens the n-gram draft's first n nodes add: alone (tree None), or beside a model draft
-        expected to accept `tree` tokens (what it matches beyond the model's: at least `beyond` of it)."""
-        if n <= 0:
-            return 0.0
-        g = gains[n - 1]
-        return min(float(n), g if tree is None else max(0.0, g - tree, beyond * g))
+    def _priced(self, gains: list[float], room: int, ctx: int | None, scale: float, catch_up: float, beyond: float,
+                look: float, keep, lengths: list[int], alone: bool = True, prune: bool = False) -> list[tuple]:
+        """[(expected tokens, seconds, rank, budget, chain)] of the plain step, the menu drafts `keep` indexes,
+        the n-gram prefixes of `lengths` nodes (if `alone`) and each menu draft's unions with them; `prune`:
+        only unions that can beat the rest and add tokens. Rank orders ties: vanilla, the menu, the prefixes
+        and their unions. Inline arithmetic: choose() runs this every step."""
+        t = self.times(ctx, 2 + self.widest + (lengths[-1] if lengths else 0))
+        out = [(1.0, look + t[1], 0, None, 0)]
+        trees = []
+        for i in keep:
+            b, g = self.menu[i]
+            nodes = min(b.tree_size, room)
+            tree, secs = scale * g * nodes / b.tree_size, look + self.draft_s[b] + self.follow_s + catch_up
+            trees.append((i, b, nodes, tree, secs))
+            out.append((1.0 + tree, secs + t[1 + nodes], i + 1, b, 0))
+        k = len(self.menu) + 1
+        if alone:
+            out += [(1.0 + min(float(m), gains[m - 1]), look + t[1 + m], k * (j + 1), None, m)
+                    for j, m in enumerate(lengths)]
+        if not self.union or not lengths:
+            return out
+        band = max([(1.0 + self.hurdle) / out[0][1]] + [o[0] / o[1] for o in out[1:]]) * TIE if prune else 0.0
+        for i, b, nodes, tree, secs in trees:
+            top = min(lengths[-1], room - nodes)
+            if top <= 0:
+                continue
+            g = gains[top - 1]
+            # the union's best case (the whole draft) at its cheapest (one row more) under the band: none of
+            # this tree's unions can win, and most steps price none
+            if (1.0 + tree + min(float(top), max(0.0, g - tree, beyond * g))) / (secs + t[2 + nodes]) < band:
+                continue
+            for j, m in enumerate(lengths):
+                n = min(m, room - nodes)
+                g = gains[n - 1]
+                add = min(float(n), max(0.0, g - tree, beyond * g))
+                if add > 0 or not prune:
+                    out.append((1.0 + tree + add, secs + t[1 + nodes + n], k * (j + 1) + i + 1, b, m))
+        return out
 
     def expected(self, choice: Choice, gains: list[float], room: int, ctx: int | None = None, scale: float = 1.0,
                  catch_up: float = 0.0, beyond: float = 0.0, look: float = 0.0) -> tuple[float, float]:
-        """(expected tokens, seconds) of one step with this choice; gains[m - 1]: the n-gram draft's first m
-        nodes' expected accepted tokens; catch_up: what a head pays first to read the rows of steps it
-        skipped; look: the n-gram draft's own cost (paid either way)."""
-        nodes, tree, secs = 0, None, look
-        if choice.budget is not None:
-            nodes, tree, secs = self._tree(choice.budget, room, scale, catch_up, look)
-        n = max(0, min(choice.chain, room - nodes))
-        rows = 1 + nodes + n
-        return 1.0 + (tree or 0.0) + self._added(gains, n, tree, beyond), secs + self.times(ctx, rows + 1)[rows]
+        """(expected tokens, seconds) of one step with this choice, as choose() prices it; gains[m - 1]: the
+        n-gram draft's first m nodes' expected accepted tokens; catch_up: what a head pays first to read the
+        rows of steps it skipped; look: the n-gram draft's own cost (paid either way)."""
+        b = choice.budget
+        chain = max(0, min(choice.chain, room - (min(b.tree_size, room) if b else 0)))
+        keep = [i for i, (x, _) in enumerate(self.menu) if x == b]
+        opts = self._priced(gains, room, ctx, scale, catch_up, beyond, look, keep, [chain] if chain else [])
+        return next((o[0], o[1]) for o in opts if o[3] == b and o[4] == chain)
 
     def choose(self, gains: list[float], room: int, ctx: int | None = None, scale: float = 1.0,
                catch_up: float = 0.0, beyond: float = 0.0, look: float = 0.0) -> Choice:
-        """The option with the most expected tokens per second, each priced as `expected` does, over one
-        list of t(n) (this runs every step)."""
+        """The option with the most expected tokens per second (a plain step's raised by the hurdle), each
+        priced as expected() prices it."""
         if room <= 0:
             return VANILLA
         menu = self.menu
@@ -268,30 +292,11 @@ class Policy:
             alone = whole >= least
             if not keep and not alone:
                 return VANILLA
-        lengths = prefixes(len(gains), room)
-        t = self.times(ctx, 2 + self.widest + (lengths[-1] if lengths else 0))
-        # (rate, rank, budget, chain): rank orders vanilla, the menu, then the prefixes and their unions
-        rates = [((1.0 + self.hurdle) / (look + t[1]), 0, None, 0)]
-        trees = [(i, *self._tree(menu[i][0], room, scale, catch_up, look)) for i in keep]
-        rates += [((1.0 + tree) / (secs + t[1 + nodes]), i + 1, menu[i][0], 0) for i, nodes, tree, secs in trees]
-        k = len(menu) + 1
-        if alone:
-            rates += [((1.0 + self._added(gains, m, None, beyond)) / (look + t[1 + m]), k * (j + 1), None, m)
-                      for j, m in enumerate(lengths)]
-        if self.union and lengths:
-            band = max(r[0] for r in rates) * TIE
-            for i, nodes, tree, secs in trees:
-                top = min(lengths[-1], room - nodes)
-                # the union's best case (the whole draft) at its cheapest (one row more) under the band:
-                # none of this tree's unions can win, and most steps price none
-                if top <= 0 or (1.0 + tree + self._added(gains, top, tree, beyond)) / (secs + t[2 + nodes]) < band:
-                    continue
-                for j, m in enumerate(lengths):
-                    n = min(m, room - nodes)
-                    add = self._added(gains, n, tree, beyond)
-                    if add > 0:
-                        rate = (1.0 + tree + add) / (secs + t[1 + nodes + n])
-                        rates.append((rate, k * (j + 1) + i + 1, menu[i][0], m))
-        best = max(r[0] for r in rates) * TIE
-        _, _, b, m = min((x for x in rates if x[0] >= best), key=lambda x: x[1])
-        return VANILLA if b is None and not m else Choice(b, m)
+        opts = self._priced(gains, room, ctx, scale, catch_up, beyond, look, keep, prefixes(len(gains), room), alone,
+                            prune=True)
+        plain = (1.0 + self.hurdle) / opts[0][1]
+        best = max(plain, max(o[0] / o[1] for o in opts[1:]) if len(opts) > 1 else 0.0) * TIE
+        if plain >= best:
+            return VANILLA
+        _, _, _, b, m = min((o for o in opts[1:] if o[0] / o[1] >= best), key=lambda o: o[2])
+        return Choice(b, m)
