@@ -968,8 +968,7 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
     """The first draft after a stretch of plain steps also reads those steps' rows: the clock times it
     against its drafting's price plus the catch-up's (timed against one step's drafting it read as dear
     drafting, and fewer drafts, longer catch-ups); a catch-up of more rows than are counted is not observed."""
-    from specdec.drafters.adaptive import unread_rows
-    from specdec.drafters.clock import PRICED_ROWS
+    from specdec.drafters.clock import PRICED_ROWS, CatchUp
     from specdec.heads.io import load_head
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)
@@ -982,7 +981,7 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
         orig = d.model.drafting
 
         def spy(ctx, budget=None):
-            extra = unread_rows(d.model.pending)
+            extra = CatchUp.extra_rows(d.model.pending)
             price = d.policy.draft_s[budget] + d.costs.follow_s + d.catch.price(extra)
             wanted.append((d.model.unread_steps, extra, price))
             return (yield from orig(ctx, budget))

@@ -6,10 +6,10 @@ Costs (drafters/costs.py) are measured on this machine and fixed within a reques
 are rescaled to what the verify forwards took if that drifted (clock.StepClock), for this process only.
 Acceptance is learned per request from verdicts of earlier steps (policy.py), and every n-gram draft is
 scored on the tokens emitted after it, verified or not, so a stretch of plain steps still learns when the
-text starts repeating. No text depends on these choices: greedy text is the target's
-argmax, and a seeded sampled request's is the target's coupled draw (sampling.Coupling), whatever was
-drafted; a draft that carries q (sampled children, a sampled draft-model chain) never shares a verify
-with the n-gram draft's point masses.
+text starts repeating. No text depends on these choices: greedy text is the target's argmax, and a seeded
+sampled request's is the target's coupled draw (sampling.Coupling), whatever was drafted; a draft that
+carries q (sampled children, a sampled draft-model chain) never shares a verify with the n-gram draft's
+point masses.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
-from specdec.drafters.clock import PRICED_ROWS, TYPICAL_ROWS, CatchUp, StepClock
+from specdec.drafters.clock import PRICED_ROWS, CatchUp, StepClock
 from specdec.drafters.costs import Costs
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -63,17 +63,6 @@ def tried(children: list[list[int]], tokens: list[int], emitted: list[int]) -> t
             return out, True
         row = hit + 1
     return out, not children[row]
-
-
-def unread_rows(pending: list[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
-    """Rows of a head's queued steps past a drafted step's TYPICAL_ROWS, counted only as far as priced (the
-    queue grows by a step on every plain step)."""
-    rows = 0
-    for f, _ in pending:
-        rows += f.shape[0]
-        if rows > TYPICAL_ROWS + PRICED_ROWS:
-            break
-    return max(0, rows - TYPICAL_ROWS)
 
 
 @dataclass
@@ -203,7 +192,7 @@ class AdaptiveDrafter(Drafter):
         ng = self._ngram(ctx) if room > 0 else None
         gains = self.cal.gains(ng.confs, ng.parents) if ng is not None else []
         look = self.costs.lookup_s if ng is not None else 0.0
-        extra = unread_rows(self.head.pending) if self.head is not None else 0
+        extra = CatchUp.extra_rows(self.head.pending) if self.head is not None else 0
         catch_up = self.catch.price(extra)
         choice = self.policy.choose(gains, room, n_ctx, self.scale.value, catch_up, self.beyond.share, look)
         if ng is not None:

@@ -114,6 +114,17 @@ class CatchUp:
         self.seconds, self.rows = self.PRIOR_ROWS * prior_row_s, self.PRIOR_ROWS
         self.pending = (0, 0.0)  # (rows counted, the drafting's price without them) to learn from
 
+    @staticmethod
+    def extra_rows(pending: list) -> int:
+        """Rows of a head's queued steps (EagleDrafter.pending) past a drafted step's TYPICAL_ROWS, counted
+        only as far as priced (the queue grows by a step on every plain step)."""
+        rows = 0
+        for f, _ in pending:
+            rows += f.shape[0]
+            if rows > TYPICAL_ROWS + PRICED_ROWS:
+                break
+        return max(0, rows - TYPICAL_ROWS)
+
     @property
     def row_s(self) -> float:
         return self.seconds / self.rows

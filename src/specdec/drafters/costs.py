@@ -159,17 +159,17 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
     if model is None:
         runner.reset()
         return costs
-    b0 = menu[0][0]
     if not head:
-        def read() -> None:
-            model.begin(ctx)  # an empty cache: the chain reads the whole context first
-            model.propose(ctx, b0)
-        read_s = _time_warm(read, 1)
+        model.begin(ctx)
+    b0 = menu[0][0]
     costs.draft_s = {b: _time_warm(lambda: model.propose(ctx, b), reps) for b, _ in menu}
     hot = replace(ctx, params=SamplingParams(1.0), generator=torch.Generator().manual_seed(0))
     costs.sampled_s = {b: _time_warm(lambda: model.propose(hot, b), reps) for b, _ in sampled}
     if not head:
-        costs.catch_row_s = max(read_s - costs.draft_s[b0], 0.0) / (ctx_len + 1)
+        def read() -> None:
+            model.begin(ctx)  # an empty cache: the chain reads the whole context first
+            model.propose(ctx, b0)
+        costs.catch_row_s = max(_time_warm(read, 1) - costs.draft_s[b0], 0.0) / (ctx_len + 1)
     else:
         at = ctx_len
 
