@@ -31,7 +31,7 @@ def test_static_tree_follows_choices_by_rank():
     calls = []
 
     def step(sel, tokens, parents):
-        calls.append(sel.tolist())
+        calls.append(list(sel))
         return torch.stack([table[int(tokens[i])] for i in sel])
 
     root = table[0]

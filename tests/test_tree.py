@@ -63,7 +63,7 @@ def test_confidence_ranking_differs_from_value():
         expanded = []
 
         def step(sel, tokens, parents, expanded=expanded):
-            expanded.append(tokens[sel].tolist())
+            expanded.append([tokens[i] for i in sel])
             return _table_step(table)(sel, tokens, parents)
         build_dynamic_tree(root, step, depth=3, topk=2, tree_size=10, rank_by=rank_by)
         seen[rank_by] = expanded
@@ -115,7 +115,7 @@ def _path_step(vocab, seed):
     """A drafter whose child log-probs are a random function of the node's whole path."""
     def step(sel, tokens, parents):
         rows = []
-        for i in sel.tolist():
+        for i in sel:
             path = []
             while i >= 0:
                 path.append(int(tokens[i]))
@@ -146,7 +146,7 @@ def test_a_grammar_drafts_the_tree_its_mask_would(seed):
     def masked(step):
         def inner(sel, tokens, parents):
             lp = step(sel, tokens, parents).clone()
-            for r, i in enumerate(sel.tolist()):
+            for r, i in enumerate(sel):
                 path = []
                 while i >= 0:
                     path.insert(0, int(tokens[i]))

@@ -6,6 +6,7 @@ last accepted token, not yet in the target's KV cache) is implicit and has index
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
@@ -171,12 +172,12 @@ class DraftTree:
 
 
 # step(new_nodes [k], tokens [n], parents [n]) -> log-probabilities [k, V] of each new node's children.
-# `tokens`/`parents` describe every node made so far; the callee owns its KV cache and has already
-# cached the nodes of earlier calls (see NodeSlots).
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Lists of ints: `tokens`/`parents` describe every node made so far; the callee owns its KV cache and has
+# already cached the nodes of earlier calls (see NodeSlots).
+StepFn = Callable[[list[int], list[int], list[int]], torch.Tensor]
 # A tree being built: it yields each step's arguments and is sent the step's result (a drafter runs the
 # step's forward between, alone or packed with other sequences' drafts: drafters.base.Drafting).
-Growing = Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, "DraftTree"]
+Growing = Generator[tuple[list[int], list[int], list[int]], torch.Tensor, "DraftTree"]
 
 
 def grown(tree: Growing, step: StepFn) -> DraftTree:
@@ -249,59 +250,56 @@ def dynamic_tree(
     the draft is the nodes chosen for expansion at each depth, shallow first. With `allowed` (a
     grammar) a node's children are its top-k tokens the grammar allows after its path: the draft is
     proposed under the mask, and a forbidden token takes no node.
-    """
+
+    The bookkeeping is on Python lists: a draft tree has tens of nodes, where each small tensor op
+    costs more than the whole list operation (and this runs once per decoding step)."""
     if rank_by not in ("value", "confidence"):
         raise ValueError("rank_by must be 'value' or 'confidence'")
     topk = min(topk, root_logprobs.shape[-1])
     if rank_by == "value" and rerank:  # a kept node's ancestors and elder siblings are kept: no more is needed
         topk, depth = min(topk, tree_size), min(depth, tree_size)
-    paths: list[list[int]] = []  # with a grammar: each node's tokens from the root's child down
     lp, tok = _children(root_logprobs[None], topk, [[]], allowed)
-    lp, tok = lp[0], tok[0]
-    if allowed is not None:
-        paths += [[t] for t in tok.tolist()]
-    tokens, parents, logv = [tok], [torch.full((topk,), -1, device=tok.device)], [lp]
-    frontier_ids = torch.arange(topk, device=tok.device)
-    frontier_v, frontier_c = lp, lp
-    n = topk
-    expanded = []
+    toks, pars, vs = tok[0].tolist(), [-1] * topk, lp[0].tolist()  # vs: log V, float32 values
+    # with a grammar: each node's tokens from the root's child down
+    paths = [[t] for t in toks] if allowed is not None else []
+    frontier, conf = list(range(topk)), vs  # the newest layer and its nodes' own confidences
+    expanded: list[list[int]] = []
     for d in range(1, depth + 1):
-        key = frontier_v if rank_by == "value" else frontier_c
-        k = min(topk, key.numel())
-        sel = frontier_ids[torch.topk(key, k).indices.sort().values]
+        key = [vs[i] for i in frontier] if rank_by == "value" else conf
+        best = sorted(range(len(frontier)), key=key.__getitem__, reverse=True)[:topk]
+        sel = sorted(frontier[i] for i in best)
         if allowed is not None:  # a token the grammar forbids is no node
-            sel = sel[torch.isfinite(torch.cat(logv)[sel])]
-            if sel.numel() == 0:
+            sel = [i for i in sel if vs[i] != -math.inf]
+            if not sel:
                 break
         expanded.append(sel)
         if d == depth:
             break
-        all_tok, all_par = torch.cat(tokens), torch.cat(parents)
         # the step sees only the nodes it has not seen; the selected frontier is new to it
-        child_lp = yield sel, all_tok, all_par
-        k = sel.numel()
-        sel_l = sel.tolist()
-        c_lp, c_tok = _children(child_lp, topk, [paths[i] for i in sel_l] if allowed else [], allowed)  # [k, topk]
+        child_lp = yield sel, toks, pars
+        c_lp, c_tok = _children(child_lp, topk, [paths[i] for i in sel] if allowed else [], allowed)  # [k, topk]
+        c_tok_l = c_tok.tolist()
         if allowed is not None:
-            paths += [paths[i] + [t] for i, row in zip(sel_l, c_tok.tolist()) for t in row]
-        all_v = torch.cat(logv)
-        v = all_v[sel].unsqueeze(1) + c_lp
-        tokens.append(c_tok.reshape(-1))
-        parents.append(sel.repeat_interleave(topk))
-        logv.append(v.reshape(-1))
-        frontier_ids = torch.arange(n, n + k * topk, device=tok.device)
-        frontier_v, frontier_c = v.reshape(-1), c_lp.reshape(-1)
-        n += k * topk
-    all_tok, all_par, all_v = torch.cat(tokens), torch.cat(parents), torch.cat(logv)
-    m = min(tree_size, n if allowed is None else int(torch.isfinite(all_v).sum()))
+            paths += [paths[i] + [t] for i, row in zip(sel, c_tok_l) for t in row]
+        v = torch.tensor([vs[i] for i in sel], dtype=c_lp.dtype, device=c_lp.device)[:, None] + c_lp  # float32
+        frontier = list(range(len(toks), len(toks) + len(sel) * topk))
+        toks = toks + [t for row in c_tok_l for t in row]
+        pars = pars + [i for i in sel for _ in range(topk)]
+        vs = vs + v.flatten().tolist()
+        conf = c_lp.flatten().tolist()
+    m = min(tree_size, len(toks) if allowed is None else sum(x != -math.inf for x in vs))
     if rerank:
-        # stable sort: ties keep index order, i.e. shallower first; since V never grows along a
+        # a stable sort: ties keep index order, i.e. shallower first; since V never grows along a
         # path, every kept node's parent ranks before it and the kept set is connected
-        keep = torch.argsort(-all_v, stable=True)[:m]
+        keep = sorted(range(len(vs)), key=lambda i: -vs[i])[:m]
     else:  # ablation: the draft is just the nodes chosen during expansion (a beam per depth)
-        keep = torch.cat(expanded)[:m]
-    keep = keep.sort().values
-    return DraftTree(all_tok, all_par, all_v).select(keep)
+        keep = [i for s in expanded for i in s][:m]
+    keep.sort()
+    new = {-1: -1} | {old: i for i, old in enumerate(keep)}
+    dev = root_logprobs.device
+    return DraftTree(torch.tensor([toks[i] for i in keep], device=dev),
+                     torch.tensor([new[pars[i]] for i in keep], device=dev),
+                     torch.tensor([vs[i] for i in keep], dtype=lp.dtype, device=dev))
 
 
 def _children(logprobs: torch.Tensor, k: int, paths: list[list[int]], allowed: Allowed | None):
@@ -366,7 +364,8 @@ def sampled_tree(
         best = torch.topk(frontier_v, min(topk, frontier_v.numel())).indices  # by value, best first
         sel = frontier_ids[best]
         order = torch.argsort(sel)  # the step takes the new nodes in index order (topological)
-        rows = (yield sel[order], torch.cat(tokens), torch.cat(parents))[torch.argsort(order)]
+        asked = sel[order].tolist(), torch.cat(tokens).tolist(), torch.cat(parents).tolist()
+        rows = (yield asked)[torch.argsort(order)]
         lp, tok, q, ok = draw_children(rows, topk, generator)
         v = torch.cat(logv)[sel].unsqueeze(1) + lp
         # boolean indexing flattens row by row: best parent first, each parent's children in draw order

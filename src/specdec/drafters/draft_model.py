@@ -156,10 +156,9 @@ class DraftModelDrafter(TreeDrafter):
         committed = self.runner.length
 
         def step(sel, tokens, parents):
-            sel_l, par = sel.tolist(), parents.tolist()
-            mask = slots.mask(sel_l, par, committed)
-            pos = torch.tensor([root_pos + _depth(n, par) for n in sel_l])
-            out = yield RunnerForward(self.runner, tokens[sel], pos, mask)
+            mask = slots.mask(sel, parents, committed)
+            pos = torch.tensor([root_pos + _depth(n, parents) for n in sel])
+            out = yield RunnerForward(self.runner, torch.tensor([tokens[i] for i in sel]), pos, mask)
             lp = tempered_log_probs(self._pad(out.logits), ctx.params)
             # a seeded request: rank by log q + the noise of the target's draw at the children's position
             return lp if coupling is None else coupling.perturb(lp, (pos + 1).tolist())

@@ -76,7 +76,7 @@ def static_tree(root_logprobs: torch.Tensor, choices: Sequence[Sequence[int]]) -
         parents_here = sorted({index[c[:-1]] for c in layer})
         new = [p for p in parents_here if p not in logp]
         if new:
-            out = yield torch.tensor(new), torch.tensor(toks), torch.tensor(pars)
+            out = yield new, list(toks), list(pars)
             for r, p in enumerate(new):
                 logp[p] = out[r]
         for p in parents_here:
@@ -220,8 +220,7 @@ class EagleDrafter(TreeDrafter):
         run = self.runner
         final = budget.depth if budget is not None else max(map(len, self.choices))  # no node deeper is drawn
 
-        def step(sel: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> Generator:
-            sel_l, par = sel.tolist(), parents.tolist()
+        def step(sel_l: list[int], tokens: list[int], par: list[int]) -> Generator:
             for i in range(len(depth_of), len(par)):  # nodes are topological: parents come first
                 depth_of[i] = 1 if par[i] < 0 else depth_of[par[i]] + 1
             mask = slots.mask(sel_l, par, n)
@@ -229,8 +228,8 @@ class EagleDrafter(TreeDrafter):
             pos = torch.tensor([n - 1 + depth_of[i] for i in sel_l], device=run.device)
             # children at the tree's last depth are never expanded: their f̂ is not needed (PAD skips it)
             last = all(depth_of[i] + 1 >= final for i in sel_l)
-            h, _, logits = yield HeadForward(run, tokens[sel].to(run.device), feats, pos, mask, draft=True,
-                                             feature=not last)
+            h, _, logits = yield HeadForward(run, torch.tensor([tokens[i] for i in sel_l], device=run.device), feats,
+                                             pos, mask, draft=True, feature=not last)
             for r, i in enumerate(sel_l):
                 hid[i] = None if last else h[r]  # drafting continues with f̂ (with PAD: f, not the logits' f̃)
             lp = tempered_log_probs(logits, ctx.params)

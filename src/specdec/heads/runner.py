@@ -77,6 +77,7 @@ class HeadRunner(Cached):
         self.weights = weights
         self._build(head, pack, weights)
         self.stack = native_stack(self.layers)
+        self.fused = all(b.fused is not None for b in self.layers)
         self.embed = embed.detach()
         if head.lm_head is not None:
             self.lm = Linear(head.lm_head.weight, None, pack, weights)
@@ -202,12 +203,12 @@ class HeadRunner(Cached):
             kv.reserve(n)
             self.rope.grow(kv.capacity)
         cos, sin = self.rope(positions)
-        causal = False
-        if mask is None:
-            mask, causal = chain_attention(start, n, self.device)
-        else:
+        causal, few = False, n <= EXACT_ROWS
+        if mask is not None:
             mask = mask.to(self.device)
-        return _Rows(kv, start, n, cos, sin, mask, causal, n <= EXACT_ROWS)
+        elif not (few and self.fused):  # the fused kernels read no mask as a chain
+            mask, causal = chain_attention(start, n, self.device)
+        return _Rows(kv, start, n, cos, sin, mask, causal, few)
 
     @torch.inference_mode()
     def _run(self, parts: Sequence[HeadPart], draft: bool,
@@ -221,7 +222,7 @@ class HeadRunner(Cached):
             self.pad_block.tail_only = not feature
         sizes = [p.n for p in plans]
         packed = None
-        if len(parts) > 1 and all(b.fused is not None for b in self.layers) and all(p.few for p in plans):
+        if len(parts) > 1 and self.fused and all(p.few for p in plans):
             packed = PackedRows(torch.cat([p.cos.reshape(p.n, -1) for p in plans]),
                                 torch.cat([p.sin.reshape(p.n, -1) for p in plans]),
                                 [p.kv.k for p in plans], [p.kv.v for p in plans], [p.start for p in plans], sizes,

@@ -24,15 +24,14 @@ class Rows:
     def _drop(self, length: int) -> None:
         """Forget stored rows from `length` on (a preallocated cache just overwrites them later)."""
 
-    @torch.inference_mode()
     def commit(self, keep: torch.Tensor | list[int] | range) -> None:
         """Keep the given pending rows (indices relative to the first pending row), drop the rest."""
-        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
-        k = keep.numel()
-        dst = torch.arange(self.length, self.length + k, device=self.device)
-        src = keep + self.length
-        if k and not torch.equal(src, dst):  # one index copy, none when the rows are already in place
-            self._move(src, dst)
+        rows = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+        k = len(rows)
+        if rows != list(range(k)):  # one index copy, none when the rows are already in place (a chain)
+            with torch.inference_mode():
+                self._move(torch.tensor(rows, device=self.device) + self.length,
+                           torch.arange(self.length, self.length + k, device=self.device))
         self.length += k
         self.n_pending = 0
         self._drop(self.length)
