@@ -251,6 +251,45 @@ def test_the_self_check_catches_any_broken_op(op, how):
     stream._self_check(stream.kernel())  # and the real module passes
 
 
+# ---- the seeded uniforms (kernels/random.cpp) ----
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", [0, 5489, 2**32 + 3, 2**63 - 1, 2**64 - 1])
+def test_the_kernels_uniforms_are_torch_rands_bit_for_bit(seed):
+    # sizes around the generator's 312 doubles per twist, and whole vocabularies (SmolLM2, Qwen2.5)
+    for n in (0, 1, 311, 312, 313, 623, 624, 625, 1000, 49152, 151936):
+        want = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        assert torch.equal(stream.kernel().uniform64(seed, n), want), n
+        assert torch.equal(stream.uniform64(seed, n), want), n
+
+
+def test_without_the_kernel_the_uniforms_are_torchs(monkeypatch):
+    monkeypatch.setenv("SPECDEC_STREAM", "0")
+    stream.kernel.cache_clear()
+    try:
+        want = torch.rand(700, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        assert torch.equal(stream.uniform64(9, 700), want)
+    finally:
+        stream.kernel.cache_clear()
+
+
+@needs_kernel
+def test_the_self_check_catches_wrong_uniforms():
+    class Shifted:
+        def __init__(self, mod):
+            self.mod = mod
+
+        def __getattr__(self, name):
+            return getattr(self.mod, name)
+
+        def uniform64(self, seed, n):
+            return self.mod.uniform64(seed + 1, n)
+
+    with pytest.raises(RuntimeError, match="self-check failed: uniform64"):
+        stream._self_check(Shifted(stream.kernel()))
+
+
 # ---- the fused per-layer ops (kernels/fused.cpp) ----
 
 

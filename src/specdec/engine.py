@@ -11,7 +11,7 @@ import torch
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, alone, follow
 from specdec.errors import SpecdecError
 from specdec.grammar import Constraint
-from specdec.runtime import threads
+from specdec.runtime import stream, threads
 from specdec.runtime.base import ForwardOut, Runner, side_mask, tree_mask
 from specdec.sampling import SamplingParams
 from specdec.slot import Lease, Slot
@@ -56,7 +56,7 @@ class Sequence:
         self.constraint = constraint  # a grammar the answer must follow (grammar.py), or None
         self.dev = runner.device
         self.gen = params.generator(self.dev)
-        self.coupling = params.coupling(runner.vocab_size)
+        self.coupling = params.coupling(runner.vocab_size, stream.uniform64)
         self.typical = drafter.acceptance
         if self.typical is not None and not params.greedy:
             stats.acceptance = f"LOSSY {self.typical}"

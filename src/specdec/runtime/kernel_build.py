@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / f for f in ("stream.cpp", "fused.cpp", "quant.cpp", "interleaved.cpp", "layers.cpp")]
+SOURCES = [KERNELS / f for f in ("stream.cpp", "fused.cpp", "quant.cpp", "interleaved.cpp", "layers.cpp",
+                                       "random.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # no contraction: sums in source order
 # the same per-lane operations in 16-lane vectors: the same bits, fewer instructions (torch's AVX512 level
 # implies BW, VL and DQ: the integer kernels use BW)

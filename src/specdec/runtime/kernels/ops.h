@@ -33,5 +33,8 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
 torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
 
+// random.cpp: torch.rand's float64 uniforms from a seeded CPU generator, bit for bit
+torch::Tensor uniform64(uint64_t seed, int64_t n);
+
 // layers.cpp: llama.Block's fused path as one call per stack of layers (class Stack)
 void bind_layers(pybind11::module_& m);

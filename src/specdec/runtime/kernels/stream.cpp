@@ -212,5 +212,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, py::arg("q"), py::arg("kc"), py::arg("vc"), py::arg("start"), py::arg("mask") = py::none());
   m.def("rope_store_many", &rope_store_many);
   m.def("attend_many", &attend_many);
+  m.def("uniform64", &uniform64);
   bind_layers(m);
 }
