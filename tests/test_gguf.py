@@ -340,6 +340,8 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
                                    lin.call(key)(x, ws, ts, None, None)), (fmt, rows, n)
     for n in (1, 625, 49152):  # the seeded uniforms of sampling.Coupling
         assert torch.equal(avx2.uniform64(7, n), stream.kernel().uniform64(7, n))
+        p = torch.softmax(torch.randn(n, generator=g) * 2, -1)
+        assert avx2.race(p, avx2.uniform64(7, n)) == stream.kernel().race(p, avx2.uniform64(7, n))
 
 
 def test_the_bench_reports_a_gguf_targets_parameters_and_block_types(tmp_path):

@@ -2,6 +2,7 @@
 every precision, gives every row the same bits whatever shares the call, and a machine that cannot
 build it falls back, with one warning, to kernels computing the same model."""
 
+import math
 import platform
 import sys
 import types
@@ -11,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec import sampling
 from specdec.runtime import kernel_build, stream
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.packed import PRECISIONS, Linear, round_weight
+from specdec.sampling import Coupling
 from tests.helpers import at_threads, run, same_bits_on_any_thread_count, tiny_model
 
 X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
@@ -261,17 +264,42 @@ def test_the_kernels_uniforms_are_torch_rands_bit_for_bit(seed):
     for n in (0, 1, 311, 312, 313, 623, 624, 625, 1000, 49152, 151936):
         want = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         assert torch.equal(stream.kernel().uniform64(seed, n), want), n
-        assert torch.equal(stream.uniform64(seed, n), want), n
 
 
-def test_without_the_kernel_the_uniforms_are_torchs(monkeypatch):
-    monkeypatch.setenv("SPECDEC_STREAM", "0")
-    stream.kernel.cache_clear()
-    try:
-        want = torch.rand(700, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        assert torch.equal(stream.uniform64(9, 700), want)
-    finally:
-        stream.kernel.cache_clear()
+def _race_reference(p: torch.Tensor, u: torch.Tensor) -> int:
+    """The first x of largest p[x] / -log(max(u[x], 1e-300)), every ratio computed."""
+    r = [float(a) / -math.log(max(float(b), 1e-300)) for a, b in zip(p.double().tolist(), u.tolist())]
+    return r.index(max(r))
+
+
+@needs_kernel
+def test_the_coupled_draw_is_the_same_with_and_without_the_kernels():
+    """Coupling's uniforms and draw: the kernels' (uniform64, race) and torch's/numpy's give the same bits and
+    tokens, and the draw is the exponential race with every ratio computed, ties to the first token."""
+    g = torch.Generator().manual_seed(0)
+    fast, slow = Coupling(11, 700, stream.kernel()), Coupling(11, 700)
+    for i in range(300):
+        u = fast.uniforms(i)
+        assert torch.equal(u, slow.uniforms(i))
+        kind = i % 5
+        logits = torch.randn(700, generator=g) * (0.2 + 3 * (i % 7))
+        p = torch.softmax(logits, -1)
+        if kind == 1:
+            p[torch.rand(700, generator=g) < 0.9] = 0.0  # top-k / top-p zeros
+        elif kind == 2:
+            p = torch.full((700,), 1 / 700)  # flat: every token a candidate
+        elif kind == 3:
+            p = torch.zeros(700)
+            p[[5, 9]] = 0.5  # two equal maxima
+        elif kind == 4:
+            p = torch.zeros(700)
+            p[699] = 1.0  # a point mass at the last token
+        want = _race_reference(p, u)
+        assert fast.pick(p, i) == slow.pick(p, i) == want, i
+        assert p[want] > 0
+    u = torch.zeros(700, dtype=torch.float64)  # U = 0 (clamped to 1e-300): an E of 690.8, never a division by 0
+    p = torch.full((700,), 1 / 700)
+    assert stream.kernel().race(p, u) == sampling.race(p, u) == _race_reference(p, u)
 
 
 @needs_kernel

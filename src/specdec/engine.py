@@ -56,7 +56,7 @@ class Sequence:
         self.constraint = constraint  # a grammar the answer must follow (grammar.py), or None
         self.dev = runner.device
         self.gen = params.generator(self.dev)
-        self.coupling = params.coupling(runner.vocab_size, stream.uniform64)
+        self.coupling = params.coupling(runner.vocab_size, stream.kernel())
         self.typical = drafter.acceptance
         if self.typical is not None and not params.greedy:
             stats.acceptance = f"LOSSY {self.typical}"

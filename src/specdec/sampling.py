@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import math
 
+import numpy as np
 import torch
 
 from specdec.options import Options, option
@@ -27,10 +28,10 @@ class SamplingParams(Options):
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def coupling(self, vocab: int, uniform: Uniform | None = None) -> Coupling | None:
+    def coupling(self, vocab: int, kernels=None) -> Coupling | None:
         """A seeded sampled request samples through a Coupling over the target's `vocab`: its text is a
-        function of the seed and the target alone, the same for every method."""
-        return Coupling(self.seed, vocab, uniform) if self.seed is not None and not self.greedy else None
+        function of the seed and the target alone, the same for every method (kernels: Coupling's)."""
+        return Coupling(self.seed, vocab, kernels) if self.seed is not None and not self.greedy else None
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         if self.seed is None:
@@ -99,14 +100,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return i if i < probs.numel() else int(torch.nonzero(probs).max())  # u rounded up to the total
 
 
-# (seed, n) -> n float64 uniforms: exactly torch_uniform64's
-Uniform = Callable[[int, int], torch.Tensor]
-
-
-def torch_uniform64(seed: int, n: int) -> torch.Tensor:
-    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
 class Coupling:
     """Sampling keyed by (seed, position): the token at position i is argmax_x(log p_i(x) + G_i(x)), where
     G_i is iid Gumbel noise over the target's vocabulary from a generator seeded by (seed, i) alone. By
@@ -115,27 +108,34 @@ class Coupling:
     equals the target's draw, so every method gives vanilla's text for a seed, however it drafts; a
     drafter that ranks by its own log-probabilities plus the same noise proposes the likeliest match.
     The draw is taken as argmax_x p_i(x) / E_i(x) with E_i = -log U_i iid Exp(1) and G_i = -log E_i (the
-    exponential race: the same token, without a log of p or of E)."""
+    exponential race: the same token, without a log of p or of E), U_i torch.rand's float64 bits for that
+    generator. kernels: the native module (runtime.stream.kernel()), whose uniform64 and race compute
+    U and the draw faster with the same result; None: torch and numpy here."""
 
     KEEP = 64  # positions whose noise stays cached (a step reads a few consecutive ones)
 
-    def __init__(self, seed: int, vocab: int, uniform: Uniform | None = None) -> None:
-        """uniform: torch_uniform64 or a faster function giving the same bits (runtime.stream.uniform64)."""
-        self.seed, self.vocab, self.uniform = seed, vocab, uniform or torch_uniform64
-        self._exp: dict[int, torch.Tensor] = {}
+    def __init__(self, seed: int, vocab: int, kernels=None) -> None:
+        self.seed, self.vocab, self.kernels = seed, vocab, kernels
+        self._u: dict[int, torch.Tensor] = {}
         self._gumbel: dict[int, torch.Tensor] = {}
 
-    def exponential(self, position: int) -> torch.Tensor:
-        """E_position [vocab] = -log U, fp64, drawn on the CPU (the same on every device)."""
-        e = self._exp.get(position)
-        if e is None:
+    def uniforms(self, position: int) -> torch.Tensor:
+        """U_position [vocab], fp64, drawn on the CPU (the same on every device)."""
+        u = self._u.get(position)
+        if u is None:
             h = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
-            u = self.uniform(int.from_bytes(h, "little") >> 1, self.vocab).clamp_min_(1e-300)
-            e = self._keep(self._exp, position, u.log_().neg_())
-        return e
+            seed = int.from_bytes(h, "little") >> 1
+            u = self.kernels.uniform64(seed, self.vocab) if self.kernels is not None else \
+                torch.rand(self.vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            u = self._keep(self._u, position, u)
+        return u
+
+    def exponential(self, position: int) -> torch.Tensor:
+        """E_position [vocab] = -log U, fp64."""
+        return self.uniforms(position).clamp_min(1e-300).log_().neg_()
 
     def gumbel(self, position: int) -> torch.Tensor:
-        """G_position [vocab] = -log E_position, fp64 (what a drafter ranks by; the draw itself needs only E)."""
+        """G_position [vocab] = -log E_position, fp64 (what a drafter ranks by; the draw itself needs only U)."""
         g = self._gumbel.get(position)
         return g if g is not None else self._keep(self._gumbel, position, -torch.log(self.exponential(position)))
 
@@ -146,9 +146,9 @@ class Coupling:
         return x
 
     def pick(self, probs: torch.Tensor, position: int) -> int:
-        """The target's draw at `position` from `probs` [vocab] (numpy's argmax: the same first maximum,
-        a tenth of torch's time over a vocabulary)."""
-        return int((probs.double().cpu() / self.exponential(position)).numpy().argmax())
+        """The target's draw at `position` from `probs` [vocab]."""
+        p, u = probs.float().cpu().contiguous(), self.uniforms(position)
+        return self.kernels.race(p, u) if self.kernels is not None else race(p, u)
 
     def perturb(self, logprobs: torch.Tensor, positions: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
         """log_softmax(log q + G) for rows of a drafter's `logprobs` [n, V_d], row r at positions[r]: its
@@ -158,3 +158,21 @@ class Coupling:
         g = torch.stack([self.gumbel(p) for p in positions])
         g = g[:, ids.cpu()] if ids is not None else g[:, : logprobs.shape[-1]]
         return torch.log_softmax(logprobs + g.to(logprobs.device, logprobs.dtype), -1)
+
+
+def race(probs: torch.Tensor, u: torch.Tensor) -> int:
+    """The first x of largest p[x] / E[x], E = -log max(u, 1e-300) (math.log): Coupling's draw (kernels/random.cpp
+    computes the same). Exact without a log per token: -log u >= 1 - u, so p / (1 - u) bounds each ratio, and
+    only the tokens whose bound reaches the likeliest token's ratio are computed."""
+    p, q = probs.double().numpy(), u.numpy()
+
+    def ratio(i: int) -> float:
+        return float(p[i]) / -math.log(max(float(q[i]), 1e-300))
+
+    best_i = int(np.argmax(p))
+    best = ratio(best_i)
+    for i in np.nonzero(p * (1 + 1e-9) >= best * (1.0 - q))[0].tolist():  # the bound's own rounding: 1e-9
+        r = ratio(i)
+        if r > best or (r == best and i < best_i):
+            best, best_i = r, i
+    return best_i

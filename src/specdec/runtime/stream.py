@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec import sampling
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, atomic_write_text, cache_dir
 from specdec.runtime import kernel_build
@@ -75,14 +76,6 @@ def _kernel():
 
 kernel.cache_clear = _kernel.cache_clear  # forget the result (tests)
 
-
-def uniform64(seed: int, n: int) -> torch.Tensor:
-    """torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), bit for bit: the
-    kernel's (kernels/random.cpp: ~8x faster) where it loads, else torch's."""
-    mod = kernel()
-    if mod is not None:
-        return mod.uniform64(seed, n)
-    return torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def _prebuilt(key: str):
@@ -170,6 +163,9 @@ def _self_check(mod) -> None:
     if not torch.equal(mod.uniform64(seed, 1000), torch.rand(1000, generator=torch.Generator().manual_seed(seed),
                                                               dtype=torch.float64)):
         raise RuntimeError("self-check failed: uniform64 differs from torch.rand")
+    p = torch.softmax(torch.randn(1000, generator=g) * 3, -1)
+    if mod.race(p, mod.uniform64(seed, 1000)) != sampling.race(p, mod.uniform64(seed, 1000)):
+        raise RuntimeError("self-check failed: race differs from sampling.race")
 
 
 def _check_x16(mod, g: torch.Generator) -> None:

@@ -35,6 +35,7 @@ torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>
 
 // random.cpp: torch.rand's float64 uniforms from a seeded CPU generator, bit for bit
 torch::Tensor uniform64(uint64_t seed, int64_t n);
+int64_t race(const torch::Tensor& probs, const torch::Tensor& u);  // sampling.Coupling's draw
 
 // layers.cpp: llama.Block's fused path as one call per stack of layers (class Stack)
 void bind_layers(pybind11::module_& m);

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "ops.h"
@@ -58,4 +59,42 @@ torch::Tensor uniform64(uint64_t seed, int64_t n) {
     }
   }
   return out;
+}
+
+// sampling.Coupling's draw: the first x of largest p[x] / E[x], E[x] = -log(max(u[x], 1e-300)) (glibc's log, as
+// Python's math.log), p float32, u float64 [n]. Exact without a log per token: -log u >= 1 - u, so p / (1 - u)
+// bounds each ratio, and only a token whose bound reaches the best ratio found yet is computed (a handful).
+int64_t race(const torch::Tensor& probs, const torch::Tensor& u) {
+  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 && u.scalar_type() == torch::kFloat64 && probs.dim() == 1 &&
+                  u.dim() == 1 && probs.numel() == u.numel() && probs.numel() > 0 && probs.is_contiguous() &&
+                  u.is_contiguous(),
+              "race: probs float32 [n] and u float64 [n], contiguous");
+  const float* p = probs.data_ptr<float>();
+  const double* q = u.data_ptr<double>();
+  const int64_t n = probs.numel();
+  const auto ratio = [&](int64_t i) { return static_cast<double>(p[i]) / -std::log(std::max(q[i], 1e-300)); };
+  // the likeliest token first: non-negative floats order as their bits, whose max vectorizes
+  const int32_t* bits = reinterpret_cast<const int32_t*>(p);
+  int32_t top = bits[0];
+  for (int64_t i = 1; i < n; i++) top = std::max(top, bits[i]);
+  int64_t best_i = 0;
+  while (best_i < n - 1 && bits[best_i] != top) best_i++;
+  double best = ratio(best_i);
+  constexpr double SLACK = 1 + 1e-9;  // the bound's own rounding
+  constexpr int64_t B = 64;  // tokens tested together: whether any of them is a candidate vectorizes
+  for (int64_t b = 0; b < n; b += B) {
+    const int64_t e = std::min(n, b + B);
+    int64_t hits = 0;
+    for (int64_t i = b; i < e; i++) hits += static_cast<double>(p[i]) * SLACK >= best * (1.0 - q[i]);
+    if (hits == 0) continue;
+    for (int64_t i = b; i < e; i++) {
+      if (static_cast<double>(p[i]) * SLACK < best * (1.0 - q[i])) continue;
+      const double r = ratio(i);
+      if (r > best || (r == best && i < best_i)) {
+        best = r;
+        best_i = i;
+      }
+    }
+  }
+  return best_i;
 }

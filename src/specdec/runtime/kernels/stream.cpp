@@ -213,5 +213,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store_many", &rope_store_many);
   m.def("attend_many", &attend_many);
   m.def("uniform64", &uniform64);
+  m.def("race", &race);
   bind_layers(m);
 }
