@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec import sampling
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, atomic_write_text, cache_dir
 from specdec.runtime import kernel_build
+from specdec.sampling import race
 
 PANEL = 16  # outputs per panel (stream.cpp's P)
 PREBUILT = kernel_build.PREBUILT
@@ -164,7 +164,7 @@ def _self_check(mod) -> None:
                                                               dtype=torch.float64)):
         raise RuntimeError("self-check failed: uniform64 differs from torch.rand")
     p = torch.softmax(torch.randn(1000, generator=g) * 3, -1)
-    if mod.race(p, mod.uniform64(seed, 1000)) != sampling.race(p, mod.uniform64(seed, 1000)):
+    if mod.race(p, mod.uniform64(seed, 1000)) != race(p, mod.uniform64(seed, 1000)):
         raise RuntimeError("self-check failed: race differs from sampling.race")
 
 
