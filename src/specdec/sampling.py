@@ -162,16 +162,21 @@ class Coupling:
 
 def race(probs: torch.Tensor, u: torch.Tensor) -> int:
     """The first x of largest p[x] / E[x], E = -log max(u, 1e-300) (math.log): Coupling's draw (kernels/random.cpp
-    computes the same). Exact without a log per token: -log u >= 1 - u, so p / (1 - u) bounds each ratio, and
-    only the tokens whose bound reaches the likeliest token's ratio are computed."""
+    computes the same). Exact without a log per token: -log u >= 1 - u, so p / (1 - u) bounds each ratio; the
+    tokens are tried by that bound, largest first, until it falls below the best ratio found (a handful, even
+    over a flat distribution)."""
     p, q = probs.double().numpy(), u.numpy()
+    bound = p * (1 + 1e-9) / (1.0 - q)  # 1e-9: the bound's own rounding; u < 1 always
 
     def ratio(i: int) -> float:
         return float(p[i]) / -math.log(max(float(q[i]), 1e-300))
 
     best_i = int(np.argmax(p))
     best = ratio(best_i)
-    for i in np.nonzero(p * (1 + 1e-9) >= best * (1.0 - q))[0].tolist():  # the bound's own rounding: 1e-9
+    cand = np.nonzero(bound >= best)[0]
+    for i in cand[np.argsort(-bound[cand], kind="stable")].tolist():
+        if bound[i] < best:
+            break
         r = ratio(i)
         if r > best or (r == best and i < best_i):
             best, best_i = r, i

@@ -77,7 +77,6 @@ def _kernel():
 kernel.cache_clear = _kernel.cache_clear  # forget the result (tests)
 
 
-
 def _prebuilt(key: str):
     """(the module compiled at install, None), or (None, why it cannot serve): absent, or built from
     other sources, flags or torch than this process's (an editable install whose sources changed since,
@@ -160,11 +159,11 @@ def _self_check(mod) -> None:
     _check_rope_attend(mod, g)
     _check_x16(mod, g)
     seed = 2**40 + 7  # past 32 bits: the generator keeps the low 32
-    if not torch.equal(mod.uniform64(seed, 1000), torch.rand(1000, generator=torch.Generator().manual_seed(seed),
-                                                              dtype=torch.float64)):
+    u = mod.uniform64(seed, 1000)
+    if not torch.equal(u, torch.rand(1000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)):
         raise RuntimeError("self-check failed: uniform64 differs from torch.rand")
     p = torch.softmax(torch.randn(1000, generator=g) * 3, -1)
-    if mod.race(p, mod.uniform64(seed, 1000)) != race(p, mod.uniform64(seed, 1000)):
+    if mod.race(p, u) != race(p, u):
         raise RuntimeError("self-check failed: race differs from sampling.race")
 
 
