@@ -81,11 +81,22 @@ def tempered_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(logits if params.greedy else _tempered(logits, params.temperature), dim=-1)
 
 
+SERIAL_ROWS = 8  # up to this many rows, _tempered runs in numpy: the same IEEE bits, no thread wake-ups
+
+
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / T, shifted by the max first so that a tiny T tends to its limit (the argmax; exact ties
-    share) instead of inf - inf = NaN. Below fp32's smallest normal T is taken as that limit."""
-    shifted = logits - logits.max(-1, keepdim=True).values
-    if temperature < torch.finfo(torch.float32).tiny:
+    share) instead of inf - inf = NaN. Below fp32's smallest normal T is taken as that limit. Why numpy
+    for a few CPU rows: a max, a subtraction and a division round the same in any library, and torch
+    splits each of them over threads (a vocabulary-wide row is past its grain), which cost a sampled
+    SmolLM2 step ~0.1 ms of waking threads that had just finished the forward."""
+    tiny = temperature < torch.finfo(torch.float32).tiny
+    if not tiny and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() <= 2 \
+            and logits.numel() <= SERIAL_ROWS * logits.shape[-1]:
+        x = logits.detach().numpy()
+        return torch.from_numpy((x - x.max(-1, keepdims=True)) / np.float32(temperature))
+    shifted = logits - logits.amax(-1, keepdim=True)
+    if tiny:
         return torch.zeros_like(shifted).masked_fill(shifted < 0, float("-inf"))
     return shifted / temperature
 
