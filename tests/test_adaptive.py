@@ -1,6 +1,7 @@
 """Adaptive speculation (`auto`): the policy's choice and its estimates, the cost cache, and losslessness
 with the draft size changing from step to step (greedy equality, chi-square at T > 0 with top-k / top-p)."""
 
+import bisect
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ from specdec.drafters.clock import SIZE_CLASSES, StepClock, size_class
 from specdec.drafters.costs import Costs, load_costs
 from specdec.drafters.policy import (
     BUCKET,
+    EDGES,
     HURDLE,
     TIE,
     VANILLA,
@@ -525,6 +527,21 @@ def test_calibration_follows_what_the_emitted_tokens_showed():
     # a tree: node 1 under node 0, node 2 another root child; each prefix's expected accepted tokens
     assert cal.gains([0.6, 0.6, 0.95], [-1, 0, -1]) == pytest.approx([r, r + r * r, r + r * r + 0.95])
     assert Calibration(0.7).rate(0.6) == pytest.approx(0.7 * 0.6)  # at T > 0: a point mass x is accepted with p(x)
+
+
+def test_measured_lookup_rates_are_the_calibrations_prior_where_given():
+    """tune's measured share per bucket replaces the confidence's own prior there (a one-token match, raw 0.33,
+    priced at what the calibration answers showed), the formula stays elsewhere, and evidence still moves it."""
+    rates = [None] * (len(EDGES) + 1)
+    rates[bisect.bisect_right(EDGES, 0.33)] = 0.1
+    cal = Calibration(0.55, rates)
+    assert cal.rate(0.33) == pytest.approx(0.1) and cal.rate(0.95) == pytest.approx(0.55 * 0.95)
+    for _ in range(40):
+        cal.step()
+        cal.observe(0.33, True)
+    assert cal.rate(0.33) > 0.75
+    with pytest.raises(ValueError, match="per calibration bucket"):
+        Calibration(1.0, [0.5])
 
 
 def test_a_union_is_priced_by_what_the_n_gram_part_adds_beyond_the_model_draft():

@@ -10,14 +10,16 @@ import torch
 from specdec.api import from_models
 from specdec.cli import main
 from specdec.drafters.base import NoDrafter
+from specdec.drafters.policy import EDGES
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget as Config
 from specdec.tree import build_dynamic_tree
+from specdec.tune.lookup import lookup_rates, node_outcomes
 from specdec.tune.replay import matched_path, replay, visited
 from specdec.tune.search import Row, accepted_lengths, candidates, rank, tune, walk
 from specdec.tuning import BUDGET_KEYS as TUNED
-from specdec.tuning import load_acceptance, load_tuning, save_tuning, tuning_path
+from specdec.tuning import load_acceptance, load_lookup_rates, load_tuning, save_tuning, tuning_path
 from tests.helpers import PROMPTS, run
 
 
@@ -288,3 +290,31 @@ def test_bad_input_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("specdec.tuning.tuning_path", lambda h: tmp_path / "t.json")
     with pytest.raises(SpecdecError, match="integers >= 1"):
         load_tuning(tmp_path)
+
+
+def test_lookup_node_outcomes_follow_the_verifier():
+    """Each step's lookup chain (its root the last emitted token) is tested node by node while the earlier
+    nodes matched, as a verifier accepts: after "1 2 3 4 5 6 1" and the first answer token 2, the chain
+    copies "3 4 5" (a 2-gram match); the answer takes 3 (hit), then 9 (a miss: node 3 is never tested); after
+    "1 2 3" the 3-gram match proposes 4, missed again; after 9 nothing matches."""
+    out = node_outcomes([1, 2, 3, 4, 5, 6, 1], [2, 3, 9, 5], chain_len=3)
+    assert out == [(pytest.approx(0.5), True), (pytest.approx(0.6), False), (pytest.approx(0.6), False)]
+
+
+def test_lookup_rates_are_measured_shipped_and_read_back(tiny, trained, tmp_path, monkeypatch):
+    dec = from_models(tiny, None, "eagle2", head=str(trained[1] / "head"))
+    rates = lookup_rates(dec, PROMPTS[:2], 40, chain_len=4)
+    assert len(rates) == len(EDGES) + 1 and all(r is None or 0 <= r <= 1 for r in rates)
+    head = tmp_path / "head"
+    shutil.copytree(trained[1] / "head", head)
+    rec = {"depth": 2, "topk": 2, "tree_size": 3, "lookup_rates": {"greedy": rates, "sampled": [0.5] * len(rates)}}
+    save_tuning(rec, head / "tuning.json")
+    assert load_lookup_rates(head, len(rates)) == rec["lookup_rates"]
+    assert load_lookup_rates(head, len(rates) + 1) is None  # measured over other buckets: not used
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    a = from_models(tiny, None, "auto", head=str(head)).drafter
+    assert a.lookup_rates == rec["lookup_rates"]
+    rec["lookup_rates"]["sampled"] = [2.0] * len(rates)
+    save_tuning(rec, head / "tuning.json")
+    with pytest.raises(SpecdecError, match="lookup_rates"):
+        load_lookup_rates(head, len(rates))

@@ -77,5 +77,21 @@ def load_acceptance(head_dir: str | os.PathLike, sampled: bool = False) -> list[
     return _read(head_dir, parse) or []
 
 
+def load_lookup_rates(head_dir: str | os.PathLike, buckets: int) -> dict[str, list[float | None]] | None:
+    """{"greedy": [...], "sampled": [...]} (either may be absent): the accepted share of `auto`'s lookup
+    nodes per calibration bucket that tune measured (`lookup_rates`, None where too few), or None if
+    the file has none or was measured with another number of buckets."""
+    def parse(raw: dict, f: Path) -> dict | None:
+        rates = raw.get("lookup_rates")
+        if rates is None:
+            return None
+        if not isinstance(rates, dict) or not all(
+                k in ("greedy", "sampled") and isinstance(v, list) and
+                all(r is None or (isinstance(r, (int, float)) and 0 <= r <= 1) for r in v) for k, v in rates.items()):
+            raise SpecdecError(f"{f}: lookup_rates must map greedy / sampled to lists of shares in [0, 1] or null")
+        return {k: v for k, v in rates.items() if len(v) == buckets} or None
+    return _read(head_dir, parse)
+
+
 def save_tuning(record: dict, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, json.dumps(record, indent=1) + "\n")

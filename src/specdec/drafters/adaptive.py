@@ -103,6 +103,8 @@ class AdaptiveDrafter(Drafter):
     # T > 0 with a head: trees with children drawn from the draft (eagle's children="sample"), priced by
     # costs.sampled_s from the head's sampled acceptance table
     sampled: list[tuple[TreeBudget, float]] | None = None
+    # the n-gram calibration's measured priors ({"greedy"|"sampled": one share per bucket}, tuning.load_lookup_rates)
+    lookup_rates: dict[str, list[float | None]] | None = None
     clock: StepClock | None = None  # None: the costs stay as given
     origin: str = "given"  # how the costs were obtained ("cached", "measured at load in 3.1 s")
     cache: Path | None = None  # the cost file they came from
@@ -168,7 +170,8 @@ class AdaptiveDrafter(Drafter):
         self.rate = ChainRate(DRAFT_ALPHA if greedy else DRAFT_ALPHA_SAMPLED)
         if self.head is None and self.menu:
             self.policy.regain(self.rate.gains(self.menu))
-        self.cal, self.beyond = Calibration(1.0 if greedy else SAMPLED_SCALE), Beyond()
+        rates = (self.lookup_rates or {}).get("greedy" if greedy else "sampled")
+        self.cal, self.beyond = Calibration(1.0 if greedy else SAMPLED_SCALE, rates), Beyond()
         self.sharing, self.pending, self.last, self.rows = 1, [], None, 0
         self.choices = Counter()
         # whether reading the prompt into a draft model was weighed yet (a head reads it lazily, see eagle.py)

@@ -32,14 +32,14 @@ from specdec.drafters.draft_model import (
 )
 from specdec.drafters.eagle import Eagle2Options, EagleDrafter, head_runner, tuned_budget
 from specdec.drafters.ngram import NgramDrafter, NgramOptions
-from specdec.drafters.policy import menu_from_tuning
+from specdec.drafters.policy import EDGES, menu_from_tuning
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.drafters.union import with_lookup
 from specdec.errors import SpecdecError
 from specdec.heads.shipped import find_shipped_head
 from specdec.tree import TreeBudget
-from specdec.tuning import load_acceptance, load_tuning
+from specdec.tuning import load_acceptance, load_lookup_rates, load_tuning
 
 DEFAULT_LOOKUP = 12  # chain tokens when the tuning file names none (or 0: no chain paid in its static tree)
 HEAD_ONLY = ("full_vocab", "depth", "topk", "tree_size", "rank_by", "rerank", "children")
@@ -96,7 +96,8 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
                                children="sample" if sampled else "topk")
         pld = PromptLookupDrafter(chain_len=lookup) if lookup else None
         costs, path, origin = load_costs(target.runner, drafter, menu, pld, head_dir, opts.recalibrate, sampled or ())
-        return AdaptiveDrafter(costs, drafter, menu, pld, sampled, StepClock(), origin, path)
+        return AdaptiveDrafter(costs, drafter, menu, pld, sampled, load_lookup_rates(head_dir, len(EDGES) + 1),
+                               StepClock(), origin, path)
     if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
         raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
     drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank, children=opts.children or "topk")

@@ -124,17 +124,21 @@ class ChainRate:
 
 class Calibration:
     """P(an n-gram node's token is emitted next | its parent's was), by the node's raw confidence, decayed
-    per step; the raw confidence (times `scale`: at T > 0 a point mass x is accepted with p(x), not 1) is
-    its prior."""
+    per step. Its prior per bucket: `rates` where measured (`specdec tune` on its calibration answers,
+    tune/lookup.py), else the raw confidence times `scale` (at T > 0 a point mass x is accepted with p(x),
+    not 1)."""
 
-    def __init__(self, scale: float = 1.0) -> None:
-        self.scale = scale
+    def __init__(self, scale: float = 1.0, rates: list[float | None] | None = None) -> None:
+        if rates is not None and len(rates) != len(EDGES) + 1:
+            raise ValueError(f"one measured rate (or None) per calibration bucket: {len(EDGES) + 1}")
+        self.scale, self.rates = scale, rates or [None] * (len(EDGES) + 1)
         self.hits = [0.0] * (len(EDGES) + 1)
         self.tries = [0.0] * (len(EDGES) + 1)
 
     def rate(self, conf: float) -> float:
         b = bisect.bisect_right(EDGES, conf)
-        return (self.hits[b] + CAL_PRIOR * self.scale * conf) / (self.tries[b] + CAL_PRIOR)
+        prior = self.rates[b] if self.rates[b] is not None else self.scale * conf
+        return (self.hits[b] + CAL_PRIOR * prior) / (self.tries[b] + CAL_PRIOR)
 
     def gains(self, confs: list[float], parents: list[int]) -> list[float]:
         """Expected accepted tokens of the draft's first m nodes, m = 1..len: the calibrated rates along

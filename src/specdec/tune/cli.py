@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from specdec.api import from_models
+from specdec.drafters.auto import DEFAULT_LOOKUP
 from specdec.errors import SpecdecError
 from specdec.files import check_writable
 from specdec.heads.shipped import find_shipped_head
@@ -16,9 +17,12 @@ from specdec.options import add_flags, flag_values
 from specdec.runtime import threads
 from specdec.runtime.cpus import cpu_name
 from specdec.runtime.loading import Runtime, load_model, resolve
+from specdec.tune.lookup import lookup_rates
 from specdec.tune.sampled import choose_sampled, sampled_acceptance
 from specdec.tune.search import LOOKUPS, SIZES, tune
 from specdec.tuning import save_tuning, tuning_path
+
+LOOKUP_SEEDS = 2  # sampled answers per prompt behind the T = 1 lookup rates
 
 # generic chat requests; none is a Spec-Bench / MT-bench / HumanEval prompt (those are for measuring)
 CALIBRATION_PROMPTS = (
@@ -108,6 +112,11 @@ def cmd_tune(args) -> int:
                                                  "temperature": 1.0, "seeds": f"0-{len(prompts) - 1}"}
         # priced with the greedy trees' forward table (its sizes, 1..33, cover every sampled tree)
         rec["sampled"] = choose_sampled(rec["acceptance_sampled"], rec["target_ms"])
+    chain = rec["auto"].get("lookup") or DEFAULT_LOOKUP  # the chain `auto` looks up with this file
+    rec["lookup_rates"] = {"greedy": lookup_rates(dec, prompts, args.tokens, chain)}
+    if args.sampled_tokens:
+        rec["lookup_rates"]["sampled"] = lookup_rates(dec, prompts, args.sampled_tokens, chain, 1.0, LOOKUP_SEEDS)
+    log(f"lookup nodes accepted per confidence bucket: {rec['lookup_rates']}")
     rec["head"] = str(Path(head).resolve())
     out = save_tuning(rec, args.out or tuning_path(head))
     print(f"{'depth':>5} {'topk':>4} {'size':>4} {'tau':>6} {'draft ms':>9} {'target ms':>9} {'tok/s':>7}")
