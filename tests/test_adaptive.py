@@ -190,6 +190,32 @@ def test_a_plain_step_below_the_tree_bar_is_the_choice_pricing_every_tree_makes(
     assert below > 100 and drafted > 30
 
 
+def test_a_heads_catch_up_rules_its_trees_out_without_pricing_them():
+    """Every menu draft pays the head's catch-up first: a catch-up past the last tree's break-even (its bound
+    K_i + P * c) makes the step plain without pricing a tree; just under it the trees are priced. Either
+    way the choice is the one pricing every option gives."""
+    g = torch.Generator().manual_seed(3)
+    tried = 0
+    for i in range(200):
+        u = torch.rand(8, generator=g).tolist()
+        p = Policy(RANDOM_MENU, random_costs(u, 1e-4), hurdle=HURDLE if i % 2 else 0.0)
+        calls = []
+        times = p.times
+        p.times = lambda *a, times=times, calls=calls: calls.append(1) or times(*a)
+        ctx, scale = 300 + int(3000 * u[5]), 2.0 * u[6]
+        bars, _, plain = p.plain_bounds(ctx, 0.0)
+        edge = max((scale * gi - k) / plain for k, (_, gi) in zip(bars, RANDOM_MENU))
+        if edge <= 0:
+            continue
+        tried += 1
+        for catch_up, prices in ((edge * 1.001, False), (edge * 0.999, True)):
+            calls.clear()
+            got = p.choose([], 100, ctx, scale, catch_up)
+            assert bool(calls) == prices and got == reference_choice(p, [], 100, ctx, scale, catch_up), (i, u)
+            assert prices or got.vanilla
+    assert tried > 50
+
+
 def test_the_step_choice_is_the_best_priced_option_over_random_states():
     """choose() equals pricing every option by expected() (vanilla with the hurdle, each menu draft, each
     n-gram prefix alone and in union with each draft) over random costs, tree scales, n-gram drafts priced by

@@ -201,9 +201,10 @@ class Policy:
         self.menu, self._bounds = list(self.gain.items()), {}
 
     def plain_bounds(self, ctx: int, look: float) -> tuple[list[float], float, float]:
-        """For ctx's bucket of BUCKET contexts: ([K per menu draft], C, bar). Menu draft i, with or without
-        an n-gram part expected to add G tokens, cannot beat a plain step if scale * g_i + G < K_i; an n-gram
-        prefix alone cannot if its expected tokens are under C; no menu draft can if scale < bar (G = 0).
+        """For ctx's bucket of BUCKET contexts: ([K per menu draft], C, P). Menu draft i, with or without
+        an n-gram part expected to add G tokens, cannot beat a plain step if scale * g_i + G < K_i + P * c,
+        c the catch-up its drafting pays first (P: a plain step's tokens per second); an n-gram prefix alone
+        cannot if its expected tokens are under C.
         Bounds: a plain step is priced at the bucket's end, the others at its start and without the n-gram
         rows, and t(n) never falls as the rows or the context grow."""
         lo = ctx - ctx % BUCKET
@@ -213,9 +214,7 @@ class Policy:
             plain = (1.0 + self.hurdle) / (look + c.target(1, lo + BUCKET - 1))
             bars = [plain * (look + self.draft_s[b] + self.follow_s + c.target(1 + b.tree_size, lo)) - 1.0
                     for b in self.gain]
-            bar = -float("inf") if any(g <= 0 and k <= 0 for k, (_, g) in zip(bars, self.menu)) else \
-                min((k / g for k, (_, g) in zip(bars, self.menu) if g > 0), default=float("inf"))
-            got = self._bounds[lo, look] = (bars, plain * (look + c.target(2, lo)) - 1.0, bar)
+            got = self._bounds[lo, look] = (bars, plain * (look + c.target(2, lo)) - 1.0, plain)
         return got
 
     def times(self, ctx: int | None, rows: int) -> list[float]:
@@ -288,11 +287,11 @@ class Policy:
         if ctx is not None and room >= self.widest and self.costs.attend_s >= 0:
             # most steps: only what plain_bounds cannot rule out (on text that drafts nothing, pricing every
             # option was most of what `auto` added to a step)
-            bars, least, bar = self.plain_bounds(ctx, look)
-            if not gains and scale < bar:
-                return VANILLA
+            bars, least, plain = self.plain_bounds(ctx, look)
             whole = gains[min(len(gains), room) - 1] if gains else 0.0
-            keep = [i for i, k in enumerate(bars) if scale * menu[i][1] + whole >= k]
+            # a head's catch-up after plain steps: what rules most of its trees out on text it cannot follow
+            extra = plain * catch_up - whole
+            keep = [i for i, k in enumerate(bars) if scale * menu[i][1] >= k + extra]
             alone = whole >= least
             if not keep and not alone:
                 return VANILLA
