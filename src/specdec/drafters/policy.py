@@ -290,7 +290,7 @@ class Policy:
             bars, least, plain = self.plain_bounds(ctx, look)
             whole = gains[min(len(gains), room) - 1] if gains else 0.0
             # a head's catch-up after plain steps: what rules most of its trees out on text it cannot follow
-            extra = plain * catch_up - whole
+            extra = plain * catch_up - (whole if self.union else 0.0)
             keep = [i for i, k in enumerate(bars) if scale * menu[i][1] >= k + extra]
             alone = whole >= least
             if not keep and not alone:
