@@ -94,7 +94,8 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if not tiny and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() <= 2 \
             and logits.numel() <= SERIAL_ROWS * logits.shape[-1]:
         x = logits.detach().numpy()
-        return torch.from_numpy((x - x.max(-1, keepdims=True)) / np.float32(temperature))
+        with np.errstate(all="ignore"):  # IEEE results without warnings, as torch gives them (a tiny T: -inf)
+            return torch.from_numpy((x - x.max(-1, keepdims=True)) / np.float32(temperature))
     shifted = logits - logits.amax(-1, keepdim=True)
     if tiny:
         return torch.zeros_like(shifted).masked_fill(shifted < 0, float("-inf"))
