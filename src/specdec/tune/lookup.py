@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from specdec.drafters.adaptive import tried
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.policy import EDGES
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -19,17 +20,14 @@ MIN_TRIES = 20  # a bucket with fewer tested nodes keeps the formula's prior (No
 
 
 def node_outcomes(prompt: list[int], answer: list[int], chain_len: int) -> list[tuple[float, bool]]:
-    """(raw confidence, accepted) of every lookup node the answer tests: at each position the chain a
-    lookup proposes, node by node while the earlier ones matched (a verifier accepts no further)."""
-    pl, full, out = PromptLookupDrafter(chain_len=chain_len), prompt + answer, []
-    for t in range(len(prompt), len(full) - 1):
-        toks, _, confs, _ = pl.scored(DecodeContext(full[:t + 1], SamplingParams(), None, len(prompt)))
-        for i, (x, c) in enumerate(zip(toks, confs)):
-            if t + 1 + i >= len(full):
-                break
-            out.append((c, full[t + 1 + i] == x))
-            if not out[-1][1]:
-                break
+    """(raw confidence, accepted) of every lookup node the answer tests: at each step the chain a lookup
+    proposes, scored as `auto` scores it (adaptive.tried: node by node while the earlier ones matched)."""
+    pl, toks, out = PromptLookupDrafter(chain_len=chain_len), prompt + answer[:1], []
+    for t in range(len(prompt), len(prompt) + len(answer) - 1):  # one growing list: the index extends
+        chain, _, confs, _ = pl.scored(DecodeContext(toks, SamplingParams(), None, len(prompt)))
+        tested, _ = tried([[i] for i in range(len(chain))] + [[]], chain, answer[t - len(prompt) + 1:])
+        out += [(confs[node], hit) for node, hit in tested]
+        toks.append(answer[t - len(prompt) + 1])
     return out
 
 
