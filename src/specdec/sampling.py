@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -120,9 +121,9 @@ class Coupling:
     equals the target's draw, so every method gives vanilla's text for a seed, however it drafts; a
     drafter that ranks by its own log-probabilities plus the same noise proposes the likeliest match.
     The draw is taken as argmax_x p_i(x) / E_i(x) with E_i = -log U_i iid Exp(1) and G_i = -log E_i (the
-    exponential race: the same token, without a log of p or of E), U_i torch.rand's float64 bits for that
-    generator. kernels: the native module (runtime.stream.kernel()), whose uniform64 and race compute
-    U and the draw faster with the same result; None: torch and numpy here."""
+    exponential race: the same token, without a log of p or of E), U_i = uniform64's counter-based doubles
+    for a key hashed from (seed, i). kernels: the native module (runtime.stream.kernel()), whose uniform64
+    and race compute U and the draw faster with the same result; None: numpy here."""
 
     KEEP = 64  # positions whose noise stays cached (a step reads a few consecutive ones)
 
@@ -137,8 +138,7 @@ class Coupling:
         if u is None:
             h = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
             seed = int.from_bytes(h, "little") >> 1
-            u = self.kernels.uniform64(seed, self.vocab) if self.kernels is not None else \
-                torch.rand(self.vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            u = (self.kernels or _numpy).uniform64(seed, self.vocab)
             u = self._keep(self._u, position, u)
         return u
 
@@ -160,7 +160,7 @@ class Coupling:
     def pick(self, probs: torch.Tensor, position: int) -> int:
         """The target's draw at `position` from `probs` [vocab]."""
         p, u = probs.float().cpu().contiguous(), self.uniforms(position)
-        return self.kernels.race(p, u) if self.kernels is not None else race(p, u)
+        return (self.kernels or _numpy).race(p, u)
 
     def perturb(self, logprobs: torch.Tensor, positions: list[int], ids: torch.Tensor | None = None) -> torch.Tensor:
         """log_softmax(log q + G) for rows of a drafter's `logprobs` [n, V_d], row r at positions[r]: its
@@ -170,6 +170,27 @@ class Coupling:
         g = torch.stack([self.gumbel(p) for p in positions])
         g = g[:, ids.cpu()] if ids is not None else g[:, : logprobs.shape[-1]]
         return torch.log_softmax(logprobs + g.to(logprobs.device, logprobs.dtype), -1)
+
+
+def uniform64(seed: int, n: int) -> torch.Tensor:
+    """n uniform doubles in [0, 1) for a 64-bit seed, as kernels/random.cpp draws them: element i is 52 bits of
+    wyrand's hash mum(z, z ^ P1) at z = mum(seed ^ P0, P1) + (i + 1) P0 (uint64 arithmetic wraps, as in C++)."""
+    z = _mum(np.array([seed], dtype=np.uint64) ^ _P0, _P1) + np.arange(1, n + 1, dtype=np.uint64) * _P0
+    bits = (_mum(z, z ^ _P1) >> np.uint64(12)) | np.uint64(0x3FF0000000000000)
+    return torch.from_numpy(bits.view(np.float64) - 1.0)
+
+
+_P0, _P1, _LOW = np.uint64(0xA0761D6478BD642F), np.uint64(0xE7037ED1A0B428DB), np.uint64(0xFFFFFFFF)
+
+
+def _mum(a: np.ndarray, b: np.ndarray | np.uint64) -> np.ndarray:
+    """The high and low words of the 128-bit products a * b, xor-ed (from 32-bit halves: numpy has no 128 bits)."""
+    s = np.uint64(32)
+    a0, a1, b0, b1 = a & _LOW, a >> s, b & _LOW, b >> s
+    p00, p01, p10 = a0 * b0, a0 * b1, a1 * b0
+    mid = (p00 >> s) + (p01 & _LOW) + (p10 & _LOW)
+    high = a1 * b1 + (p01 >> s) + (p10 >> s) + (mid >> s)
+    return high ^ ((mid << s) | (p00 & _LOW))
 
 
 def race(probs: torch.Tensor, u: torch.Tensor) -> int:
@@ -193,3 +214,6 @@ def race(probs: torch.Tensor, u: torch.Tensor) -> int:
         if r > best or (r == best and i < best_i):
             best, best_i = r, i
     return best_i
+
+
+_numpy = SimpleNamespace(uniform64=uniform64, race=race)  # Coupling's kernels where there are none

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from specdec.errors import SpecdecError
 from specdec.files import atomic_dir, atomic_write_text, cache_dir
 from specdec.runtime import kernel_build
-from specdec.sampling import race
+from specdec.sampling import race, uniform64
 
 PANEL = 16  # outputs per panel (stream.cpp's P)
 PREBUILT = kernel_build.PREBUILT
@@ -158,10 +158,10 @@ def _self_check(mod) -> None:
     _agree("silu_mul", mod.silu_mul(gu), F.silu(gu[:, :24]) * gu[:, 24:], [mod.silu_mul(gu[i:i + 1]) for i in range(5)])
     _check_rope_attend(mod, g)
     _check_x16(mod, g)
-    seed = 2**40 + 7  # past 32 bits: the generator keeps the low 32
+    seed = 2**64 - 5  # the whole 64-bit range
     u = mod.uniform64(seed, 1000)
-    if not torch.equal(u, torch.rand(1000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)):
-        raise RuntimeError("self-check failed: uniform64 differs from torch.rand")
+    if not torch.equal(u, uniform64(seed, 1000)):
+        raise RuntimeError("self-check failed: uniform64 differs from sampling.uniform64")
     p = torch.softmax(torch.randn(1000, generator=g) * 3, -1)
     if mod.race(p, u) != race(p, u):
         raise RuntimeError("self-check failed: race differs from sampling.race")

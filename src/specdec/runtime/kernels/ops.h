@@ -33,7 +33,7 @@ torch::Tensor qdequant16(const torch::Tensor& w, int64_t type, int64_t K, const 
 torch::Tensor qlinear16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                         const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual);
 
-// random.cpp: torch.rand's float64 uniforms from a seeded CPU generator, bit for bit
+// random.cpp: sampling.uniform64's counter-based float64 uniforms, bit for bit
 torch::Tensor uniform64(uint64_t seed, int64_t n);
 int64_t race(const torch::Tensor& probs, const torch::Tensor& u);  // sampling.Coupling's draw
 
