@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from specdec.bench.runner import _model_info
@@ -80,6 +80,32 @@ def test_each_format_matches_its_dequantized_reference(fmt, rows):
     ref = act_quantized(x, w.family).astype(np.float64) @ ref_w.T
     assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
     assert np.abs(y - x @ ref_w.T).max() / np.abs(ref).max() < 0.05  # and close to the float product
+
+
+# where each format's codes lie in its block (bytes from, to) and the fifth bits of Q5_0
+CODES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (6, 22), "Q4_K": (16, 144)}
+
+
+@pytest.mark.parametrize("fmt", list(CODES))
+def test_the_largest_codes_against_the_largest_activations_sum_exactly(fmt):
+    """Without VNNI the x16 kernels add several steps' products in int16 before widening: with every code at
+    its largest (15; Q5_0's 31) and every activation at +-127 the sums must still be exact."""
+    qt = GGMLQuantizationType[fmt]
+    k = 512
+    blocks = random_blocks(qt, 48, k, np.random.default_rng(3)).reshape(48, k // GGML_QUANT_SIZES[qt][0], -1)
+    lo, hi = CODES[fmt]
+    blocks[..., lo:hi] = 0xFF
+    if fmt == "Q5_0":
+        blocks[..., 2:6] = 0xFF
+    blocks = np.ascontiguousarray(blocks.reshape(48, -1))
+    w = QuantTensor(torch.from_numpy(blocks), int(qt), k)
+    ref_w = dequantize(blocks, qt).astype(np.float64)
+    x = np.where(np.arange(k) % 64 < 32, 1.0, -1.0)[None].repeat(3, 0).astype(np.float32)
+    x[1] = 1.0  # every activation +127 ...
+    x[2] = -1.0  # ... or -127
+    y = QuantWeight([w], None)(torch.from_numpy(x)).numpy()
+    ref = x.astype(np.float64) @ ref_w.T
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -134,6 +134,26 @@ inline VI v_madd16(VI acc, VI a, VI b) {  // acc + per lane a.lo16 b.lo16 + a.hi
   return MM(add_epi32)(acc, MM(madd_epi16)(a, b));
 #endif
 }
+// Without VNNI a step is vpmaddubsw (u8 x s8 pairs to int16) then vpmaddwd (pairs to int32). Codes of at most
+// `top` times |x| <= 127 let `steps` steps add up in int16 before one vpmaddwd: 2 top 127 steps <= 32767 (Q4's
+// codes, 15: eight steps; Q5_0's, 31: four). The same integers, half the multiplies.
+inline VI v_dot_steps(const VI* u, const int8_t* xq, int n) {  // sum over steps j < n of v_dot(u[j], x's dword j)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  VI s0 = v_bcast(0), s1 = v_bcast(0);
+  for (int j = 0; j < n; j += 2) {
+    s0 = v_dot(s0, u[j], v_bcast(dword(xq + 4 * j)));
+    s1 = v_dot(s1, u[j + 1], v_bcast(dword(xq + 4 * j + 4)));
+  }
+  return MM(add_epi32)(s0, s1);
+#else
+  VI h0 = MM(maddubs_epi16)(u[0], v_bcast(dword(xq))), h1 = MM(maddubs_epi16)(u[1], v_bcast(dword(xq + 4)));
+  for (int j = 2; j < n; j += 2) {
+    h0 = MM(add_epi16)(h0, MM(maddubs_epi16)(u[j], v_bcast(dword(xq + 4 * j))));
+    h1 = MM(add_epi16)(h1, MM(maddubs_epi16)(u[j + 1], v_bcast(dword(xq + 4 * j + 4))));
+  }
+  return MM(madd_epi16)(MM(add_epi16)(h0, h1), MM(set1_epi16)(1));
+#endif
+}
 inline VI v_add(VI a, VI b) { return MM(add_epi32)(a, b); }
 inline VI v_sub(VI a, VI b) { return MM(sub_epi32)(a, b); }
 inline VI v_mul(VI a, VI b) { return MM(mullo_epi32)(a, b); }
@@ -223,12 +243,14 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
                               : f_zero();
     for (int r = 0; r < R; r++) {
       const int8_t* xq = a.q.data() + (n0 + r) * K + 32 * b;
-      VI s0 = v_bcast(0), s1 = v_bcast(0);
-      for (int j = 0; j < 8; j += 2) {
-        if (T != Q8_0) {
-          s0 = v_dot(s0, u[j], v_bcast(dword(xq + 4 * j)));
-          s1 = v_dot(s1, u[j + 1], v_bcast(dword(xq + 4 * j + 4)));
-        } else {
+      VI sum;
+      if (T == Q5_0) {  // codes to 31: four steps a time in int16
+        sum = v_add(v_dot_steps(u, xq, 4), v_dot_steps(u + 4, xq + 16, 4));
+      } else if (T != Q8_0) {
+        sum = v_dot_steps(u, xq, 8);
+      } else {
+        VI s0 = v_bcast(0), s1 = v_bcast(0);
+        for (int j = 0; j < 8; j += 2) {
 #ifdef Q8_UNSIGNED_X  // sum (x + 128) w - 128 sum w: one instruction a step, no sign fix-up per row
           const int8_t* xu = reinterpret_cast<const int8_t*>(a.qu.data()) + (n0 + r) * K + 32 * b;
           s0 = v_dot(s0, v_bcast(dword(xu + 4 * j)), w[j]);
@@ -238,8 +260,8 @@ void group_rows(const uint8_t* recs, int64_t nb, int half, const Acts16& a, int6
           s1 = v_dot(s1, u[j + 1], v_sign8(v_bcast(dword(xq + 4 * j + 4)), w[j + 1]));
 #endif
         }
+        sum = v_add(s0, s1);
       }
-      VI sum = v_add(s0, s1);
 #ifdef Q8_UNSIGNED_X
       if (T == Q8_0) sum = v_sub(sum, wsum128);
 #endif
@@ -280,7 +302,7 @@ void group_rows_q4k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
     VI isum[R], msum[R];
     for (int r = 0; r < R; r++) isum[r] = msum[r] = v_bcast(0);
     for (int c = 0; c < 4; c++) {
-      VI lo[R], hi[R];
+      VI lo[R], hi[R];  // without VNNI: int16 pair sums over the 8 steps (codes to 15, v_dot_steps), widened after
       for (int r = 0; r < R; r++) lo[r] = hi[r] = v_bcast(0);
       for (int s = 0; s < 8; s++) {
         const int64_t at = 256 + 64 * (8 * c + s);
@@ -288,10 +310,21 @@ void group_rows_q4k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
         const VI p = v_load(rec + at + 4 * lane), cl = v_mask4(p), ch = v_high4(p);
         for (int r = 0; r < R; r++) {
           const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 64 * c + 4 * s;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
           lo[r] = v_dot(lo[r], cl, v_bcast(dword(xq)));
           hi[r] = v_dot(hi[r], ch, v_bcast(dword(xq + 32)));
+#else
+          lo[r] = MM(add_epi16)(lo[r], MM(maddubs_epi16)(cl, v_bcast(dword(xq))));
+          hi[r] = MM(add_epi16)(hi[r], MM(maddubs_epi16)(ch, v_bcast(dword(xq + 32))));
+#endif
         }
       }
+#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
+      for (int r = 0; r < R; r++) {
+        lo[r] = MM(madd_epi16)(lo[r], MM(set1_epi16)(1));
+        hi[r] = MM(madd_epi16)(hi[r], MM(set1_epi16)(1));
+      }
+#endif
       const VI s0 = v_and(v_shr(sc[c / 2], 16 * (c % 2)), 0xFF), s1 = v_and(v_shr(sc[c / 2], 16 * (c % 2) + 8), 0xFF);
       for (int r = 0; r < R; r++) isum[r] = v_add(isum[r], v_add(v_mul(lo[r], s0), v_mul(hi[r], s1)));
     }
