@@ -83,13 +83,13 @@ def test_each_format_matches_its_dequantized_reference(fmt, rows):
 
 
 # where each format's codes lie in its block (bytes from, to) and the fifth bits of Q5_0
-CODES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (6, 22), "Q4_K": (16, 144)}
+CODES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (6, 22), "Q4_K": (16, 144), "Q6_K": (0, 192)}
 
 
 @pytest.mark.parametrize("fmt", list(CODES))
 def test_the_largest_codes_against_the_largest_activations_sum_exactly(fmt):
     """Without VNNI the x16 kernels add several steps' products in int16 before widening: with every code at
-    its largest (15; Q5_0's 31) and every activation at +-127 the sums must still be exact."""
+    its largest (15; Q5_0's 31, Q6_K's 63) and every activation at +-127 the sums must still be exact."""
     qt = GGMLQuantizationType[fmt]
     k = 512
     blocks = random_blocks(qt, 48, k, np.random.default_rng(3)).reshape(48, k // GGML_QUANT_SIZES[qt][0], -1)
