@@ -124,11 +124,11 @@ def test_eagle_sampling_matches_vanilla_distribution(dynamic, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params,draft_vocab", [
-    (SamplingParams(1.0), None), (SamplingParams(0.8, top_k=3), None),
-    (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)))], ids=["T1", "T0.8-topk3", "T1.2-topp-reduced"])
-@pytest.mark.slow
-@pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("params,draft_vocab,coupled", [  # each sampling, seeded and not; the reduced vocabulary both
+    (SamplingParams(1.0), None, False), (SamplingParams(0.8, top_k=3), None, True),
+    (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)), False),
+    (SamplingParams(1.2, top_p=0.85), list(range(0, SMALL_V, 2)), True)],
+    ids=["unseeded-T1", "seeded-T0.8-topk3", "unseeded-T1.2-topp-reduced", "seeded-T1.2-topp-reduced"])
 def test_eagle2_sampled_children_match_vanilla_distribution(params, draft_vocab, coupled):
     """Unseeded: children drawn without replacement from the draft, each with its q (recursive rejection).
     Seeded: children ranked by log q + the coupling's noise (point masses). Both exact."""

@@ -114,14 +114,18 @@ def test_a_draft_over_a_reduced_vocabulary_gives_vanilla_tokens(shape):
 
 # ---- T > 0: the distribution of the first generated tokens equals vanilla sampling ----
 
+# every pair of (sampling, shape, seeded or not) once: six runs where the whole product takes twelve
+PAIRWISE = [
+    (SamplingParams(1.0), "chain", True), (SamplingParams(1.0), "tree", False),
+    (SamplingParams(0.8, top_k=3), "chain", False), (SamplingParams(0.8, top_k=3), "tree", True),
+    (SamplingParams(1.2, top_p=0.85), "chain", True), (SamplingParams(1.2, top_p=0.85), "tree", False),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("coupled", [True, False], ids=["seeded", "unseeded"])
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-@pytest.mark.parametrize(
-    "params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3), SamplingParams(1.2, top_p=0.85)],
-    ids=["T1", "T0.8-topk3", "T1.2-topp0.85"],
-)
-@pytest.mark.slow
+@pytest.mark.parametrize("params,shape,coupled", PAIRWISE, ids=[
+    "T1-chain-seeded", "T1-tree-unseeded", "T0.8-topk3-chain-unseeded", "T0.8-topk3-tree-seeded",
+    "T1.2-topp0.85-chain-seeded", "T1.2-topp0.85-tree-unseeded"])
 def test_speculative_sampling_matches_vanilla_distribution(shape, params, coupled):
     model = flat_tiny()
     target, draft = LeanRunner(model), LeanRunner(noisy_copy(model, 0.5))

@@ -259,6 +259,7 @@ def test_speculative_greedy_equals_vanilla_exactly(tiny, shape):
     assert np.mean(taus) > 1.5
 
 
+@pytest.mark.usefixtures("on_one_thread")
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
 def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):

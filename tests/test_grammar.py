@@ -270,9 +270,10 @@ def test_a_draft_model_proposes_under_the_grammar(vocab, tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3), SamplingParams(1.2, top_p=0.85)],
-                         ids=["T1", "T0.8-topk3", "T1.2-topp0.85"])
+@pytest.mark.parametrize("params,shape", [  # each sampling and each shape; the truncated ones on both shapes
+    (SamplingParams(1.0), "chain"), (SamplingParams(0.8, top_k=3), "tree"),
+    (SamplingParams(1.2, top_p=0.85), "chain"), (SamplingParams(1.2, top_p=0.85), "tree")],
+    ids=["T1-chain", "T0.8-topk3-tree", "T1.2-topp0.85-chain", "T1.2-topp0.85-tree"])
 def test_sampling_under_a_grammar_is_the_renormalised_target(vocab, shape, params):
     model = flat_tiny()
     target = LeanRunner(model)

@@ -172,7 +172,7 @@ def test_sampling_matches_the_target_distribution():
 
 
 @pytest.mark.slow
-def test_smollm2_repetitive_text_is_lossless_and_accepted(two_threads, smollm2_default):
+def test_smollm2_repetitive_text_is_lossless_and_accepted(smollm2_default):
     from specdec.api import from_models
 
     model, tok, weights = smollm2_default

@@ -64,8 +64,12 @@ def test_dense_tree_fills_levels_and_the_budget_trades_acceptance_for_cost():
     assert len(dense_choices(2, 2, 50)) == 6  # all there is
     # at equal size the sparse tree expects more accepted tokens than the dense one (the paper's point)
     assert expected_accepted(ACC, sparse_choices(ACC, 6)) > expected_accepted(ACC, dense_choices(4, 2, 6))
-    flat = {n: 0.02 for n in range(1, 66)}  # verifying is free: the biggest tree wins
-    steep = {n: 0.02 * n for n in range(1, 66)}  # every row costs a full forward: no tree pays
+    def flat(n):  # verifying is free: the biggest tree wins
+        return 0.02
+
+    def steep(n):  # every row costs a full forward: no tree pays
+        return 0.02 * n
+
     assert best_size(ACC, flat, 0.0) == 48  # every path there is (3 + 9 + 18 + 18)
     assert best_size(ACC, steep, 0.0) == 1
     assert tree_rate(ACC, sparse_choices(ACC, 4), flat, 0.0) > tree_rate(ACC, [(0,)], flat, 0.0)

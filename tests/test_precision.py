@@ -130,6 +130,7 @@ def test_a_long_reduction_is_split_until_rows_are_invariant():
     assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(16)]), lin(x))
 
 
+@pytest.mark.usefixtures("on_one_thread")
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_int8_sampling_matches_the_int8_targets_distribution(shape):

@@ -15,9 +15,6 @@ import torch
 from specdec.api import from_models
 from specdec.runtime.loading import load_model
 from tests import background
-from tests.helpers import at_threads
-
-_threads = at_threads(2)  # the kernels' parallel paths, as a 2-core machine runs them
 
 pytestmark = pytest.mark.slow  # every test here runs the real embedded SmolLM2
 
@@ -31,6 +28,9 @@ PROMPTS = [  # six kinds of answer (a fact, an explanation, code, arithmetic, a 
     "Name the planets of the solar system in order.",
 ]
 N_NEW = 40
+# a fact, code and a summary: for the methods checked on other targets too (the default's shipped EAGLE head
+# answers all six)
+SOME = PROMPTS[::2]
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +78,11 @@ def vanilla(smol):
     return Vanilla(from_models(model, tok))
 
 
-def mean_tau_if_lossless(model, vanilla: Vanilla, spec) -> float:
+def mean_tau_if_lossless(model, vanilla: Vanilla, spec, prompts=PROMPTS) -> float:
     """Every prompt: spec's greedy output equals vanilla's (exactly when the runner's rows are exact,
     else up to a numerical tie); mean tau."""
     taus = []
-    for p in PROMPTS:
+    for p in prompts:
         want = vanilla.answer(p)
         got = spec.generate([{"role": "user", "content": p}], max_new_tokens=N_NEW)
         if spec.runner.exact_rows:
@@ -91,6 +91,37 @@ def mean_tau_if_lossless(model, vanilla: Vanilla, spec) -> float:
             assert_same_or_tie(model, want.prompt_ids, want.token_ids, got.token_ids)
         taus.append(got.stats.tau)
     return sum(taus) / len(taus)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "gguf"])
+def test_a_rows_bits_follow_neither_the_rows_beside_it_nor_the_thread_count(smol, smollm2_default, weights):
+    """What lets the tests here run on one thread: on the real model, at each precision, every row of a
+    forward of several has the bits it has alone, on one thread and on two (runners built at each count: the
+    float GEMMs' reduction blocks are probed for the count at load)."""
+    from specdec.runtime.loading import Runtime, build_runner
+
+    model, tok = (smollm2_default[:2] if weights == "gguf" else smol[:2])
+    prompt = torch.tensor(tok("The quick brown fox jumps over the lazy dog because")["input_ids"])
+    more = torch.tensor(tok(" it wanted to see what was on the other side of the road")["input_ids"])
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            r = build_runner(model, Runtime(weights=None if weights == "gguf" else weights))
+            r.forward(prompt)
+            r.commit(range(len(prompt)))
+            outs.append(r.forward(more).logits)
+            r.rollback()
+            for i in range(len(more)):
+                outs.append(r.forward(more[i:i + 1]).logits)
+                r.commit([0])
+    finally:
+        torch.set_num_threads(before)
+    n = len(more)
+    assert r.exact_rows >= n
+    together = [outs[0], outs[n + 1]]
+    alone = [torch.cat(outs[1:n + 1]), torch.cat(outs[n + 2:])]
+    assert all(torch.equal(together[0], o) for o in together[1:] + alone)
 
 
 def test_vanilla_equals_hf_generate(smol, vanilla):
@@ -108,7 +139,7 @@ def test_vanilla_equals_hf_generate(smol, vanilla):
 def test_speculative_greedy_equals_vanilla(smol, vanilla, method, opts):
     model, tok, draft = smol
     spec = from_models(model, tok, method, draft, tok, **opts)
-    assert mean_tau_if_lossless(model, vanilla, spec) > 1.5  # deep paths really were accepted
+    assert mean_tau_if_lossless(model, vanilla, spec, SOME) > 1.5  # deep paths really were accepted
 
 
 def test_stop_string_and_streaming(vanilla):
@@ -153,7 +184,7 @@ def test_shipped_medusa_heads_greedy_equal_vanilla(smol, vanilla):
     assert find_shipped_head(model).name == "smollm2-135m-instruct-eagle"  # the EAGLE head stays the default
     spec = from_models(model, tok, "medusa", tree_size=6)
     assert spec.drafter.name == "medusa"
-    assert mean_tau_if_lossless(model, vanilla, spec) > 1.2  # untrained heads accept ~nothing
+    assert mean_tau_if_lossless(model, vanilla, spec, SOME) > 1.2  # untrained heads accept ~nothing
 
 
 # fixed trees: the tuned / cost-sized ones move with the machine, and so would tau (measured on MT-bench:
@@ -180,7 +211,7 @@ def test_shipped_fspad_and_hydra_heads_greedy_equal_vanilla(smol, vanilla, metho
         assert {str(f.get_slice(k).get_dtype()) for k in names if k not in ("d2t", "t2d")} == {"F16"}
     spec = from_models(model, tok, method, **opts)
     assert spec.drafter.name == method
-    assert mean_tau_if_lossless(model, vanilla, spec) > least_tau
+    assert mean_tau_if_lossless(model, vanilla, spec, SOME) > least_tau
 
 
 def test_int8_target_auto_equals_int8_vanilla_exactly(smol, fixed_costs):
@@ -189,7 +220,7 @@ def test_int8_target_auto_equals_int8_vanilla_exactly(smol, fixed_costs):
     vanilla = Vanilla(from_models(model, tok, weights="int8"))
     spec = from_models(model, tok, "auto", weights="int8")
     assert vanilla.dec.weights == spec.weights == "int8" and spec.runner.exact_rows
-    assert mean_tau_if_lossless(model, vanilla, spec) > 1.1  # drafts accepted (its trees sized by fixed costs)
+    assert mean_tau_if_lossless(model, vanilla, spec, SOME) > 1.1  # drafts accepted (its trees sized by fixed costs)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +249,8 @@ def test_the_gguf_file_on_its_own_blocks_decodes_exactly(smol_gguf, vanilla, met
     spec = from_models(model, tok, method)
     if method == "auto":
         assert spec.drafter.name == "eagle2+pld adaptive"
-    assert mean_tau_if_lossless(model, gguf_vanilla, spec) > 1.1  # drafts really were accepted
+    # drafts really were accepted; medusa's heads (fp16 rows beside the GGUF blocks) cost most per step
+    assert mean_tau_if_lossless(model, gguf_vanilla, spec, SOME if method == "medusa" else PROMPTS) > 1.1
     if method == "auto":
         a, b = gguf_vanilla.answer(PROMPTS[0]).token_ids, vanilla.answer(PROMPTS[0]).token_ids
         assert a[:8] == b[:8]  # the same model up to activation rounding: the answers start alike

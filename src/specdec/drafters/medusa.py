@@ -20,14 +20,14 @@ import copy
 import heapq
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import cached, machine_key
+from specdec.drafters.costs import Costs, cached, machine_key
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
@@ -41,6 +41,7 @@ from specdec.verify import Typical
 
 MAX_RANK = 10  # top-i accuracies measured per head (Medusa's trees use ranks < 10)
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # tree sizes the budget is chosen from
+ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # forward sizes timed for them (1 + nodes); the others interpolated
 
 
 def sparse_choices(accuracies: Sequence[Sequence[float]], n_nodes: int) -> list[tuple[int, ...]]:
@@ -182,26 +183,27 @@ def _ordered(choices: Sequence[Sequence[int]], num_heads: int) -> list[tuple[int
 
 # ---- the node budget, from this machine's costs ----
 
-def tree_rate(accuracies, choices, target_s: dict[int, float], draft_s: float) -> float:
+def tree_rate(accuracies, choices, target: Callable[[int], float], draft_s: float) -> float:
     """Expected tokens per second of a tree: (1 + expected accepted) / (t(1 + nodes) + draft)."""
-    return (1 + expected_accepted(accuracies, choices)) / (target_s[1 + len(choices)] + draft_s)
+    return (1 + expected_accepted(accuracies, choices)) / (target(1 + len(choices)) + draft_s)
 
 
-def best_size(accuracies, target_s: dict[int, float], draft_s: float, dense_topk: int = 0) -> int:
-    sizes = [n - 1 for n in sorted(target_s) if n > 1]
+def best_size(accuracies, target: Callable[[int], float], draft_s: float, dense_topk: int = 0) -> int:
+    """The tree size (of SIZES) with the most expected tokens per second; `target`: seconds of a forward by rows."""
     k = len(accuracies)
     pick = (lambda n: dense_choices(k, dense_topk, n)) if dense_topk else (lambda n: sparse_choices(accuracies, n))
-    return max(sizes, key=lambda n: tree_rate(accuracies, pick(n), target_s, draft_s))
+    return max(SIZES, key=lambda n: tree_rate(accuracies, pick(n), target, draft_s))
 
 
 def measured_costs(target_runner, drafter_runner: MedusaRunner, head_dir: str, recalibrate: bool = False) -> dict:
-    """{"target_s": {N: s}, "draft_s": s}: t(N) for 1 + SIZES and one heads forward, cached per machine,
-    threads, torch, target, precision and heads (a few seconds the first time)."""
+    """{"target_s": {N: s}, "draft_s": s}: t(N) at anchor sizes (Costs.target interpolates the rest) and one
+    heads forward, cached per machine, threads, torch, target, precision and heads (a few seconds the first
+    time: every tree size timed took 19 s on a 2-GHz Zen at one thread)."""
     # the full path: trained heads all sit in dirs named "heads", and their draft costs differ
-    key = machine_key(target_runner) | {"medusa_sizes": list(SIZES), "heads_path": os.path.realpath(head_dir)}
+    key = machine_key(target_runner) | {"medusa_rows": list(ROWS), "heads_path": os.path.realpath(head_dir)}
 
     def measure() -> dict:
-        target_s = forward_costs(target_runner, [1 + n for n in (0, *SIZES)], reps=3, ctx=384, stat=min)
+        target_s = forward_costs(target_runner, ROWS, reps=3, ctx=384, stat=min, warmup=1)
         f = torch.randn(drafter_runner.hidden_size)
         ts = []
         for _ in range(8):
@@ -278,7 +280,7 @@ def tree_choices(target: Target, runner, meta: dict, opts: MedusaOptions, what: 
             size = min(opts.topk * 2, 8)
         else:
             costs = measured_costs(target.runner, runner, opts.heads, opts.recalibrate)
-            size = best_size(acc, costs["target_s"], costs["draft_s"], opts.topk if dense else 0)
+            size = best_size(acc, Costs(costs["target_s"]).target, costs["draft_s"], opts.topk if dense else 0)
     return dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
 
 
