@@ -11,12 +11,18 @@ from pathlib import Path
 # measured or derived is made afresh each session; only the built C++ kernels (a minute or two to compile,
 # keyed by their sources, flags, torch and Python) are kept between runs, under <repo>/.cache/test-suite
 # (SPECDEC_TEST_CACHE moves it, e.g. onto a CI cache).
+# The pytest-xdist workers inherit the session's cache from the process that starts them, so a model is
+# converted and a cost measured once a run, not once a worker (writes into it are atomic).
 _KEEP = Path(os.environ.get("SPECDEC_TEST_CACHE") or Path(__file__).resolve().parents[1] / ".cache" / "test-suite")
-_SESSION = Path(tempfile.mkdtemp(prefix="specdec-test-cache-"))
-(_KEEP / "kernels").mkdir(parents=True, exist_ok=True)
-(_SESSION / "kernels").symlink_to(_KEEP / "kernels", target_is_directory=True)
+if os.environ.get("SPECDEC_TEST_SESSION_CACHE"):
+    _SESSION = Path(os.environ["SPECDEC_TEST_SESSION_CACHE"])
+else:
+    _SESSION = Path(tempfile.mkdtemp(prefix="specdec-test-cache-"))
+    (_KEEP / "kernels").mkdir(parents=True, exist_ok=True)
+    (_SESSION / "kernels").symlink_to(_KEEP / "kernels", target_is_directory=True)
+    os.environ["SPECDEC_TEST_SESSION_CACHE"] = str(_SESSION)
+    atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
 os.environ["SPECDEC_CACHE"] = str(_SESSION)
-atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
