@@ -750,9 +750,9 @@ SAMPLED_MENU = [(TreeBudget(1, 1, 1), 0.4), (TreeBudget(2, 2, 3), 0.7), (TreeBud
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)],
-                         ids=["T1", "T0.8-topk3-topp0.9"])
-@pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("params,coupled", [  # each sampling and each verification once
+    (SamplingParams(0.8, top_k=3, top_p=0.9), False), (SamplingParams(1.0), True)],
+    ids=["unseeded-T0.8-topk3-topp0.9", "seeded-T1"])
 def test_adaptive_sampled_children_match_the_target_distribution(params, coupled):
     """Sampled requests draft children drawn from the head (sized from the sampled menu), a chain alone
     or nothing, chosen step by step: the first three tokens still follow the target's exact joint."""

@@ -18,7 +18,16 @@ from specdec.drafters import registry
 from specdec.drafters.draft_model import DraftModelDrafter, draft_runner
 from specdec.errors import SpecdecError
 from specdec.runtime import stream
-from specdec.runtime.gguf import X16_TYPES, GGUFModel, QuantTensor, QuantWeight, _Rotary, _rotary, requantized
+from specdec.runtime.gguf import (
+    X16_TYPES,
+    GGUFModel,
+    QuantTensor,
+    QuantWeight,
+    _Rotary,
+    _rotary,
+    read_tensors,
+    requantized,
+)
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.loading import Runtime
 from specdec.sampling import SamplingParams
@@ -276,6 +285,43 @@ def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
     exp = runner_first3(target, prompt, params, SMALL_V)
     assert (exp > 0.01).sum() >= 8  # a distribution worth testing, not a point mass
     assert chi2_pvalue(counts, exp) > 1e-3
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_the_tensor_table_is_what_the_gguf_reader_lists(tmp_path, alignment):
+    """read_tensors reads the header alone, skipping every kind of metadata value (strings, scalars, arrays
+    of strings and of numbers, a nested array): each tensor's name, type, dims, offset, bytes and data are
+    GGUFReader's."""
+    from gguf import GGUFReader, GGUFWriter
+
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    if alignment:
+        w.add_custom_alignment(alignment)
+    w.add_string("x.text", "héllo")
+    w.add_array("x.words", ["a", "", "ünïcode", "x" * 300])
+    w.add_array("x.ints", list(range(7)))
+    w.add_array("x.floats", [0.5, -1.0])
+    w.add_array("x.nested", [[1, 2], [3]])
+    w.add_bool("x.flag", True)
+    w.add_float64("x.f64", 2.5)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((7,)).astype(np.float16))
+    for name, kind in (("q4k", GGMLQuantizationType.Q4_K), ("q8", GGMLQuantizationType.Q8_0)):
+        blocks = random_blocks(kind, 4, 256, rng, 1.0)
+        w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = GGUFReader(str(tmp_path / "t.gguf")).tensors
+    got = read_tensors(tmp_path / "t.gguf")
+    assert [t.name for t in got] == ["f32", "f16", "q4k", "q8"] == [t.name for t in want]
+    for a, b in zip(got, want):
+        assert (a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (b.tensor_type, b.n_elements, b.n_bytes,
+                                                                          b.data_offset)
+        assert a.shape.tolist() == b.shape.tolist() and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data, b.data)
 
 
 def test_weights_gguf_is_checked_before_anything_loads(tmp_path):
