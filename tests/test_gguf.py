@@ -25,9 +25,9 @@ from specdec.runtime.gguf import (
     QuantWeight,
     _Rotary,
     _rotary,
-    read_tensors,
     requantized,
 )
+from specdec.runtime.gguf_header import read_header
 from specdec.runtime.lean import LeanRunner
 from specdec.runtime.loading import Runtime
 from specdec.sampling import SamplingParams
@@ -289,9 +289,9 @@ def test_sampling_keeps_the_gguf_targets_distribution(fmt, tmp_path):
 
 @pytest.mark.parametrize("alignment", [None, 64])
 def test_the_tensor_table_is_what_the_gguf_reader_lists(tmp_path, alignment):
-    """read_tensors reads the header alone, skipping every kind of metadata value (strings, scalars, arrays
-    of strings and of numbers, a nested array): each tensor's name, type, dims, offset, bytes and data are
-    GGUFReader's."""
+    """read_header reads the header alone, past every kind of metadata value (strings, scalars, arrays of
+    strings and of numbers, a nested array): the scalars' values, and each tensor's name, type, dims,
+    offset, bytes and data are GGUFReader's."""
     from gguf import GGUFReader, GGUFWriter
 
     rng = np.random.default_rng(0)
@@ -315,7 +315,10 @@ def test_the_tensor_table_is_what_the_gguf_reader_lists(tmp_path, alignment):
     w.write_tensors_to_file()
     w.close()
     want = GGUFReader(str(tmp_path / "t.gguf")).tensors
-    got = read_tensors(tmp_path / "t.gguf")
+    meta, got = read_header(tmp_path / "t.gguf")
+    assert meta["x.text"] == "héllo" and meta["x.flag"] is True and meta["x.f64"] == 2.5
+    assert meta["general.architecture"] == "llama" and "x.words" not in meta
+    assert meta.get("general.alignment") == alignment
     assert [t.name for t in got] == ["f32", "f16", "q4k", "q8"] == [t.name for t in want]
     for a, b in zip(got, want):
         assert (a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (b.tensor_type, b.n_elements, b.n_bytes,

@@ -42,6 +42,7 @@ from specdec.errors import SpecdecError
 from specdec.files import atomic_file, cache_dir
 from specdec.machine import peak_rss_mb
 from specdec.options import Options, option
+from specdec.runtime.gguf_header import read_header
 from specdec.runtime.loading import resolve
 
 NAMES = ("llamacpp", "llamacpp-pld", "llamacpp-server")
@@ -159,8 +160,8 @@ def file_type(path: Path) -> str:
     try:
         import gguf
 
-        field = gguf.GGUFReader(str(path)).fields["general.file_type"]
-        return gguf.LlamaFileType(int(field.parts[-1][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        kind = read_header(path)[0]["general.file_type"]
+        return gguf.LlamaFileType(int(kind)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except Exception:
         return "unknown"
 

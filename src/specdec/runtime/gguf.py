@@ -23,6 +23,7 @@ from torch import nn
 
 from specdec.errors import SpecdecError
 from specdec.runtime import stream
+from specdec.runtime.gguf_header import read_header
 
 # the GGML block formats kernels/quant.cpp reads (gguf.GGMLQuantizationType names; ids and block sizes are
 # the gguf package's), and those kernels/interleaved.cpp re-lays 16 rows at a time
@@ -162,84 +163,6 @@ class _Embedding:
         return self.table.dequantize() if isinstance(self.table, QuantTensor) else self.table
 
 
-# bytes of a metadata value of each fixed-size GGUF type (gguf.GGUFValueType ids)
-_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def read_tensors(path: Path) -> list:
-    """The file's tensors as gguf.GGUFReader lists them (ReaderTensor: name, type, dims innermost first,
-    offset, bytes and a read-only view of the data), from the header alone. Why not GGUFReader itself: it
-    parses every metadata value one numpy view at a time, and a tokenizer's vocabulary and merges are
-    100-300k strings: 6.5 s of SmolLM2's load, 19.6 s of Qwen2.5-1.5B's on a 2-GHz Zen (here: well under 0.1)."""
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.gguf_reader import ReaderTensor
-    from gguf.quants import quant_shape_to_byte_shape
-
-    data = np.memmap(path, mode="r")
-    buf = memoryview(data)
-    at = 0
-
-    def take(fmt: str):
-        nonlocal at
-        v = struct.unpack_from("<" + fmt, buf, at)
-        at += struct.calcsize("<" + fmt)
-        return v[0] if len(v) == 1 else v
-
-    def text() -> str:
-        nonlocal at
-        n = take("Q")
-        at += n
-        return bytes(buf[at - n:at]).decode()
-
-    def skip(kind: int) -> None:
-        nonlocal at
-        if kind == _STRING:
-            n = take("Q")
-            at += n
-        elif kind == _ARRAY:
-            item, n = take("IQ")
-            if item in _VALUE_BYTES:
-                at += n * _VALUE_BYTES[item]
-            else:
-                for _ in range(n):
-                    skip(item)
-        else:
-            at += _VALUE_BYTES[kind]
-
-    magic, version, n_tensors, n_kv = take("4sIQQ")
-    if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError(f"not a GGUF file of version 2 or 3 (magic {magic!r}, version {version})")
-    alignment = 32
-    for _ in range(n_kv):
-        key, kind = text(), take("I")
-        if key == "general.alignment" and kind == 4:
-            alignment = take("I")
-        else:
-            skip(kind)
-    infos = []
-    for _ in range(n_tensors):
-        name, n_dims = text(), take("I")
-        dims = take(f"{n_dims}Q")
-        dims = (dims,) if n_dims == 1 else tuple(dims)
-        infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
-    start = -(-at // alignment) * alignment
-    floats = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-              "I32": np.int32, "I64": np.int64}
-    out = []
-    for name, dims, kind, offset in infos:
-        n = int(np.prod(dims))
-        block, size = GGML_QUANT_SIZES[kind]
-        n_bytes, shape = n * size // block, tuple(reversed(dims))
-        raw = data[start + offset:start + offset + n_bytes]
-        view = (raw.view(floats[kind.name]).reshape(shape) if kind.name in floats
-                else raw.reshape(quant_shape_to_byte_shape(shape, kind)))
-        out.append(ReaderTensor(name, kind, np.array(dims, dtype=np.uint64), n, n_bytes, start + offset, view, None))
-    return out
-
-
 class GGUFModel:
     """What the lean runner and the drafters read from a model, over a GGUF file's own tensors."""
 
@@ -251,7 +174,7 @@ class GGUFModel:
         self.path, self.config, self.generation_config = path, config, generation_config
         self.name_or_path = str(path)
         try:
-            tensors = read_tensors(path)
+            tensors = read_header(path)[1]
         except Exception as e:
             raise SpecdecError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
         arch = str(config.model_type)

@@ -1,0 +1,88 @@
+"""A GGUF file's header: its scalar metadata and its tensor table, read without parsing the metadata arrays."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+# bytes of a metadata value of each fixed-size GGUF type (gguf.GGUFValueType ids)
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_header(path: Path) -> tuple[dict, list]:
+    """The file's scalar metadata (arrays left out) and its tensors as gguf.GGUFReader lists them
+    (ReaderTensor: name, type, dims innermost first, offset, bytes and a read-only view of the data), from
+    the header alone. Why not GGUFReader itself: it parses every metadata value one numpy view at a time,
+    and a tokenizer's vocabulary and merges are 100-300k strings: 6.9 s of SmolLM2's load and 20.5 s of
+    Qwen2.5-0.5B's on a 2-GHz Zen, against 0.12 and 0.33 s here."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.gguf_reader import ReaderTensor
+    from gguf.quants import quant_shape_to_byte_shape
+
+    data = np.memmap(path, mode="r")
+    buf = memoryview(data)
+    at = 0
+
+    def take(fmt: str):
+        nonlocal at
+        v = struct.unpack_from("<" + fmt, buf, at)
+        at += struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def text() -> str:
+        nonlocal at
+        n = take("Q")
+        at += n
+        return bytes(buf[at - n:at]).decode()
+
+    def skip(kind: int) -> None:
+        nonlocal at
+        if kind == _STRING:
+            n = take("Q")
+            at += n
+        elif kind == _ARRAY:
+            item, n = take("IQ")
+            if item in _VALUE_BYTES:
+                at += n * _VALUE_BYTES[item]
+            else:
+                for _ in range(n):
+                    skip(item)
+        else:
+            at += _VALUE_BYTES[kind]
+
+    magic, version, n_tensors, n_kv = take("4sIQQ")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a GGUF file of version 2 or 3 (magic {magic!r}, version {version})")
+    meta: dict = {}
+    for _ in range(n_kv):
+        key, kind = text(), take("I")
+        if kind == _STRING:
+            meta[key] = text()
+        elif kind in _SCALARS:
+            meta[key] = take(_SCALARS[kind])
+        else:
+            skip(kind)
+    alignment = meta.get("general.alignment", 32)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = text(), take("I")
+        dims = take(f"{n_dims}Q")
+        dims = (dims,) if n_dims == 1 else tuple(dims)
+        infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
+    start = -(-at // alignment) * alignment
+    floats = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+              "I32": np.int32, "I64": np.int64}
+    out = []
+    for name, dims, kind, offset in infos:
+        n = int(np.prod(dims))
+        block, size = GGML_QUANT_SIZES[kind]
+        n_bytes, shape = n * size // block, tuple(reversed(dims))
+        raw = data[start + offset:start + offset + n_bytes]
+        view = (raw.view(floats[kind.name]).reshape(shape) if kind.name in floats
+                else raw.reshape(quant_shape_to_byte_shape(shape, kind)))
+        out.append(ReaderTensor(name, kind, np.array(dims, dtype=np.uint64), n, n_bytes, start + offset, view, None))
+    return meta, out
