@@ -19,7 +19,7 @@ def read_header(path: Path) -> tuple[dict, list]:
     the header alone. Why not GGUFReader itself: it parses every metadata value one numpy view at a time,
     and a tokenizer's vocabulary and merges are 100-300k strings: 6.9 s of SmolLM2's load and 20.5 s of
     Qwen2.5-0.5B's on a 2-GHz Zen, against 0.12 and 0.33 s here."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.gguf_reader import ReaderTensor
     from gguf.quants import quant_shape_to_byte_shape
 
