@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-# bytes of a metadata value of each fixed-size GGUF type (gguf.GGUFValueType ids)
-_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+# the struct format of each fixed-size metadata value (gguf.GGUFValueType ids)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
@@ -46,13 +45,13 @@ def read_header(path: Path) -> tuple[dict, list]:
             at += n
         elif kind == _ARRAY:
             item, n = take("IQ")
-            if item in _VALUE_BYTES:
-                at += n * _VALUE_BYTES[item]
+            if item in _SCALARS:
+                at += n * struct.calcsize("<" + _SCALARS[item])
             else:
                 for _ in range(n):
                     skip(item)
         else:
-            at += _VALUE_BYTES[kind]
+            at += struct.calcsize("<" + _SCALARS[kind])
 
     magic, version, n_tensors, n_kv = take("4sIQQ")
     if magic != b"GGUF" or version not in (2, 3):
