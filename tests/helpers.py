@@ -270,9 +270,10 @@ def _interleave(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: int = 97, head_scale: float = 8,
-              **overrides):
+              tokenizer: bool = False, **overrides):
     """(GGUF path, the HF model holding the same weights de-quantized). Hidden 256 so that K-quants fit.
-    Gemma 3 as llama.cpp writes it: norms stored as 1 + w, four per layer and q/k's, the head tied."""
+    Gemma 3 as llama.cpp writes it: norms stored as 1 + w, four per layer and q/k's, the head tied.
+    tokenizer: a vocabulary of one character per id (sentencepiece for Gemma, else BPE) and a chat template."""
     kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=vocab_size)
     model = tiny_model(family, seed=seed, **{**kw, **overrides})
@@ -332,6 +333,16 @@ def tiny_gguf(path, fmt: str, family: str = "llama", seed: int = 0, vocab_size: 
         norms = GEMMA3_NORMS if gemma else {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
         for gg, hf in norms.items():
             norm(b + gg + ".weight", p + hf + ".weight")
+    if tokenizer:
+        w.add_tokenizer_model("llama" if gemma else "gpt2")
+        w.add_token_list([chr(0x100 + i) if i < 33 else chr(i) for i in range(cfg.vocab_size)])
+        w.add_token_types([1] * cfg.vocab_size)
+        w.add_token_scores([0.0] * cfg.vocab_size)
+        if not gemma:
+            w.add_token_merges([])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -27,9 +27,9 @@ from specdec.runtime.gguf import (
     _rotary,
     requantized,
 )
-from specdec.runtime.gguf_header import read_header
+from specdec.runtime.gguf_header import hf_config, read_header
 from specdec.runtime.lean import LeanRunner
-from specdec.runtime.loading import Runtime
+from specdec.runtime.loading import Runtime, gguf_meta
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
 from tests import background
@@ -372,6 +372,26 @@ def test_rope_tables_are_the_model_familys_bit_for_bit(family, rope):
         args = () if kind is None else (kind,)
         (c1, s1), (c2, s2) = ours(x, pos, *args), theirs(x, pos, *args)
         assert torch.equal(c1, c2) and torch.equal(s1, s2), kind
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_the_config_and_tokenizer_read_from_the_header_are_transformers_own(family, tmp_path, monkeypatch):
+    """gguf_meta builds them without transformers' GGUF loader: the same files as AutoConfig's and
+    AutoTokenizer's from the same file."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, _ = tiny_gguf(tmp_path / "m.gguf", "Q8_0", family, tokenizer=True)
+    assert hf_config(path) == load_gguf_checkpoint(str(path))["config"]
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    ours = gguf_meta(path)
+    AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name).save_pretrained(tmp_path / "ref")
+    cfg = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).to_dict()
+    cfg.pop("quantization_config", None)
+    assert json.loads((ours / "config.json").read_text()) == json.loads(json.dumps(cfg))
+    files = sorted(f.name for f in (tmp_path / "ref").iterdir())
+    assert "tokenizer.json" in files and all((ours / f).read_bytes() == (tmp_path / "ref" / f).read_bytes()
+                                             for f in files)
 
 
 def test_a_gguf_model_loads_without_transformers_model_code(smollm2_tokenizer_dir):

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter, begin_on, follow
+from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter, follow
 from specdec.drafters.clock import PRICED_ROWS, TYPICAL_ROWS, size_class
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import attention_slope, forward_costs
@@ -132,7 +132,7 @@ def _time_warm(fn, reps: int) -> float:
 def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[TreeBudget, float]],
                   ngram: Drafter | None, sampled: list[tuple[TreeBudget, float]] = (), reps: int = 3,
                   ctx_len: int = 384) -> Costs:
-    """~4 s for SmolLM2 on 2 cores, at a ctx_len-token context of text that repeats (an n-gram lookup's
+    """~3 s for SmolLM2 and its head on 2 Zen 4 cores (8.6 s on a 2-GHz Zen 1), at a ctx_len-token context of text that repeats (an n-gram lookup's
     dearest case): t(N) for 1 + each draft's size and at the anchors up to the widest verify, which is timed
     again LONG_CTX tokens later (the slope); each budget's propose() (the `sampled` menu's at T = 1), one
     n-gram propose(); and what the model pays for rows it has not read: a head's follow of one drafted
@@ -141,18 +141,33 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
     sizes = [b.tree_size for b, _ in [*menu, *sampled]]
     top = 1 + max(sizes, default=0) + (ngram.tree_size if ngram is not None else 0)
     sizes = sorted({n for n in ANCHORS if n < top} | {1 + s for s in sizes} | {top})
-    # min: the least disturbed repetition; of 4, as of 2 the ratios t(n) / t(1) moved ~15% between measurements
-    target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1)
-    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
-    attend_s = attention_slope(runner, top, ctx_len, extra) if extra >= 64 else 0.0
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * (ctx_len // 64 + 2)
-    costs = Costs(target_s, attend_s=attend_s, ctx=ctx_len)
     head = model is not None and model.reads_features
+    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
+    extra = extra if extra >= 64 else 0
+    more = max(extra, 64) if head else extra  # the head's follow probes read rows past ctx_len
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * ((ctx_len + more) // 64 + 2)
+    # one prefill, extended once, serves every probe: the forwards at ctx_len, the slope at ctx_len + extra and
+    # the head's features (prefill was most of a load's measurement, ~160 tokens/s on a 2-GHz Zen)
+    aux = model.aux_layers if head else ()
+    runner.reset()
+    outs = [runner.forward(torch.tensor(ids[:ctx_len]), logits_rows=slice(-1, None), aux_layers=aux)]
+    runner.commit(range(ctx_len))
+    # min: the least disturbed repetition; of 4, as of 2 the ratios t(n) / t(1) moved ~15% between measurements
+    target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1, prefilled=True)
+    if more:
+        outs.append(runner.forward(torch.tensor(ids[ctx_len:ctx_len + more]), logits_rows=slice(-1, None),
+                                   aux_layers=aux))
+        runner.commit(range(more))
+    attend_s = attention_slope(runner, top, ctx_len, extra, prefilled=True) if extra else 0.0
+    runner.reset()
+    costs = Costs(target_s, attend_s=attend_s, ctx=ctx_len)
+    features = torch.cat([o.features for o in outs]) if head else None
+    auxes = torch.cat([o.aux for o in outs]) if head and outs[0].aux is not None else None
+    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, None if features is None else
+                        features[:ctx_len], aux_features=None if auxes is None else auxes[:ctx_len])
     if head:
-        ctx, out = begin_on(runner, model, ids, ctx_len)
-    else:
-        ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len)
+        model.begin(ctx)
     if ngram is not None:
         ngram.begin(ctx)
         costs.lookup_s = _time_warm(lambda: ngram.propose(ctx), reps)
@@ -180,7 +195,7 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
             for _ in range(reps):
                 for j in range(at, at + rows, 2):
                     new = ids[j + 1:j + 3]
-                    follow(model, ctx, new, out.features[j:j + 2], None if out.aux is None else out.aux[j:j + 2],
+                    follow(model, ctx, new, features[j:j + 2], None if auxes is None else auxes[j:j + 2],
                            Verdict([0], new, new[-1]))
                 at += rows
                 runner.forward(torch.tensor(ids[:1]), logits_rows=slice(-1, None))  # as before every draft

@@ -24,6 +24,7 @@ from specdec.runtime import gemma, stream, threads
 from specdec.runtime.base import Runner
 from specdec.runtime.cpus import usable_cpus
 from specdec.runtime.gguf import GGUFModel
+from specdec.runtime.gguf_header import hf_config
 from specdec.runtime.lean import LeanRunner, supports
 from specdec.runtime.packed import FLOAT, precision_name
 
@@ -112,11 +113,20 @@ def gguf_meta(path: Path) -> Path:
     out = cache_dir() / "gguf-meta" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        plain = hf_config(path)
+        if plain is None:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        else:  # AutoTokenizer's choice for a directory without tokenizer files, minus its own config parse
+            config = AutoConfig.for_model(**plain)
+            config._name_or_path = str(path.parent)  # as from_pretrained sets it (cost files key on it)
+            tok = TOKENIZER_MAPPING.get(type(config), TokenizersBackend).from_pretrained(str(path.parent),
+                                                                                          gguf_file=path.name)
+            cfg = config.to_dict()
     except Exception as e:  # gguf raises many kinds of errors on a damaged file
         raise SpecdecError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
     cfg.pop("quantization_config", None)
