@@ -132,12 +132,13 @@ def _time_warm(fn, reps: int) -> float:
 def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[TreeBudget, float]],
                   ngram: Drafter | None, sampled: list[tuple[TreeBudget, float]] = (), reps: int = 3,
                   ctx_len: int = 384) -> Costs:
-    """~3 s for SmolLM2 and its head on 2 Zen 4 cores (8.6 s on a 2-GHz Zen 1), at a ctx_len-token context of text that repeats (an n-gram lookup's
-    dearest case): t(N) for 1 + each draft's size and at the anchors up to the widest verify, which is timed
-    again LONG_CTX tokens later (the slope); each budget's propose() (the `sampled` menu's at T = 1), one
-    n-gram propose(); and what the model pays for rows it has not read: a head's follow of one drafted
-    step (its weights back in the caches after a target forward evicted them: a back-to-back probe missed
-    0.85 ms of a 2.7 ms step) and per row past it; a draft model's reading of the prompt per row."""
+    """8.6 s for SmolLM2 and its head on 2 cores of a 2-GHz Zen 1, at a ctx_len-token context of text that
+    repeats (an n-gram lookup's dearest case): t(N) for 1 + each draft's size and at the anchors up to the
+    widest verify, which is timed again LONG_CTX tokens later (the slope); each budget's propose() (the
+    `sampled` menu's at T = 1), one n-gram propose(); and what the model pays for rows it has not read: a
+    head's follow of one drafted step (its weights back in the caches after a target forward evicted them:
+    a back-to-back probe missed 0.85 ms of a 2.7 ms step) and per row past it; a draft model's reading of
+    the prompt per row."""
     sizes = [b.tree_size for b, _ in [*menu, *sampled]]
     top = 1 + max(sizes, default=0) + (ngram.tree_size if ngram is not None else 0)
     sizes = sorted({n for n in ANCHORS if n < top} | {1 + s for s in sizes} | {top})

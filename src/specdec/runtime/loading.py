@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,11 +140,14 @@ def gguf_meta(path: Path) -> Path:
 
 def _convert_gguf(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    meta = gguf_meta(path)  # the config given, transformers' loader does not walk the file for it again
+    config = AutoConfig.from_pretrained(meta)
+    config._name_or_path = str(path.parent)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                     dtype=torch.float32)
     except Exception as e:  # gguf raises many kinds of errors on a damaged file
         raise SpecdecError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
     cfg = model.config.to_dict()
@@ -156,8 +160,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
     with atomic_dir(out) as tmp:
         save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-        tok.save_pretrained(tmp)
-        (tmp / "SOURCE").write_text(str(path.resolve()) + "\n")
+        for f in meta.iterdir():  # the tokenizer's files and SOURCE
+            if f.name != "config.json":
+                shutil.copyfile(f, tmp / f.name)
 
 
 def default_device() -> torch.device:
