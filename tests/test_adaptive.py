@@ -425,6 +425,9 @@ def test_the_attention_slope_probe_recovers_the_per_row_per_token_cost(monkeypat
         def reset(self):
             pass
 
+        def pretend_cached(self, n):
+            pass
+
         def commit(self, keep):
             pass
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.runtime.base import tree_mask
+from specdec.runtime.base import chain_mask, tree_mask
 from specdec.runtime.hf import HFRunner
 from specdec.runtime.lean import LeanRunner
 from specdec.tree import DraftTree
@@ -65,6 +65,26 @@ def test_compaction_then_continue_equals_fresh(family, runner_name):
     torch.testing.assert_close(out.logits, ref_logits[-3:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.features, ref_feats[-3:], atol=1e-4, rtol=1e-4)
     assert runner.length == 9 + 1 + len(path)
+
+
+@pytest.mark.parametrize("runner_name", RUNNERS)
+def test_rows_pretended_for_timing_are_a_context_and_a_reset_forgets_them(family, runner_name):
+    """pretend_cached(n) (cost probes time forwards after a long context without computing it) commits rows
+    up to n, and later forwards take masks and positions after them; after a reset, a forward has a fresh
+    runner's bits."""
+    model = tiny_model(family)
+    runner, fresh = RUNNERS[runner_name](model), RUNNERS[runner_name](model)
+    runner.pretend_cached(300)
+    assert runner.length == 300
+    out = runner.forward(torch.tensor([1, 2, 3]), None, chain_mask(300, 3))
+    assert out.logits.shape[0] == 3 and bool(torch.isfinite(out.logits).all())
+    runner.rollback()
+    runner.pretend_cached(480)  # extends
+    assert runner.length == 480 and runner.n_pending == 0
+    runner.forward(torch.tensor([4, 5]))
+    runner.reset()
+    ids = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(runner.forward(ids).logits, fresh.forward(ids).logits)
 
 
 def test_sliding_window_matches_hf():

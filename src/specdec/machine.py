@@ -74,14 +74,11 @@ def machine_summary() -> dict:
 
 
 
-def _interleaved_times(runner, ctx: int, calls: dict, reps: int, warmup: int, prefilled: bool = False) -> dict:
-    """Seconds of each call's forward (key -> (tokens, mask)) after `ctx` random cached tokens (prefilled:
-    the `ctx` the runner's cache holds, kept), one list per key; calls are interleaved per repetition so
-    drift on a busy machine hits all alike."""
-    if not prefilled:
-        runner.reset()
-        runner.forward(torch.randint(0, min(runner.vocab_size, 1000), (ctx,)), logits_rows=slice(-1, None))
-        runner.commit(range(ctx))
+def _interleaved_times(runner, ctx: int, calls: dict, reps: int, warmup: int) -> dict:
+    """Seconds of each call's forward (key -> (tokens, mask)) after `ctx` cached tokens, one list per
+    key; calls are interleaved per repetition so drift on a busy machine hits all alike."""
+    runner.reset()
+    runner.pretend_cached(ctx)
     ts: dict = {k: [] for k in calls}
     for rep in range(reps + warmup):
         for k, (xs, mask) in calls.items():
@@ -90,33 +87,30 @@ def _interleaved_times(runner, ctx: int, calls: dict, reps: int, warmup: int, pr
             runner.rollback()
             if rep >= warmup:
                 ts[k].append(time.perf_counter() - t)
-    if not prefilled:
-        runner.reset()
+    runner.reset()
     return ts
 
 
 @torch.inference_mode()
 def forward_costs(runner, sizes: Sequence[int], reps: int = 10, ctx: int = 200,
-                  stat=statistics.median, warmup: int = 2, prefilled: bool = False) -> dict[int, float]:
+                  stat=statistics.median, warmup: int = 2) -> dict[int, float]:
     """Seconds (median, or `stat`) of a target forward over N new tokens (a chain mask, as a tree would use) after
-    `ctx` cached tokens (prefilled: the runner's cache holds them already, and keeps them)."""
+    `ctx` cached tokens."""
     v = min(runner.vocab_size, 1000)
     calls = {n: (torch.randint(0, v, (n,)), chain_mask(ctx, n) if n > 1 else None) for n in sizes}
-    return {n: stat(x) for n, x in _interleaved_times(runner, ctx, calls, reps, warmup, prefilled).items()}
+    return {n: stat(x) for n, x in _interleaved_times(runner, ctx, calls, reps, warmup).items()}
 
 
 @torch.inference_mode()
-def attention_slope(runner, rows: int, ctx: int, extra: int, reps: int = 3, warmup: int = 1,
-                    prefilled: bool = False) -> float:
+def attention_slope(runner, rows: int, ctx: int, extra: int, reps: int = 3, warmup: int = 1) -> float:
     """Seconds each forward row adds per cached token it attends to: a forward of `rows` chained rows after
-    ctx + extra cached tokens (prefilled: as forward_costs), timed against the same forward with the `extra`
-    newest of them masked out (interleaved, the least disturbed of `reps` each): the difference is only
-    attention."""
+    ctx + extra cached tokens, timed against the same forward with the `extra` newest of them masked out
+    (interleaved, the least disturbed of `reps` each): the difference is only attention."""
     full = chain_mask(ctx + extra, rows, runner.device)
     near = full.clone()
     near[:, ctx:ctx + extra] = False
     xs = torch.randint(0, min(runner.vocab_size, 1000), (rows,))
-    ts = _interleaved_times(runner, ctx + extra, {"near": (xs, near), "full": (xs, full)}, reps, warmup, prefilled)
+    ts = _interleaved_times(runner, ctx + extra, {"near": (xs, near), "full": (xs, full)}, reps, warmup)
     return max(0.0, (min(ts["full"]) - min(ts["near"])) / (rows * extra))
 
 

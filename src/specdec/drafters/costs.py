@@ -142,31 +142,24 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
     sizes = [b.tree_size for b, _ in [*menu, *sampled]]
     top = 1 + max(sizes, default=0) + (ngram.tree_size if ngram is not None else 0)
     sizes = sorted({n for n in ANCHORS if n < top} | {1 + s for s in sizes} | {top})
-    head = model is not None and model.reads_features
-    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
-    extra = extra if extra >= 64 else 0
-    more = max(extra, 64) if head else extra  # the head's follow probes read rows past ctx_len
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * ((ctx_len + more) // 64 + 2)
-    # one prefill, extended once, serves every probe: the forwards at ctx_len, the slope at ctx_len + extra and
-    # the head's features (prefill was most of a load's measurement, ~160 tokens/s on a 2-GHz Zen)
-    aux = model.aux_layers if head else ()
-    runner.reset()
-    outs = [runner.forward(torch.tensor(ids[:ctx_len]), logits_rows=slice(-1, None), aux_layers=aux)]
-    runner.commit(range(ctx_len))
     # min: the least disturbed repetition; of 4, as of 2 the ratios t(n) / t(1) moved ~15% between measurements
-    target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1, prefilled=True)
-    if more:
-        outs.append(runner.forward(torch.tensor(ids[ctx_len:ctx_len + more]), logits_rows=slice(-1, None),
-                                   aux_layers=aux))
-        runner.commit(range(more))
-    attend_s = attention_slope(runner, top, ctx_len, extra, prefilled=True) if extra else 0.0
-    runner.reset()
+    target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1)
+    extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
+    attend_s = attention_slope(runner, top, ctx_len, extra) if extra >= 64 else 0.0
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * (ctx_len // 64 + 2)
     costs = Costs(target_s, attend_s=attend_s, ctx=ctx_len)
-    features = torch.cat([o.features for o in outs]) if head else None
-    auxes = torch.cat([o.aux for o in outs]) if head and outs[0].aux is not None else None
-    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, None if features is None else
-                        features[:ctx_len], aux_features=None if auxes is None else auxes[:ctx_len])
+    head = model is not None and model.reads_features
+    feats = aux = None
+    if head:  # the target's features of the text's first 64 tokens, repeated as the text repeats: what the
+        # probes time does not depend on their values, and a prefill of the whole text is not needed
+        runner.reset()
+        out = runner.forward(torch.tensor(ids[:64]), logits_rows=slice(-1, None), aux_layers=model.aux_layers)
+        runner.reset()
+        feats = out.features.repeat(len(ids) // 64, 1)
+        aux = None if out.aux is None else out.aux.repeat(len(ids) // 64, 1)
+    ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, None if feats is None else
+                        feats[:ctx_len], aux_features=None if aux is None else aux[:ctx_len])
     if head:
         model.begin(ctx)
     if ngram is not None:
@@ -196,7 +189,7 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
             for _ in range(reps):
                 for j in range(at, at + rows, 2):
                     new = ids[j + 1:j + 3]
-                    follow(model, ctx, new, features[j:j + 2], None if auxes is None else auxes[j:j + 2],
+                    follow(model, ctx, new, feats[j:j + 2], None if aux is None else aux[j:j + 2],
                            Verdict([0], new, new[-1]))
                 at += rows
                 runner.forward(torch.tensor(ids[:1]), logits_rows=slice(-1, None))  # as before every draft

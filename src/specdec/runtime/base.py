@@ -86,6 +86,14 @@ class Runner(Cached, ABC):
     # the kernels a forward runs on (the stats line says it: the same model is 2x slower on a fallback)
     kernel_path = "torch"
 
+    @torch.inference_mode()
+    def pretend_cached(self, n: int) -> None:
+        """Commit rows up to `n` for timing the forwards after them, whose cost does not depend on what they
+        attend to: here a forward over random tokens; a runner whose cache is preallocated skips it."""
+        more = n - self.length
+        self.forward(torch.randint(0, min(self.vocab_size, 1000), (more,)), logits_rows=slice(-1, None))
+        self.commit(range(more))
+
     def shared_lm_head(self, weights: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """Its LM head for a draft head at `weights` to share rather than hold a second copy of the rows;
         None when it has none to share (not pre-packed, or another precision)."""
