@@ -71,6 +71,7 @@ def test_check_json_parses_and_validates():
     assert check_json('{"n": 3', schema) == {"parses": False, "valid": False}
 
 
+@pytest.mark.slow  # 1,400-token answers
 def test_constrained_answers_fit_their_schemas_and_a_free_method_is_audited_only_against_a_free_vanilla(
         ascii_models, two_questions, tmp_path):
     target, tok = ascii_models
