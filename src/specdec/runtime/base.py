@@ -91,6 +91,8 @@ class Runner(Cached, ABC):
         """Commit rows up to `n` for timing the forwards after them, whose cost does not depend on what they
         attend to: here a forward over random tokens; a runner whose cache is preallocated skips it."""
         more = n - self.length
+        if more <= 0:
+            return
         self.forward(torch.randint(0, min(self.vocab_size, 1000), (more,)), logits_rows=slice(-1, None))
         self.commit(range(more))
 
