@@ -114,8 +114,7 @@ def gguf_meta(path: Path) -> Path:
     out = cache_dir() / "gguf-meta" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
-    from transformers import AutoConfig, AutoTokenizer, TokenizersBackend
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         plain = hf_config(path)
@@ -123,6 +122,9 @@ def gguf_meta(path: Path) -> Path:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
         else:  # AutoTokenizer's choice for a directory without tokenizer files, minus its own config parse
+            from transformers import TokenizersBackend
+            from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
             config = AutoConfig.for_model(**plain)
             config._name_or_path = str(path.parent)  # as from_pretrained sets it (cost files key on it)
             tok = TOKENIZER_MAPPING.get(type(config), TokenizersBackend).from_pretrained(str(path.parent),
