@@ -49,6 +49,7 @@ struct Acts16 {
   // (4, 6), (5, 7): the Q4_K mins' term on vpmaddwd, whose four pairs meet the lanes' four min bytes
   std::vector<uint32_t> bsp;
   std::vector<int32_t> b16;  // B = 256: [N][K / 16] 32 times the sum of each 16 codes (Q6_K's offset)
+  std::vector<uint32_t> b16p;  // B = 256: [N][K / 32] the sums of 16 codes (2g, 2g + 1) as int16 pairs (vpmaddwd)
 };
 
 void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy, Acts16& a) {
@@ -57,7 +58,7 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy,
   if (unsigned_copy) a.qu.resize(N * K);
   a.d.resize(N * nb);
   if (B == 32) a.s.resize(N * nb);
-  else a.bsp.assign(N * n32 / 2, 0), a.b16.resize(N * n32 * 2);
+  else a.bsp.assign(N * n32 / 2, 0), a.b16.resize(N * n32 * 2), a.b16p.resize(N * n32);
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; n++) {
       int8_t* q = a.q.data() + n * K;
@@ -76,6 +77,8 @@ void quantize16(const float* x, int64_t N, int64_t K, int B, bool unsigned_copy,
         const int lo = code_sum(q + b * 32, 16);
         a.b16[n * n32 * 2 + 2 * b] = 32 * lo;
         a.b16[n * n32 * 2 + 2 * b + 1] = 32 * (s - lo);
+        a.b16p[n * n32 + b] = static_cast<uint16_t>(static_cast<int16_t>(lo)) |  // |sum of 16| <= 16 * 128
+                              static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(s - lo))) << 16;
       }
     }
   });
@@ -155,6 +158,8 @@ inline VI v_dot_steps(const VI* u, const int8_t* xq, int n) {  // sum over steps
 #endif
 }
 inline VI v_add(VI a, VI b) { return MM(add_epi32)(a, b); }
+// each lane's int16 value in both halves: vpmaddwd against int16 pair sums multiplies their sum by it
+inline VI pair16(VI v) { return SI(or)(SI(and)(v, MM(set1_epi32)(0xFFFF)), MM(slli_epi32)(v, 16)); }
 inline VI v_sub(VI a, VI b) { return MM(sub_epi32)(a, b); }
 inline VI v_mul(VI a, VI b) { return MM(mullo_epi32)(a, b); }
 inline VI v_and(VI a, int32_t m) { return SI(and)(a, MM(set1_epi32)(m)); }
@@ -319,14 +324,14 @@ void group_rows_q4k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
 #endif
         }
       }
-#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
-      for (int r = 0; r < R; r++) {
-        lo[r] = MM(madd_epi16)(lo[r], MM(set1_epi16)(1));
-        hi[r] = MM(madd_epi16)(hi[r], MM(set1_epi16)(1));
-      }
-#endif
       const VI s0 = v_and(v_shr(sc[c / 2], 16 * (c % 2)), 0xFF), s1 = v_and(v_shr(sc[c / 2], 16 * (c % 2) + 8), 0xFF);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
       for (int r = 0; r < R; r++) isum[r] = v_add(isum[r], v_add(v_mul(lo[r], s0), v_mul(hi[r], s1)));
+#else
+      // the pair sums times the scale in both halves: one vpmaddwd, not one to widen and a vpmulld (the same integers)
+      const VI s0w = pair16(s0), s1w = pair16(s1);
+      for (int r = 0; r < R; r++) isum[r] = v_madd16(v_madd16(isum[r], lo[r], s0w), hi[r], s1w);
+#endif
     }
     // the mins as int16 pairs (0, 2), (1, 3) of each lane's four bytes: four multiply-add pairs a row, not eight
     // 32-bit multiplies (one Q4_K linear at 4 and 8 rows: 6% faster, the same integers)
@@ -371,8 +376,9 @@ template <int R>
 void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
                     int64_t ystride) {
   constexpr int64_t RB = block_bytes(Q6_K) * G;
-  // without VNNI and from 3 rows a pass, codes to 63 let two steps add up in int16 before one vpmaddwd
-  // (v_dot_steps); at 1-2 rows that ran 3-7% slower on a Zen 1 (the stream, not the multiplies, limits)
+  // without VNNI and from 3 rows a pass, codes to 63 let two steps add up in int16 before one vpmaddwd, which
+  // also applies the group's scale, and the offset is one vpmaddwd per group pair and row (no vpmulld); at 1-2
+  // rows the pairs ran 3-7% slower on a Zen 1 (the stream, not the multiplies, limits)
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   constexpr bool PAIRS = false;
 #else
@@ -392,6 +398,9 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
           VI sg[2][R];
           for (int r = 0; r < R; r++) sg[0][r] = sg[1][r] = v_bcast(0);
           [[maybe_unused]] VI pair[2][R];  // an even step's int16 pair sums, waiting for the odd one
+          [[maybe_unused]] VI scw[2];  // PAIRS: the two groups' scales in both int16 halves of each lane
+          if (PAIRS)
+            for (int k = 0; k < 2; k++) scw[k] = pair16(v_bytes_i32(rec + 32 + 16 * (8 * h + 2 * (qp + k) + u) + lane));
           for (int t = 4 * u; t < 4 * u + 4; t++) {
             const uint8_t* v = cs + 192 * t + 4 * lane;
             if (qp == 0)
@@ -420,14 +429,13 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
                 pair[0][r] = p0;
                 pair[1][r] = p1;
               } else {
-                const VI one = MM(set1_epi16)(1);
-                sg[0][r] = v_add(sg[0][r], MM(madd_epi16)(MM(add_epi16)(pair[0][r], p0), one));
-                sg[1][r] = v_add(sg[1][r], MM(madd_epi16)(MM(add_epi16)(pair[1][r], p1), one));
+                isum[r] = v_madd16(isum[r], MM(add_epi16)(pair[0][r], p0), scw[0]);
+                isum[r] = v_madd16(isum[r], MM(add_epi16)(pair[1][r], p1), scw[1]);
               }
 #endif
             }
           }
-          for (int k = 0; k < 2; k++) {
+          for (int k = 0; k < 2 && !PAIRS; k++) {
             const int g = 8 * h + 2 * (qp + k) + u;
             const VI sc = v_bytes_i32(rec + 32 + 16 * g + lane);
             for (int r = 0; r < R; r++) {
@@ -436,6 +444,17 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
             }
           }
         }
+    }
+    if (PAIRS) {  // the offset, sum_g sc_g 32 (sum of group g's codes), on vpmaddwd over group pairs
+      VI scp[8];
+      for (int m = 0; m < 8; m++)
+        scp[m] = v_or(v_and(v_bytes_i32(rec + 32 + 32 * m + lane), 0xFFFF), v_shl(v_bytes_i32(rec + 48 + 32 * m + lane), 16));
+      for (int r = 0; r < R; r++) {
+        const uint32_t* bp = a.b16p.data() + (n0 + r) * (K / 32) + 8 * i;
+        VI o = v_bcast(0);
+        for (int m = 0; m < 8; m++) o = v_madd16(o, scp[m], v_bcast(static_cast<int32_t>(bp[m])));
+        isum[r] = v_sub(isum[r], v_shl(o, 5));
+      }
     }
     const VF d = v_scales(rec + 2 * lane);
     for (int r = 0; r < R; r++) acc[r] = f_fma(f_cvt(isum[r]), f_mul(d, f_set(a.d[(n0 + r) * nsb + i])), acc[r]);
