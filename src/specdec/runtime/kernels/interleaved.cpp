@@ -376,13 +376,13 @@ template <int R>
 void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a, int64_t K, int64_t n0, float* y,
                     int64_t ystride) {
   constexpr int64_t RB = block_bytes(Q6_K) * G;
-  // without VNNI and from 3 rows a pass, codes to 63 let two steps add up in int16 before one vpmaddwd, which
-  // also applies the group's scale, and the offset is one vpmaddwd per group pair and row (no vpmulld); at 1-2
-  // rows the pairs ran 3-7% slower on a Zen 1 (the stream, not the multiplies, limits)
+  // Without VNNI (SCALED) the vpmaddwd that widens vpmaddubsw's int16 pair sums also applies the group's scale,
+  // and the offset is one vpmaddwd per group pair and row: no vpmulld. From 3 rows a pass (PAIRS), codes to 63
+  // let two steps add up in int16 first; at 1-2 rows that ran 3-7% slower on a Zen 1 (the stream limits there).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  constexpr bool PAIRS = false;
+  constexpr bool SCALED = false, PAIRS = false;
 #else
-  constexpr bool PAIRS = R >= 3;
+  constexpr bool SCALED = true, PAIRS = R >= 3;
 #endif
   const int64_t lane = half * L;
   VF acc[R];
@@ -398,8 +398,8 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
           VI sg[2][R];
           for (int r = 0; r < R; r++) sg[0][r] = sg[1][r] = v_bcast(0);
           [[maybe_unused]] VI pair[2][R];  // an even step's int16 pair sums, waiting for the odd one
-          [[maybe_unused]] VI scw[2];  // PAIRS: the two groups' scales in both int16 halves of each lane
-          if (PAIRS)
+          [[maybe_unused]] VI scw[2];  // SCALED: the two groups' scales in both int16 halves of each lane
+          if (SCALED)
             for (int k = 0; k < 2; k++) scw[k] = pair16(v_bytes_i32(rec + 32 + 16 * (8 * h + 2 * (qp + k) + u) + lane));
           for (int t = 4 * u; t < 4 * u + 4; t++) {
             const uint8_t* v = cs + 192 * t + 4 * lane;
@@ -417,7 +417,7 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
             }
             for (int r = 0; r < R; r++) {
               const int8_t* xq = a.q.data() + (n0 + r) * K + 256 * i + 128 * h + 32 * qp + 4 * t;
-              if (!PAIRS) {
+              if (!SCALED) {
                 sg[0][r] = v_dot(sg[0][r], code[0], v_bcast(dword(xq)));
                 sg[1][r] = v_dot(sg[1][r], code[1], v_bcast(dword(xq + 32)));
                 continue;
@@ -425,7 +425,10 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
 #if !(defined(__AVX512BW__) && defined(__AVX512VNNI__))
               const VI p0 = MM(maddubs_epi16)(code[0], v_bcast(dword(xq)));
               const VI p1 = MM(maddubs_epi16)(code[1], v_bcast(dword(xq + 32)));
-              if (t % 2 == 0) {
+              if (!PAIRS) {
+                isum[r] = v_madd16(isum[r], p0, scw[0]);
+                isum[r] = v_madd16(isum[r], p1, scw[1]);
+              } else if (t % 2 == 0) {
                 pair[0][r] = p0;
                 pair[1][r] = p1;
               } else {
@@ -435,7 +438,7 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
 #endif
             }
           }
-          for (int k = 0; k < 2 && !PAIRS; k++) {
+          for (int k = 0; k < 2 && !SCALED; k++) {
             const int g = 8 * h + 2 * (qp + k) + u;
             const VI sc = v_bytes_i32(rec + 32 + 16 * g + lane);
             for (int r = 0; r < R; r++) {
@@ -445,7 +448,7 @@ void group_rows_q6k(const uint8_t* recs, int64_t nsb, int half, const Acts16& a,
           }
         }
     }
-    if (PAIRS) {  // the offset, sum_g sc_g 32 (sum of group g's codes), on vpmaddwd over group pairs
+    if (SCALED) {  // the offset, sum_g sc_g 32 (sum of group g's codes), on vpmaddwd over group pairs
       VI scp[8];
       for (int m = 0; m < 8; m++)
         scp[m] = v_or(v_and(v_bytes_i32(rec + 32 + 32 * m + lane), 0xFFFF), v_shl(v_bytes_i32(rec + 48 + 32 * m + lane), 16));
