@@ -97,8 +97,9 @@ CODES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (6, 22), "Q4_K": (16, 144), "
 
 @pytest.mark.parametrize("fmt", list(CODES))
 def test_the_largest_codes_against_the_largest_activations_sum_exactly(fmt):
-    """Without VNNI the x16 kernels add several steps' products in int16 before widening: with every code at
-    its largest (15; Q5_0's 31, Q6_K's 63) and every activation at +-127 the sums must still be exact."""
+    """Without VNNI the x16 kernels add several steps' products in int16 before widening (and K-quants scale
+    them on the widening multiply-add): with every code at its largest (15; Q5_0's 31, Q6_K's 63) and every
+    activation at +-127 the sums must still be exact, in passes of one, two and three rows."""
     qt = GGMLQuantizationType[fmt]
     k = 512
     blocks = random_blocks(qt, 48, k, np.random.default_rng(3)).reshape(48, k // GGML_QUANT_SIZES[qt][0], -1)
@@ -112,9 +113,10 @@ def test_the_largest_codes_against_the_largest_activations_sum_exactly(fmt):
     x = np.where(np.arange(k) % 64 < 32, 1.0, -1.0)[None].repeat(3, 0).astype(np.float32)
     x[1] = 1.0  # every activation +127 ...
     x[2] = -1.0  # ... or -127
-    y = QuantWeight([w], None)(torch.from_numpy(x)).numpy()
     ref = x.astype(np.float64) @ ref_w.T
-    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    for n in (1, 2, 3):
+        y = QuantWeight([w], None)(torch.from_numpy(x[:n])).numpy()
+        assert np.abs(y - ref[:n]).max() <= 1e-5 * np.abs(ref[:n]).max(), n
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
