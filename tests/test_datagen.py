@@ -59,8 +59,10 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokeniz
     assert len(both) == 2 * len(ShardData(str(out))) and len(both.names) == 6
     with pytest.raises(SpecdecError, match="data directory not found: .*nowhere"):
         ShardData(f"{out},{out}/nowhere")  # a missing dir is an error, not silently less data
-    with pytest.raises(SpecdecError, match="different target or plan"):
+    with pytest.raises(SpecdecError, match="different target, plan or --tokens-only"):
         run_datagen(model, tok, out, 3, Plan(shard_size=8), batch_size=4, progress=False)
+    with pytest.raises(SpecdecError, match="different target, plan or --tokens-only"):
+        run_datagen(model, tok, out, 3, plan, batch_size=4, progress=False, tokens_only=True)
     # EAGLE-3's features: the hidden states entering layers 2, L/2, L-3, stored beside f_t
     aux_dir = tmp_path / "aux"
     run_datagen(model, tok, aux_dir, 1, Plan(shard_size=2, sources=["gsm8k"], max_new_tokens=4,
@@ -72,3 +74,42 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokeniz
     with safe_open(str(aux_dir / "shard-00000.safetensors"), "pt") as f:
         feats, aux = f.get_tensor("features"), f.get_tensor("aux_features")
     assert feats.shape[1] == 64 and aux.shape == (feats.shape[0], 64 * len(layers)) and aux.dtype == torch.float16
+
+
+def test_tokens_only_shards_train_on_the_features_the_stored_ones_hold(tmp_path, smollm2_tokenizer_dir):
+    """datagen --tokens-only keeps token ids alone (a few bytes a token); training computes each batch's features
+    from the target (online): the same tokens as a run that stores features, and bit for bit the same features."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from specdec.runtime.lean import LeanRunner
+    from specdec.training.datagen import Plan, eagle3_layers, run_datagen
+    from specdec.training.features import runner_features
+    from specdec.training.shards import ShardData, tokens_only
+    from specdec.training.train import TrainConfig, train_eagle
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    plan = Plan(shard_size=4, sources=["gsm8k", "self"], temperatures=[1.0], max_new_tokens=8, self_prompt_tokens=8,
+                aux_layers="eagle3")
+    stored, ids_only = tmp_path / "stored", tmp_path / "ids"
+    run_datagen(model, tok, stored, 2, plan, batch_size=3, progress=False, feature_dtype="float32")
+    run_datagen(model, tok, ids_only, 2, plan, batch_size=3, progress=False, tokens_only=True)
+    assert tokens_only(ids_only) and not tokens_only(stored) and tokens_only(f"{stored},{ids_only}")
+    with safe_open(str(ids_only / "shard-00000.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"input_ids", "loss_mask", "offsets"}
+    with pytest.raises(SpecdecError, match="token ids only"):
+        ShardData(str(ids_only), aux=True)  # nothing to compute them with: one clear line
+    aux = tuple(eagle3_layers(model.config.num_hidden_layers))
+    runner = LeanRunner(model, exact=True)
+    a = ShardData(str(stored), aux=True)
+    b = ShardData(str(ids_only), aux=True, features=lambda seqs: runner_features(runner, seqs, aux))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and a.spans == b.spans  # sampled, seeded
+    assert (a.hidden_size, a.aux_width, a.aux_layers) == (b.hidden_size, b.aux_width, b.aux_layers)
+    idx = list(range(len(a)))
+    for x, y in zip(a.batch(idx), b.batch(idx)):
+        assert torch.equal(x, y)
+    r = train_eagle(TrainConfig(data=str(ids_only), out=str(tmp_path / "run"), steps=2, batch_size=2, warmup=0,
+                                arch="eagle3", log_every=1), model, progress=False,
+                    features=lambda seqs: runner_features(runner, seqs, aux))
+    assert r["steps"] == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in r["history"])

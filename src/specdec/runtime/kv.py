@@ -1,4 +1,4 @@
-"""KV caches and the row accounting every runner shares (target runners, batched datagen, EAGLE head).
+"""KV caches and the row accounting every runner shares (target runners, EAGLE head).
 
 A cache holds `length` committed rows followed by `n_pending` rows written by forwards since the last
 `commit`; the next forward appends after them. A commit keeps some pending rows (e.g. the accepted path
@@ -105,7 +105,3 @@ class KVCache(Rows):
         if self.pos is not None:
             self.pos[dst] = self.pos[src]
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (batched generation drops finished sequences)."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
-        self.dims = (self.dims[0], self.k.shape[1], *self.dims[2:])

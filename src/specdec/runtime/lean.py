@@ -78,8 +78,6 @@ class LeanRunner(Runner):
         self.exact_rows = EXACT_ROWS if exact and all(x.invariant for x in linears) else 0
         self.vocab_size = head.weight.shape[0]
         self.windows = layer_windows(cfg, len(self.layers))
-        # batched data generation (runtime/batched.py) runs the plain Llama layer without windows only
-        self.batchable = block is Block and all(w is None for w in self.windows)
         # A GGUF file's model keeps K and V in fp16, as llama.cpp does by default: half the bytes a step reads
         # from the cache (at a few thousand tokens more than the weights). Only the fused kernels read it, the
         # same way in every forward, so decoding stays exact relative to this model.

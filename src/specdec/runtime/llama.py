@@ -1,5 +1,5 @@
 """The Llama-family decoder block (Llama, Qwen2, Mistral; EAGLE's head layers; Gemma 3's, with the
-differences in gemma.py), written once for the lean target runner, batched data generation and the EAGLE
+differences in gemma.py), written once for the lean target runner (one sequence or several packed) and the EAGLE
 head runner.
 
 Why not call the HF module: on a 2-core CPU a small model's decode step is dominated by per-op Python

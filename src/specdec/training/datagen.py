@@ -32,11 +32,10 @@ from specdec.files import atomic_write_text, check_writable, data_roots, find_da
 from specdec.heads.shipped import target_fingerprint
 from specdec.options import arg_type, checked
 from specdec.runtime import lean as lean_mod
-from specdec.runtime.batched import batch_generate
-from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.loading import eos_ids
 from specdec.sampling import SamplingParams
 from specdec.training import dist
+from specdec.training.features import engine_answers, runner_features
 from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import (
     list_shards,
@@ -195,44 +194,32 @@ def teacher_force(model, seqs: list[list[int]], batch_tokens: int = 8192, aux_la
 
 
 class AnswerMaker:
-    """Batched answers (+ the target's features of prompt + answer). The lean batched path makes the
-    features in the generating forwards; other architectures use HF generate, then teacher forcing."""
+    """Batched answers (+ the target's features of prompt + answer). A target the serving engine runs decodes
+    through its continuous batching and gets its features from prefill forwards (training.features); other
+    architectures use HF generate, then teacher forcing."""
 
     def __init__(self, model, lean: bool = True, aux_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.aux_layers = tuple(aux_layers)
-        self.runner = None
-        if lean and lean_mod.supports(model):
-            runner = lean_mod.LeanRunner(model)
-            if runner.batchable:
-                self.runner = runner
+        # exact rows at every precision: the batch packs its sequences' rows into one forward only then
+        self.runner = lean_mod.LeanRunner(model, exact=True) if lean and lean_mod.supports(model) else None
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos_ids: set[int],
                  pad_id: int, top_p: float = 1.0, seed: int = 0, features: bool = True,
                  ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-        if self.runner is not None:
-            params = SamplingParams(temperature, 0, top_p)
-            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-            answers, feats = batch_generate(self.runner, prompts, max_new_tokens, params, eos_ids, gen, features,
-                                            self.aux_layers)
-            return answers, feats if features else None
         torch.manual_seed(seed)
-        answers = generate_answers(self.model, prompts, max_new_tokens, temperature, eos_ids, pad_id, top_p)
-        if not features:
-            return answers, None
-        return answers, teacher_force(self.model, [p + a for p, a in zip(prompts, answers)],
-                                      aux_layers=self.aux_layers)
+        if self.runner is not None:
+            answers = engine_answers(self.runner, prompts, max_new_tokens, SamplingParams(temperature, 0, top_p),
+                                     eos_ids, len(prompts))
+        else:
+            answers = generate_answers(self.model, prompts, max_new_tokens, temperature, eos_ids, pad_id, top_p)
+        return answers, self.features([p + a for p, a in zip(prompts, answers)]) if features else None
 
-    def features(self, seqs: list[list[int]], batch_size: int) -> list[torch.Tensor]:
-        """The target's features of whole sequences (GSM8K's gold answers): HF teacher forcing, or for a
-        .gguf target, which has no HF decoder, the lean runner's prefill (no token generated)."""
-        if self.runner is None or not isinstance(self.model, GGUFModel):
+    def features(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """The target's features of whole sequences (e.g. GSM8K's gold answers: no token generated)."""
+        if self.runner is None:
             return teacher_force(self.model, seqs, aux_layers=self.aux_layers)
-        out: list[torch.Tensor] = []
-        for b in range(0, len(seqs), batch_size):
-            out += batch_generate(self.runner, seqs[b:b + batch_size], 0, SamplingParams(), set(), None, True,
-                                  self.aux_layers)[1]
-        return out
+        return runner_features(self.runner, seqs, self.aux_layers)
 
 
 def check_run(out_dir, n_shards: int, plan: Plan, batch_size: int, gsm8k, exclude_dir,
@@ -281,8 +268,11 @@ def run_ranks(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan,
 
 def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Plan, batch_size: int = 64,
                 gsm8k: str | os.PathLike | None = None, exclude_dir: str | os.PathLike | None = None,
-                feature_dtype: str = "float16", progress: bool = True, rank: int = 0, world: int = 1) -> dict:
+                feature_dtype: str = "float16", progress: bool = True, rank: int = 0, world: int = 1,
+                tokens_only: bool = False) -> dict:
     """Make shards 0..n_shards-1 that are not there yet (or fail their check). Returns totals of this call.
+    tokens_only: shards hold token ids and loss masks, no features (~5 bytes a token: small enough to keep in a
+    repository); training computes the features of `aux_layers` from the target (training.features).
     Across `world` processes, process `rank` makes shards i with i % world == rank (each shard's samples
     depend on i alone: the same data as one process) and records them in its own manifest; the caller
     folds those into manifest.json once all are done (merge_manifests)."""
@@ -293,12 +283,14 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
     aux = resolve_aux_layers(plan.aux_layers, model.config.num_hidden_layers)
     meta = {"target": target_fingerprint(model), "hidden_size": model.config.hidden_size,
             "vocab_size": int(model.config.vocab_size), "plan": asdict(plan),
-            "feature_dtype": feature_dtype, "aux_layers": aux, "format": 1}
+            "feature_dtype": feature_dtype, "aux_layers": aux, "format": 1,
+            "features": not tokens_only}
     meta_file = out / "meta.json"
     old = json.loads(meta_file.read_text()) if meta_file.is_file() else None
-    if old is not None and (old.get("target") != meta["target"] or old.get("plan") != meta["plan"]):
+    if old is not None and any(old.get(k, True) != meta[k] for k in ("target", "plan", "features")):
         if list_shards(out) or read_manifest(out):
-            raise SpecdecError(f"{out} holds data made with a different target or plan; use another directory "
+            raise SpecdecError(f"{out} holds data made with a different target, plan or --tokens-only; use another "
+                               "directory "
                                f"(existing plan: {old.get('plan')})")
         _say(f"datagen: {out} holds the settings of a run that made no shard: replacing them")
         old = None
@@ -336,8 +328,8 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
             for b in range(0, len(order), batch_size):
                 idx = order[b:b + batch_size]
                 got, got_f = maker([ps[j] for j in idx], plan.max_new_tokens, temp, eos, pad, plan.top_p,
-                                   seed=(plan.seed * 1_000_003 + i) * 4096 + b)
-                for j, a, f in zip(idx, got, got_f):
+                                   seed=(plan.seed * 1_000_003 + i) * 4096 + b, features=not tokens_only)
+                for j, a, f in zip(idx, got, got_f or [None] * len(got)):
                     answers[j], feats[j] = a, f
                 bar.update(len(idx))
                 n_new = sum(len(answers[j]) for j in order[: b + batch_size])
@@ -345,13 +337,13 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         t1 = time.perf_counter()
         keep = [j for j in range(len(ps)) if answers[j]]
         seqs = [ps[j] + answers[j] for j in keep]
-        missing = [n for n, j in enumerate(keep) if feats[j] is None]
-        tf = maker.features([seqs[n] for n in missing], batch_size) if missing else []
+        missing = [n for n, j in enumerate(keep) if feats[j] is None and not tokens_only]
+        tf = maker.features([seqs[n] for n in missing]) if missing else []
         feats = [feats[j] for j in keep]
         for n, f in zip(missing, tf):
             feats[n] = f
         t2 = time.perf_counter()
-        tensors = pack_shard(seqs, [len(ps[j]) for j in keep], feats, _DTYPES[feature_dtype],
+        tensors = pack_shard(seqs, [len(ps[j]) for j in keep], None if tokens_only else feats, _DTYPES[feature_dtype],
                              model.config.hidden_size, len(aux))
         n_ans = int(tensors["loss_mask"].sum())
         info = {"source": src, "temperature": temp, "sequences": len(seqs), "tokens": int(tensors["offsets"][-1]),

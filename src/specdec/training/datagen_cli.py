@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
                    "under $SPECDEC_DATA, else the copy shipped with the package)")
     p.add_argument("--exclude-dir", default=None, metavar="DIR", help="another benchmark data dir (same layout) "
                    "whose prompts are excluded, besides $SPECDEC_DATA's and the package's (default: none)")
+    p.add_argument("--tokens-only", action="store_true", help="store token ids and loss masks alone (~5 bytes a "
+                   "token: small enough to keep in a repository); `train` computes the target's features from "
+                   "them (default: off, features stored: ~1.2 KB a token at H = 576)")
     p.add_argument("--feature-dtype", default="float16", choices=list(_DTYPES),
                    help="dtype of the stored features (default float16)")
     p.add_argument("--seed", type=PLAN_RULES["seed"], default=d.seed, metavar="N",
@@ -89,7 +92,7 @@ def cmd_datagen(args) -> int:
     init(world)
     model, tok, _ = load_model(args.model, rt.device, torch.float32 if rt.device in (None, "cpu") else None)
     t = run_ranks(model, tok, args.out, args.shards, plan, batch_size=args.batch_size, gsm8k=args.gsm8k,
-                  exclude_dir=args.exclude_dir, feature_dtype=args.feature_dtype)
+                  exclude_dir=args.exclude_dir, feature_dtype=args.feature_dtype, tokens_only=args.tokens_only)
     gen = t["gen_seconds"]
     who = "" if world == 1 else f" (rank {rank} of {world})"
     print(f"datagen{who}: {t['shards']} new shards, {t['sequences']} sequences, {t['tokens']} tokens "

@@ -141,10 +141,10 @@ def same_start(acc, start: int, out: str) -> None:
 
 
 def load_data(cfg, resume: dict | None, fingerprint: dict, hidden_size: int, world: int,
-              main: bool = True, aux: bool = False) -> tuple[ShardData, int]:
+              main: bool = True, aux: bool = False, features=None) -> tuple[ShardData, int]:
     """The run's shards (a resume: exactly the ones it started with), checked against the target, and
-    the run's total step count. aux: with the aux layers' hidden states (ShardData)."""
-    data = ShardData(cfg.data, resume["shards"] if resume else None, cfg.max_len, aux)
+    the run's total step count. aux, features: ShardData's."""
+    data = ShardData(cfg.data, resume["shards"] if resume else None, cfg.max_len, aux, features)
     if any(m.get("target") and m["target"] != fingerprint for m in data.metas):
         raise SpecdecError(f"the data in {cfg.data} was made with a different target model")
     if data.hidden_size != hidden_size:

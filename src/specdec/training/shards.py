@@ -24,22 +24,25 @@ RANK_MANIFESTS = "manifest.rank-*.json"  # one per process of a run across proce
 
 # ---- shards on disk ----
 
-def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor],
+def pack_shard(seqs: list[list[int]], prompt_lens: list[int], feats: list[torch.Tensor] | None,
                dtype: torch.dtype = torch.float16, hidden_size: int = 0, n_aux: int = 0) -> dict[str, torch.Tensor]:
-    """feats: per sequence [len, H * (1 + n_aux)] (f_t, then the aux layers' hidden states)."""
+    """feats: per sequence [len, H * (1 + n_aux)] (f_t, then the aux layers' hidden states); None: a shard of
+    token ids alone (training computes the features)."""
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
     mask = torch.zeros(offsets[-1], dtype=torch.uint8)
     for s, p in enumerate(prompt_lens):
         mask[offsets[s] + p: offsets[s + 1]] = 1
+    tokens = {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32), "loss_mask": mask,
+              "offsets": torch.tensor(offsets, dtype=torch.int64)}
+    if feats is None:
+        return tokens
     width = hidden_size * (1 + n_aux)
     f = torch.cat(feats).to(dtype) if feats else torch.zeros(0, width, dtype=dtype)
     if not torch.isfinite(f).all():
         raise SpecdecError(f"target features overflow {dtype}: use --feature-dtype float32")
-    out = {"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-           "features": f[:, :hidden_size].contiguous() if n_aux else f.contiguous(),
-           "loss_mask": mask, "offsets": torch.tensor(offsets, dtype=torch.int64)}
+    out = tokens | {"features": f[:, :hidden_size].contiguous() if n_aux else f.contiguous()}
     if n_aux:
         out["aux_features"] = f[:, hidden_size:].contiguous()
     return out
@@ -147,13 +150,16 @@ def resume_shards(out: Path, n_shards: int, say=print, rank: int = 0, world: int
 class ShardData:
     """The shards' tokens and loss masks in memory; their features (fp16: ~1.2 KB per token at H = 576,
     four times that with EAGLE-3's aux layers) memory-mapped and read per batch, so each process of a run
-    across processes reads only the rows it trains on and processes on one machine share the page cache."""
+    across processes reads only the rows it trains on and processes on one machine share the page cache.
+    A shard of token ids alone (datagen --tokens-only) gets its batches' features from `features`, the
+    target's forwards (training.features): online."""
 
     def __init__(self, data: str | os.PathLike, names: list[str] | None = None, max_len: int = 1024,
-                 aux: bool = False) -> None:
+                 aux: bool = False, features=None) -> None:
         """data: one datagen dir or several, comma-separated; names: the exact shard files of a run
         being resumed (datagen may have added shards since); aux: also the hidden states of the target
-        layers datagen's --aux-layers stored (EAGLE-3's inputs): `aux_layers`, and batches carry them."""
+        layers datagen's --aux-layers names (EAGLE-3's inputs): `aux_layers`, and batches carry them;
+        features: sequences -> their features [len, H * (1 + aux layers)], for shards that hold none."""
         dirs = [Path(d.strip()).expanduser() for d in str(data).split(",") if d.strip()]
         missing = [str(d) for d in dirs if not d.is_dir()]
         if names is None and missing:  # e.g. a "~" the shell left unexpanded after a comma
@@ -180,10 +186,17 @@ class ShardData:
                 h = safe_open(str(f), framework="pt")
                 off, m = h.get_tensor("offsets").tolist(), h.get_tensor("loss_mask")
                 ids.append(h.get_tensor("input_ids").long())
-                self._feats.append(h.get_slice("features"))
+                stored = "features" in set(h.keys())
+                self._feats.append(h.get_slice("features") if stored else None)
             except Exception as e:
                 raise SpecdecError(f"cannot read data shard {f}: {e}") from None
-            if aux:
+            if not stored:
+                if features is None:
+                    raise SpecdecError(f"data shard {f} holds token ids only (datagen --tokens-only): its features "
+                                       "come from the target, which this caller does not give")
+                if aux:
+                    self._aux.append(None)
+            elif aux:
                 if "aux_features" not in set(h.keys()):
                     raise SpecdecError(f"data shard {f} holds no aux_features: re-run datagen with --aux-layers eagle3")
                 self._aux.append(h.get_slice("aux_features"))
@@ -202,13 +215,15 @@ class ShardData:
         self.ids, self.mask = torch.cat(ids), torch.cat(masks)
         self.dropped = self.n_sequences - len(self.spans)  # sequences with nothing to train on
         self.first_answer = min(first) if first else None  # the earliest answer token's position
-        self.hidden_size = self._feats[0].get_shape()[1]
-        widths = {sl.get_shape()[1] for sl in self._feats}
+        self.features = features
+        widths = {sl.get_shape()[1] for sl in self._feats if sl is not None} | \
+            {m["hidden_size"] for m in self.metas if m.get("features") is False}
         if len(widths) > 1:
             raise SpecdecError(f"the shards in {data} hold features of different sizes {sorted(widths)}: "
                                "train on data made with one target")
-        self.aux_width = self._aux[0].get_shape()[1] if aux else 0
-        if aux and ({sl.get_shape()[1] for sl in self._aux} != {len(self.aux_layers) * self.hidden_size}):
+        self.hidden_size = widths.pop()
+        self.aux_width = len(self.aux_layers) * self.hidden_size
+        if aux and any(sl is not None and sl.get_shape()[1] != self.aux_width for sl in self._aux):
             raise SpecdecError(f"the aux_features in {data} are {self.aux_width} wide, not {len(self.aux_layers)} "
                                f"layers x {self.hidden_size}: re-run datagen with --aux-layers eagle3")
 
@@ -233,12 +248,19 @@ class ShardData:
         ids = torch.zeros(len(seq_idx), t, dtype=torch.long)
         feats = torch.zeros(len(seq_idx), t, h + self.aux_width)
         mask = torch.zeros(len(seq_idx), t)
+        online = [i for i in seq_idx if self._feats[self._where[i][0]] is None]
+        # a prefix's features are those of the whole sequence's first rows (causal): the cut span is enough
+        computed = dict(zip(online, self.features([self.ids[slice(*self.spans[i])].tolist() for i in online])
+                            if online else []))
         for r, i in enumerate(seq_idx):
             (a, b), (s, la) = self.spans[i], self._where[i]
             ids[r, : b - a] = self.ids[a:b]
-            feats[r, : b - a, :h] = self._feats[s][la: la + b - a].float()
-            if self.aux_width:
-                feats[r, : b - a, h:] = self._aux[s][la: la + b - a].float()
+            if i in computed:
+                feats[r, : b - a] = computed[i][:, : h + self.aux_width]
+            else:
+                feats[r, : b - a, :h] = self._feats[s][la: la + b - a].float()
+                if self.aux_width:
+                    feats[r, : b - a, h:] = self._aux[s][la: la + b - a].float()
             mask[r, : b - a] = self.mask[a:b].float()
         return ids, feats, mask
 
@@ -256,6 +278,12 @@ def aux_layers_of(data: str | os.PathLike) -> tuple[int, ...]:
         raise SpecdecError(f"the data dirs in {data} hold different aux layers ({sorted(found)}): use one datagen "
                            "--aux-layers for all")
     return found.pop()
+
+
+def tokens_only(data: str | os.PathLike) -> bool:
+    """Whether a datagen dir in `data` (comma-separated) holds token ids alone (datagen --tokens-only)."""
+    metas = [Path(x.strip()).expanduser() / "meta.json" for x in str(data).split(",") if x.strip()]
+    return any(m.is_file() and json.loads(m.read_text()).get("features") is False for m in metas)
 
 
 def global_batch(n: int, batch_size: int, seed: int, step: int) -> list[int]:

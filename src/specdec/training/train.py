@@ -93,8 +93,8 @@ def finished_head(cfg: TrainConfig) -> tuple[Path, int] | None:
 class EagleTrainer(Trainer):
     """An EAGLE-1/2, FSPAD or EAGLE-3 head (module doc)."""
 
-    def __init__(self, cfg: TrainConfig, target, accelerator=None, progress: bool = True) -> None:
-        super().__init__(cfg, target, accelerator, progress)
+    def __init__(self, cfg: TrainConfig, target, accelerator=None, progress: bool = True, features=None) -> None:
+        super().__init__(cfg, target, accelerator, progress, features)
         self.aux = cfg.arch == "eagle3"
         self.stats_shape = (cfg.unroll, 5)
 
@@ -209,7 +209,7 @@ class EagleTrainer(Trainer):
         return {"head": final}
 
 
-def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool = True) -> dict:
+def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool = True, features=None) -> dict:
     """Train (or resume) an EAGLE head for `target_model`. Returns a summary; the head ends up in
-    cfg.out/head (an HF-style dir usable with `--head`)."""
-    return EagleTrainer(cfg, target_model, accelerator, progress).train()
+    cfg.out/head (an HF-style dir usable with `--head`). features: for data of token ids alone (ShardData's)."""
+    return EagleTrainer(cfg, target_model, accelerator, progress, features).train()

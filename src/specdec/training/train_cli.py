@@ -12,7 +12,7 @@ from specdec.runtime.loading import Runtime, materialize, resolve
 from specdec.training.config import LoopConfig
 from specdec.training.loop import check_paths, load_target
 from specdec.training.medusa import MedusaTrainConfig, finished_heads, train_medusa
-from specdec.training.shards import aux_layers_of
+from specdec.training.shards import aux_layers_of, tokens_only
 from specdec.training.train import TrainConfig, finished_head, train_eagle
 
 # the EAGLE-family subcommands: (name, the settings they fix, what they train)
@@ -62,9 +62,14 @@ def cmd_train_eagle(args) -> int:
         print(f"train {cfg.kind}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
         return 0
     check_paths(cfg)  # everything else before the target loads
-    if cfg.arch == "eagle3":  # the data's aux layers
-        aux_layers_of(cfg.data)
-    r = train_eagle(cfg, load_target(materialize(args.model), args.model))
+    aux = aux_layers_of(cfg.data) if cfg.arch == "eagle3" else ()  # the data's aux layers
+    # data of token ids alone: each batch's features come from the target on its own kernels (online)
+    features = None
+    if tokens_only(cfg.data):
+        from specdec.training.features import target_features
+
+        features = target_features(args.model, aux)
+    r = train_eagle(cfg, load_target(materialize(args.model), args.model), features=features)
     head, steps = Path(cfg.out) / "head", f"step {r['steps']}/{r['total_steps']}"
     last = r["history"][-1] if r["history"] else None
     if r.get("finished"):

@@ -50,8 +50,9 @@ class Trainer:
     aux = False  # the data's aux-layer features are read too
     stats_shape: tuple[int, ...] = (1,)
 
-    def __init__(self, cfg: LoopConfig, target, accelerator=None, progress: bool = True) -> None:
-        self.cfg, self.target, self.acc, self.progress = cfg, target, accelerator, progress
+    def __init__(self, cfg: LoopConfig, target, accelerator=None, progress: bool = True, features=None) -> None:
+        """features: sequences -> the target's features, for data of token ids alone (shards.ShardData)."""
+        self.cfg, self.target, self.acc, self.progress, self.features = cfg, target, accelerator, progress, features
         self.target_lm = target.get_output_embeddings().weight.detach().float()  # [vocab, hidden], CPU
 
     # ---- hooks ----
@@ -114,7 +115,7 @@ class Trainer:
         self.resume = resume = load_resume(cfg)
         same_start(acc, resume["step"] if resume else 0, cfg.out)
         self.data, self.total = load_data(cfg, resume, fp, self.target_lm.shape[1], acc.num_processes,
-                                          acc.is_main_process, self.aux)
+                                          acc.is_main_process, self.aux, self.features)
         torch.manual_seed(cfg.seed)
         model = self.model()
         self.meta = {"target": fp, "training": {"data_tokens": self.data.n_tokens, "data_sequences": len(self.data),
