@@ -119,7 +119,8 @@ def test_failed_datagen_writes_nothing_and_a_stale_meta_does_not_lock(chat, tmp_
     (out / "meta.json").write_text(json.dumps({"target": {"x": 1}, "plan": {"shard_size": 99}}))
     assert run_datagen(model, tok, out, 1, GOLD, gsm8k=gsm, progress=False)["shards"] == 1
     assert json.loads((out / "meta.json").read_text())["plan"]["shard_size"] == 4
-    with pytest.raises(SpecdecError, match="different target, plan or --tokens-only"):  # once it holds data, it is locked
+    # once it holds data, it is locked
+    with pytest.raises(SpecdecError, match="different target, plan or --tokens-only"):
         run_datagen(model, tok, out, 1, Plan(shard_size=2, sources=["gsm8k-gold"]), gsm8k=gsm, progress=False)
 
 
