@@ -89,7 +89,7 @@ def test_tokens_only_shards_train_on_the_features_the_stored_ones_hold(tmp_path,
     from specdec.training.train import TrainConfig, train_eagle
 
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id).eval()
     plan = Plan(shard_size=4, sources=["gsm8k", "self"], temperatures=[1.0], max_new_tokens=8, self_prompt_tokens=8,
                 aux_layers="eagle3")
     stored, ids_only = tmp_path / "stored", tmp_path / "ids"
@@ -109,7 +109,14 @@ def test_tokens_only_shards_train_on_the_features_the_stored_ones_hold(tmp_path,
     idx = list(range(len(a)))
     for x, y in zip(a.batch(idx), b.batch(idx)):
         assert torch.equal(x, y)
-    r = train_eagle(TrainConfig(data=str(ids_only), out=str(tmp_path / "run"), steps=2, batch_size=2, warmup=0,
-                                arch="eagle3", log_every=1), model, progress=False,
-                    features=lambda seqs: runner_features(runner, seqs, aux))
-    assert r["steps"] == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in r["history"])
+    # the CLI on the token ids trains as the library does on the stored features (the target loaded from its dir)
+    r = train_eagle(TrainConfig(data=str(stored), out=str(tmp_path / "run"), steps=3, batch_size=2, warmup=0,
+                                arch="eagle3", log_every=1), model, progress=False)
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    from specdec.cli import main
+
+    assert main(["train", "eagle3", "--model", str(tmp_path / "target"), "--data", str(ids_only), "--out",
+                 str(tmp_path / "cli"), "--steps", "3", "--batch-size", "2", "--warmup", "0", "--log-every", "1"]) == 0
+    cli = [json.loads(x)["loss"] for x in (tmp_path / "cli" / "log.jsonl").read_text().splitlines()]
+    assert len(cli) == 3 and cli == pytest.approx([h["loss"] for h in r["history"]], rel=1e-5)

@@ -15,12 +15,11 @@ import os
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.medusa import MedusaDrafter, MedusaOptions, tree_choices
+from specdec.drafters.medusa import MedusaDrafter, MedusaOptions, heads_drafter
 from specdec.drafters.registry import Method, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.hydra import HydraHeads, HydraRunner
 from specdec.heads.medusa_io import load_medusa
-from specdec.heads.shipped import find_shipped_head
 from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs
 from specdec.tree import DraftTree, draw_children
@@ -119,17 +118,8 @@ def hydra_runner(target: Target, heads_dir: str) -> tuple[HydraRunner, dict]:
 
 
 def build_hydra(target: Target, opts: HydraOptions) -> Drafter:
-    heads_dir = opts.heads or find_shipped_head(target.model, "hydra")
-    if heads_dir is None:
-        raise SpecdecError("method 'hydra' needs Hydra heads for this model: pass heads=<dir> (train them with "
-                           "`specdec train medusa --arch hydra`)")
-    opts = opts.model_copy(update={"heads": str(heads_dir)})
-    runner, meta = hydra_runner(target, opts.heads)
-    choices = tree_choices(target, runner, meta, opts, "Hydra")
-    typical = Typical(opts.epsilon, opts.delta) if opts.typical else None
-    drafter = HydraDrafter(runner, choices, typical, opts.children or ("topk" if typical else "sample"))
-    drafter.name = "hydra" + (":typical" if typical else "")
-    return drafter
+    return heads_drafter(target, opts, "hydra", hydra_runner, HydraDrafter,
+                         "train them with `specdec train medusa --arch hydra`")
 
 
 register(Method("hydra", "Hydra: Medusa's sparse tree from sequentially-dependent heads (each reads the "

@@ -284,18 +284,26 @@ def tree_choices(target: Target, runner, meta: dict, opts: MedusaOptions, what: 
     return dense_choices(k, opts.topk, size) if dense else sparse_choices(acc, size)
 
 
-def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
-    heads_dir = opts.heads or find_shipped_head(target.model, "medusa")
+def heads_drafter(target: Target, opts: MedusaOptions, kind: str, runner_of: Callable, drafter: type[MedusaDrafter],
+                  train: str) -> Drafter:
+    """Medusa's or Hydra's drafter (kind): the given heads or the ones shipped for the target (`train`: how to
+    make some), the sparse tree from their measured accuracies, typical acceptance when asked."""
+    heads_dir = opts.heads or find_shipped_head(target.model, kind)
     if heads_dir is None:
-        raise SpecdecError("method 'medusa' needs Medusa heads for this model: pass heads=<dir> (train them with "
-                           "`specdec train medusa`; heads ship for SmolLM2-135M-Instruct only)")
+        raise SpecdecError(f"method {kind!r} needs {kind.capitalize()} heads for this model: pass heads=<dir> "
+                           f"({train})")
     opts = opts.model_copy(update={"heads": str(heads_dir)})
-    runner, meta = medusa_runner(target, opts.heads)
-    choices = tree_choices(target, runner, meta, opts, "Medusa")
+    runner, meta = runner_of(target, opts.heads)
+    choices = tree_choices(target, runner, meta, opts, kind.capitalize())
     typical = Typical(opts.epsilon, opts.delta) if opts.typical else None
-    drafter = MedusaDrafter(runner, choices, typical, opts.children or ("topk" if typical else "sample"))
-    drafter.name = "medusa" + (":typical" if typical else "")
-    return drafter
+    d = drafter(runner, choices, typical, opts.children or ("topk" if typical else "sample"))
+    d.name = kind + (":typical" if typical else "")
+    return d
+
+
+def build_medusa(target: Target, opts: MedusaOptions) -> Drafter:
+    return heads_drafter(target, opts, "medusa", medusa_runner, MedusaDrafter,
+                         "train them with `specdec train medusa`; heads ship for SmolLM2-135M-Instruct only")
 
 
 register(Method("medusa", "Medusa: K parallel heads on the target's last feature, one tiny forward per step; a sparse "

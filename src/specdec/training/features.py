@@ -14,7 +14,6 @@ from specdec.drafters.base import NoDrafter
 from specdec.engine import Prompt
 from specdec.runtime.base import Runner
 from specdec.runtime.lean import LeanRunner
-from specdec.runtime.loading import load_model
 from specdec.sampling import SamplingParams
 
 # features of sequences: per sequence [len, H * (1 + k)] (f_t after the final norm, then the k aux layers' inputs)
@@ -56,9 +55,8 @@ def runner_features(runner: Runner, seqs: list[list[int]], aux_layers: tuple[int
     return out
 
 
-def target_features(spec: str | None, aux_layers: tuple[int, ...] = ()) -> Features:
-    """runner_features over the target `spec` (HF dir, .gguf, or smollm2) on the kernels it decodes with (a GGUF
-    file's own blocks): the features a head reads while drafting."""
-    model, _, _ = load_model(spec)
+def target_features(model, aux_layers: tuple[int, ...] = ()) -> Features:
+    """runner_features over the target `model` (loading.load_model's: a GGUF file on its own blocks) on the
+    kernels it decodes with: the features a head reads while drafting."""
     runner = LeanRunner(model, exact=True)
     return lambda seqs: runner_features(runner, seqs, tuple(aux_layers))

@@ -5,6 +5,7 @@ before the target loads."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from specdec.options import add_flags, flag_values, one_line_errors
@@ -52,24 +53,38 @@ def config_of(args: argparse.Namespace, schema: type[LoopConfig]) -> LoopConfig:
     return schema.parse(flag_values(args, schema))
 
 
-def cmd_train_eagle(args) -> int:
+def checked_run(args, schema: type[LoopConfig], finished, said: Callable[[LoopConfig, str, Path], str],
+                ) -> LoopConfig | None:
+    """The run's config with every check done before the target loads; None when the run is already finished
+    (`finished(cfg)`: (result dir, steps)), which is then said (`said(cfg, what, result dir)`) and nothing else
+    happens."""
     Runtime.parse(flag_values(args, Runtime)).apply()
-    cfg = config_of(args, TrainConfig)
+    cfg = config_of(args, schema)
     cfg.check()
     resolve(args.model)
-    done = finished_head(cfg)
-    if done is not None:  # before the target loads: nothing else happens
-        print(f"train {cfg.kind}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the head is in {done[0]}")
+    done = finished(cfg)
+    if done is not None:
+        print(said(cfg, f"{cfg.out} is already finished (step {done[1]}/{done[1]})", done[0]))
+        return None
+    check_paths(cfg)
+    return cfg
+
+
+def cmd_train_eagle(args) -> int:
+    cfg = checked_run(args, TrainConfig, finished_head, lambda c, m, at: f"train {c.kind}: {m}; the head is in {at}")
+    if cfg is None:
         return 0
-    check_paths(cfg)  # everything else before the target loads
     aux = aux_layers_of(cfg.data) if cfg.arch == "eagle3" else ()  # the data's aux layers
     # data of token ids alone: each batch's features come from the target on its own kernels (online)
-    features = None
     if tokens_only(cfg.data):
+        from specdec.runtime.loading import load_model
         from specdec.training.features import target_features
 
-        features = target_features(args.model, aux)
-    r = train_eagle(cfg, load_target(materialize(args.model), args.model), features=features)
+        target = load_model(args.model)[0]  # a GGUF file on its own blocks: no fp32 copy of the whole model
+        features = target_features(target, aux)
+    else:
+        target, features = load_target(materialize(args.model), args.model), None
+    r = train_eagle(cfg, target, features=features)
     head, steps = Path(cfg.out) / "head", f"step {r['steps']}/{r['total_steps']}"
     last = r["history"][-1] if r["history"] else None
     if r.get("finished"):
@@ -83,18 +98,17 @@ def cmd_train_eagle(args) -> int:
 
 
 def cmd_train_medusa(args) -> int:
-    Runtime.parse(flag_values(args, Runtime)).apply()
-    cfg = config_of(args, MedusaTrainConfig)
-    cfg.check()
-    out, name = Path(cfg.out), "train medusa" + (" --joint" if cfg.joint else "")
-    name += " --arch hydra" if cfg.arch == "hydra" else ""
-    target = f"; the new target is in {out / 'target'}" if cfg.joint else ""
-    resolve(args.model)
-    done = finished_heads(cfg)
-    if done is not None:  # before the target loads: nothing else happens
-        print(f"{name}: {cfg.out} is already finished (step {done[1]}/{done[1]}); the heads are in {done[0]}{target}")
+    def named(c) -> str:
+        return "train medusa" + (" --joint" if c.joint else "") + (" --arch hydra" if c.arch == "hydra" else "")
+
+    def target(c) -> str:
+        return f"; the new target is in {Path(c.out) / 'target'}" if c.joint else ""
+
+    cfg = checked_run(args, MedusaTrainConfig, finished_heads,
+                      lambda c, m, at: f"{named(c)}: {m}; the heads are in {at}{target(c)}")
+    if cfg is None:
         return 0
-    check_paths(cfg)  # everything else before the target loads
+    name = named(cfg)
     r = train_medusa(cfg, load_target(materialize(args.model), args.model))
     steps = f"step {r['steps']}/{r['total_steps']}"
     if r["steps"] < r["total_steps"]:
@@ -107,5 +121,5 @@ def cmd_train_medusa(args) -> int:
     drift = (f"; drift from the original: greedy agreement {drift['greedy_agreement']:.3f}, "
              f"KL {drift['kl_per_token']:.4f} nats/token" if drift else "")
     print(f"{name}: {steps} in {r['seconds']:.0f} s{loss}; held-in top-1 accuracy by head {top1}{drift}; "
-          f"heads: {out / 'heads'}{target}")
+          f"heads: {Path(cfg.out) / 'heads'}{target(cfg)}")
     return 0

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specdec.heads.shipped import target_fingerprint
+from specdec.runtime.gguf import float_weight
 from specdec.training.config import LoopConfig
 from specdec.training.loop import finished_run, load_data, load_resume, same_start, save_checkpoint, start_log
 from specdec.training.shards import global_batch
@@ -53,7 +54,8 @@ class Trainer:
     def __init__(self, cfg: LoopConfig, target, accelerator=None, progress: bool = True, features=None) -> None:
         """features: sequences -> the target's features, for data of token ids alone (shards.ShardData)."""
         self.cfg, self.target, self.acc, self.progress, self.features = cfg, target, accelerator, progress, features
-        self.target_lm = target.get_output_embeddings().weight.detach().float()  # [vocab, hidden], CPU
+        # [vocab, hidden] on the CPU (a GGUF file's quantized rows de-quantized)
+        self.target_lm = float_weight(target.get_output_embeddings().weight).detach().float()
 
     # ---- hooks ----
 
