@@ -76,6 +76,7 @@ def test_datagen_shards_resume_and_benchmark_exclusion(tmp_path, smollm2_tokeniz
     assert feats.shape[1] == 64 and aux.shape == (feats.shape[0], 64 * len(layers)) and aux.dtype == torch.float16
 
 
+@pytest.mark.slow
 def test_tokens_only_shards_train_on_the_features_the_stored_ones_hold(tmp_path, smollm2_tokenizer_dir):
     """datagen --tokens-only keeps token ids alone (a few bytes a token); training computes each batch's features
     from the target (online): the same tokens as a run that stores features, and bit for bit the same features."""

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specdec.options import add_flags, flag_values, one_line_errors
-from specdec.runtime.loading import Runtime, materialize, resolve
+from specdec.runtime.loading import Runtime, load_model, materialize, resolve
 from specdec.training.config import LoopConfig
+from specdec.training.features import target_features
 from specdec.training.loop import check_paths, load_target
 from specdec.training.medusa import MedusaTrainConfig, finished_heads, train_medusa
 from specdec.training.shards import aux_layers_of, tokens_only
@@ -77,9 +78,6 @@ def cmd_train_eagle(args) -> int:
     aux = aux_layers_of(cfg.data) if cfg.arch == "eagle3" else ()  # the data's aux layers
     # data of token ids alone: each batch's features come from the target on its own kernels (online)
     if tokens_only(cfg.data):
-        from specdec.runtime.loading import load_model
-        from specdec.training.features import target_features
-
         target = load_model(args.model)[0]  # a GGUF file on its own blocks: no fp32 copy of the whole model
         features = target_features(target, aux)
     else:
