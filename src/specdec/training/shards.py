@@ -218,9 +218,10 @@ class ShardData:
         self.features = features
         widths = {sl.get_shape()[1] for sl in self._feats if sl is not None} | \
             {m["hidden_size"] for m in self.metas if m.get("features") is False}
-        if len(widths) > 1:
+        if len(widths) != 1:
             raise SpecdecError(f"the shards in {data} hold features of different sizes {sorted(widths)}: "
-                               "train on data made with one target")
+                               "train on data made with one target" if widths else
+                               f"the shards in {data} hold token ids only and no meta.json says the target's size")
         self.hidden_size = widths.pop()
         self.aux_width = len(self.aux_layers) * self.hidden_size
         if aux and any(sl is not None and sl.get_shape()[1] != self.aux_width for sl in self._aux):
