@@ -45,6 +45,50 @@ def test_resume_after_interruption_equals_uninterrupted_run(tiny, tiny_data, tmp
         train_eagle(TrainConfig(out=str(tmp_path / "b"), **(kw | {"lr": 1.0})), tiny, progress=False)
 
 
+def test_a_kept_checkpoint_resumes_a_run_on_a_new_machine(tiny, tiny_data, tmp_path):
+    """--keep-in: fp16 trained weights and the schedule, without the optimizer; a run whose --out is
+    empty (a new machine) resumes from there at the kept step, close to the uninterrupted run."""
+    kw = dict(data=str(tiny_data), steps=12, batch_size=6, lr=2e-3, warmup=3, save_every=4, log_every=2,
+              draft_vocab=40, freeze_lm_head=True)
+    full = train_eagle(TrainConfig(out=str(tmp_path / "a"), **kw), tiny, progress=False)
+    kept = tmp_path / "repo" / "run"
+    part = train_eagle(TrainConfig(out=str(tmp_path / "b"), stop_after=8, keep_in=str(kept), **kw), tiny,
+                       progress=False)
+    assert part["steps"] == 8
+    state = json.loads((kept / "state.json").read_text())
+    assert state["step"] == 8 and "optimizer" not in state
+    files = sorted(p.name for p in kept.glob("*.safetensors"))
+    assert files and all((kept / f).stat().st_size <= 16 * 2**20 for f in files)
+    from safetensors.torch import load_file
+    saved = {k: v for f in files for k, v in load_file(kept / f).items()}
+    assert "lm_head.weight" not in saved  # frozen: the target's rows, rebuilt by the run
+    assert all(v.dtype == torch.float16 for v in saved.values() if v.is_floating_point())
+    # a new machine: no --out, the kept dir only
+    rest = train_eagle(TrainConfig(out=str(tmp_path / "c"), keep_in=str(kept), **kw), tiny, progress=False)
+    assert rest["steps"] == 12
+    log = [json.loads(x)["step"] for x in (tmp_path / "c" / "log.jsonl").read_text().splitlines()]
+    assert log[0] == 10  # resumed after step 8
+    a, c = full["head"].state_dict(), rest["head"].state_dict()
+    assert torch.equal(a["lm_head.weight"], c["lm_head.weight"]) and torch.equal(a["d2t"], c["d2t"])
+    moved = [k for k in a if a[k].is_floating_point() and not torch.equal(a[k], c[k])]
+    assert moved  # a fresh optimizer takes other steps ...
+    for k in moved:  # ... from nearly the same weights
+        assert (a[k] - c[k]).norm() < 0.2 * a[k].norm() + 1e-3, k
+    with pytest.raises(SpecdecError, match="lr="):
+        train_eagle(TrainConfig(out=str(tmp_path / "d"), keep_in=str(kept), **(kw | {"lr": 1.0})), tiny,
+                    progress=False)
+
+
+def test_bf16_training_learns_like_fp32(tiny, tiny_data, tmp_path):
+    kw = dict(data=str(tiny_data), steps=10, batch_size=6, lr=2e-3, warmup=2, log_every=1, draft_vocab=40)
+    f32 = train_eagle(TrainConfig(out=str(tmp_path / "a"), **kw), tiny, progress=False)
+    b16 = train_eagle(TrainConfig(out=str(tmp_path / "b"), precision="bf16", **kw), tiny, progress=False)
+    la, lb = [h["loss"] for h in f32["history"]], [h["loss"] for h in b16["history"]]
+    assert la != lb  # the matmuls did run in bf16
+    assert lb[-1] < 0.95 * lb[0] and abs(lb[-1] - la[-1]) < 0.05 * la[-1]
+    assert all(p.dtype == torch.float32 for p in b16["head"].parameters())
+
+
 @pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes(tiny, tiny_data, tmp_path):
     model_dir = tmp_path / "target"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.files import check_writable
+from specdec.files import atomic_dir, check_writable
 from specdec.training.config import LoopConfig
 from specdec.training.shards import ShardData, list_shards
 
@@ -98,6 +98,8 @@ def check_paths(cfg: LoopConfig) -> None:
     check_writable(cfg.out, "--out")
     if cfg.ship_to:
         check_writable(cfg.ship_to, "--ship-to")
+    if cfg.keep_in:
+        check_writable(cfg.keep_in, "--keep-in")
     if cfg.init_from and not Path(cfg.init_from).expanduser().exists():
         raise SpecdecError(f"--init-from {cfg.init_from} does not exist")
     if load_resume(cfg, mmap=True) is not None:
@@ -114,19 +116,53 @@ def check_paths(cfg: LoopConfig) -> None:
 
 
 def load_resume(cfg: LoopConfig, mmap: bool = False) -> dict | None:
-    """The newest checkpoint's state of the run in cfg.out (None: a new run); a SpecdecError when its
-    resume settings differ from cfg's. mmap: the tensors left on disk (only the settings are read)."""
+    """The newest checkpoint's state of the run in cfg.out, else the one kept in cfg.keep_in (its
+    "model" None, "weights" its dir, no "optimizer"); None: a new run. A SpecdecError when its resume
+    settings differ from cfg's. mmap: the tensors left on disk (only the settings are read)."""
     out = Path(cfg.out)
     ckpts = checkpoints(out)
-    if not ckpts:
+    if ckpts:
+        resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False, mmap=mmap)
+    elif cfg.keep_in and (Path(cfg.keep_in) / KEPT).is_file():
+        out = Path(cfg.keep_in)
+        resume = json.loads((out / KEPT).read_text()) | {"model": None, "weights": str(out)}
+    else:
         return None
-    resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False, mmap=mmap)
     saved = type(cfg).from_dict(resume["config"])
     for k in cfg.resume_keys():
         if getattr(saved, k) != getattr(cfg, k):
             raise SpecdecError(f"{out} holds a run with {k}={getattr(saved, k)!r}, not {getattr(cfg, k)!r}: "
                                "resume with the same settings or use another --out")
     return resume
+
+
+KEPT = "state.json"
+
+
+def keep_checkpoint(dest: Path, model: torch.nn.Module, sched, step: int, state: dict) -> None:
+    """A checkpoint small enough to commit: the trained weights in fp16 as safetensors files of <= 16 MiB
+    (parameters the optimizer never moves left out), the schedule and the step. Why no optimizer
+    moments: they triple the size, and Adam rebuilds them within its first steps."""
+    from huggingface_hub import save_torch_state_dict
+
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    sd = {k: v.detach().cpu().to(torch.float16) if v.is_floating_point() else v.detach().cpu()
+          for k, v in model.state_dict().items() if k not in frozen}
+    with atomic_dir(dest) as tmp:
+        save_torch_state_dict(sd, tmp, max_shard_size="16MB")
+        keep = {k: state[k] for k in ("config", "shards", "seconds")}
+        (tmp / KEPT).write_text(json.dumps(keep | {"step": step, "scheduler": sched.state_dict()}, indent=1))
+
+
+def load_kept(model: torch.nn.Module, weights: str) -> None:
+    """keep_checkpoint's weights into `model` (fp32); what they leave out must be frozen."""
+    from huggingface_hub import load_torch_model
+
+    got = load_torch_model(model, weights, strict=False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if got.unexpected_keys or set(got.missing_keys) - frozen:
+        raise SpecdecError(f"{weights} holds other weights than this run trains (missing "
+                           f"{sorted(set(got.missing_keys) - frozen)[:3]}, unexpected {got.unexpected_keys[:3]})")
 
 
 def same_start(acc, start: int, out: str) -> None:

@@ -26,7 +26,16 @@ from torch import nn
 from specdec.heads.shipped import target_fingerprint
 from specdec.runtime.gguf import float_weight
 from specdec.training.config import LoopConfig
-from specdec.training.loop import finished_run, load_data, load_resume, same_start, save_checkpoint, start_log
+from specdec.training.loop import (
+    finished_run,
+    keep_checkpoint,
+    load_data,
+    load_kept,
+    load_resume,
+    same_start,
+    save_checkpoint,
+    start_log,
+)
 from specdec.training.shards import global_batch
 
 
@@ -124,12 +133,15 @@ class Trainer:
                                                 "steps": self.total,
                                                 "config": cfg.model_dump() | {"stop_after": 0, "ship_to": ""}}}
         trained = self.trainable(model)
-        if resume is not None:
+        if resume is not None and resume["model"] is not None:
             trained.load_state_dict(resume["model"])
         trained.to(acc.device)
         params, opt, sched = self.optimizer(trained)
         if resume is not None:
-            opt.load_state_dict(resume["optimizer"])
+            if resume["model"] is None:  # a kept checkpoint (--keep-in): weights only, the optimizer starts afresh
+                load_kept(trained, resume["weights"])
+            else:
+                opt.load_state_dict(resume["optimizer"])
             sched.load_state_dict(resume["scheduler"])
         self.module = module = acc.prepare(self.objective(trained))
         state = {"config": cfg.model_dump(), "shards": self.data.names, "head_meta": self.meta}
@@ -171,7 +183,9 @@ class Trainer:
         while step < total:
             mine = global_batch(len(data), cfg.batch_size, cfg.seed, step)[rank::world]
             ids, feats, mask = (t.to(dev) for t in data.batch(mine))
-            loss, stats = self.loss(step, mine, ids, feats, mask)
+            # bf16 by autocast, not accelerate's mixed_precision: that one is fixed per process
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+                loss, stats = self.loss(step, mine, ids, feats, mask)
             run.opt.zero_grad(set_to_none=True)
             acc.backward(loss)
             if cfg.clip > 0:
@@ -197,6 +211,9 @@ class Trainer:
                 save_checkpoint(out, acc.unwrap_model(run.module).head, run.opt, run.sched, step,
                                 run.state | {"seconds": run.seconds + time.perf_counter() - t0}, cfg.keep_checkpoints,
                                 self.write)
+                if cfg.keep_in:
+                    keep_checkpoint(Path(cfg.keep_in), acc.unwrap_model(run.module).head, run.sched, step,
+                                    run.state | {"seconds": run.seconds + time.perf_counter() - t0})
             acc.wait_for_everyone()
             if cfg.stop_after and step - run.start >= cfg.stop_after and step < total:
                 break
