@@ -57,12 +57,16 @@ def test_a_kept_checkpoint_resumes_a_run_on_a_new_machine(tiny, tiny_data, tmp_p
     assert part["steps"] == 8
     state = json.loads((kept / "state.json").read_text())
     assert state["step"] == 8 and "optimizer" not in state
-    files = sorted(p.name for p in kept.glob("*.safetensors"))
-    assert files and all((kept / f).stat().st_size <= 16 * 2**20 for f in files)
+    files = sorted((kept / "weights").glob("*.safetensors"))
+    assert files and all(f.stat().st_size <= 16 * 2**20 for f in files)
     from safetensors.torch import load_file
-    saved = {k: v for f in files for k, v in load_file(kept / f).items()}
+    saved = {k: v for f in files for k, v in load_file(f).items()}
     assert "lm_head.weight" not in saved  # frozen: the target's rows, rebuilt by the run
     assert all(v.dtype == torch.float16 for v in saved.values() if v.is_floating_point())
+    # the kept head is a head as shipped: `--head` reads it
+    lm = tiny.get_output_embeddings().weight
+    head = load_head(kept / "weights", hidden_size=lm.shape[1], vocab_size=lm.shape[0], target_lm_head=lm)
+    assert head.draft_vocab_size == 40
     # a new machine: no --out, the kept dir only
     rest = train_eagle(TrainConfig(out=str(tmp_path / "c"), keep_in=str(kept), **kw), tiny, progress=False)
     assert rest["steps"] == 12
@@ -77,6 +81,21 @@ def test_a_kept_checkpoint_resumes_a_run_on_a_new_machine(tiny, tiny_data, tmp_p
     with pytest.raises(SpecdecError, match="lr="):
         train_eagle(TrainConfig(out=str(tmp_path / "d"), keep_in=str(kept), **(kw | {"lr": 1.0})), tiny,
                     progress=False)
+
+
+def test_a_head_past_16_mib_is_written_in_shards_that_load_as_the_same_head(tiny, tmp_path, monkeypatch):
+    import specdec.heads.io as io
+
+    head = make_head(tiny)
+    h, v = tiny.config.hidden_size, tiny.config.vocab_size
+    monkeypatch.setattr(io, "SHARD_BYTES", 40_000)  # the tiny head's 16 MiB
+    save_head(head, tmp_path / "h")
+    files = sorted(p.name for p in (tmp_path / "h").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "h" / io.INDEX).is_file()
+    assert all((tmp_path / "h" / f).stat().st_size <= 40_000 + 8192 for f in files)
+    back = load_head(tmp_path / "h", hidden_size=h, vocab_size=v)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
 
 
 def test_bf16_training_learns_like_fp32(tiny, tiny_data, tmp_path):

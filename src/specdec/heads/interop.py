@@ -39,7 +39,7 @@ from specdec.heads.model import EagleHead
 ARCHITECTURES = {("eagle", "vllm"): "EagleLlamaForCausalLM", ("eagle", "sglang"): "LlamaForCausalLMEagle",
                  ("eagle3", "vllm"): "Eagle3LlamaForCausalLM", ("eagle3", "sglang"): "LlamaForCausalLMEagle3",
                  ("medusa", "vllm"): "MedusaModel", ("eagle3", "llamacpp"): "eagle3 GGUF (--spec-type draft-eagle3)"}
-_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _NOT_ENGINE = ("specdec", "connector", "pad", "sampler_intermediate_size", "_attn_implementation_autoset",
                "transformers_version")
 

@@ -1,8 +1,8 @@
 """EAGLE heads on disk: an HF-style dir, written atomically and checked against the target on load.
 
 config.json is a LlamaConfig with num_hidden_layers L (1 for EAGLE; + our "specdec" block and EAGLE-3's
-"draft_vocab_size"); model.safetensors (or an official checkpoint's pytorch_model.bin) holds fc.weight,
-layers.i.self_attn.*, layers.i.mlp.*, layers.i.post_attention_layernorm.weight
+"draft_vocab_size"); model.safetensors (past 16 MiB HF's shards and index; or an official checkpoint's
+pytorch_model.bin) holds fc.weight, layers.i.self_attn.*, layers.i.mlp.*, layers.i.post_attention_layernorm.weight
 (layers.i.input_layernorm.weight for i > 0) and, for a reduced vocabulary, lm_head.weight + d2t
 (EAGLE-3 convention: offsets, target_id = draft_id + d2t[draft_id]) + t2d (bool over the target vocab).
 
@@ -37,6 +37,8 @@ _LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 # official EAGLE checkpoints sometimes carry a copy of the target's embeddings: we use the target's own
 _IGNORED = {"embed_tokens.weight", "model.embed_tokens.weight"}
 _SAMPLER = ("sampler.gate_proj.weight", "sampler.up_proj.weight", "sampler.down_proj.weight")
+SHARD_BYTES = 16 * 2**20
+INDEX = "model.safetensors.index.json"
 _FSPAD_FIELDS = ("connector", "pad", "sampler_intermediate_size")
 _EAGLE3_FIELDS = ("eagle_config", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
 _EAGLE3_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -62,7 +64,7 @@ def save_head(head: EagleHead, path: str | os.PathLike, extra: dict | None = Non
     dtype: e.g. fp16 to ship small; lm_head=False leaves out a reduced head's rows (valid when they are
     the target's own rows, e.g. trained with the LM head frozen): the loader takes them from the target
     through d2t."""
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
 
     sd = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if k != "d2t"}
     if dtype is not None:
@@ -86,7 +88,9 @@ def save_head(head: EagleHead, path: str | os.PathLike, extra: dict | None = Non
     cfg["specdec"] = {"kind": head.kind, "reduced_vocab": head.d2t is not None,
                       "lm_head": "own" if "lm_head.weight" in sd else "target", **(extra or {})}
     with atomic_dir(path) as tmp:
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # files of <= 16 MiB (model.safetensors, or HF's shards and index past that): what git and a
+        # package carry without large-file storage
+        save_torch_state_dict(sd, tmp, max_shard_size=SHARD_BYTES, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
 
 
@@ -160,14 +164,14 @@ def is_eagle3_dir(path: str | os.PathLike) -> bool:
     path = Path(path)
     try:
         raw = json.loads((path / "config.json").read_text())
-        st = path / "model.safetensors"
+        st, index = path / "model.safetensors", path / INDEX
         if st.is_file():
             from safetensors import safe_open
 
             with safe_open(str(st), "pt") as f:
                 keys = dict.fromkeys(f.keys())
         else:
-            keys = {}
+            keys = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
         return isinstance(raw, dict) and _is_eagle3(raw, keys)
     except Exception:  # missing or damaged files (safetensors raises its own types): load_head says what
         return False
@@ -272,10 +276,12 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     import pickle
 
     try:
-        if st.is_file():
+        if st.is_file() or (path / INDEX).is_file():
             from safetensors.torch import load_file
 
-            return load_file(str(st))
+            files = [st.name] if st.is_file() else sorted(set(json.loads((path / INDEX).read_text())["weight_map"]
+                                                               .values()))
+            return {k: t for f in files for k, t in load_file(str(path / f)).items()}
         if pt.is_file():
             # weights_only: a pickle naming any other object is refused before anything in it runs
             sd = torch.load(str(pt), map_location="cpu", weights_only=True)

@@ -125,7 +125,7 @@ def load_resume(cfg: LoopConfig, mmap: bool = False) -> dict | None:
         resume = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False, mmap=mmap)
     elif cfg.keep_in and (Path(cfg.keep_in) / KEPT).is_file():
         out = Path(cfg.keep_in)
-        resume = json.loads((out / KEPT).read_text()) | {"model": None, "weights": str(out)}
+        resume = json.loads((out / KEPT).read_text()) | {"model": None, "weights": out / "weights"}
     else:
         return None
     saved = type(cfg).from_dict(resume["config"])
@@ -139,23 +139,30 @@ def load_resume(cfg: LoopConfig, mmap: bool = False) -> dict | None:
 KEPT = "state.json"
 
 
-def keep_checkpoint(dest: Path, model: torch.nn.Module, sched, step: int, state: dict) -> None:
-    """A checkpoint small enough to commit: the trained weights in fp16 as safetensors files of <= 16 MiB
-    (parameters the optimizer never moves left out), the schedule and the step. Why no optimizer
+def keep_checkpoint(dest: Path, model: torch.nn.Module, sched, step: int, state: dict,
+                    write: Callable[[torch.nn.Module, Path], None]) -> None:
+    """A checkpoint small enough to commit: `write(model, dir)`'s small copy of the trained weights (fp16,
+    files of <= 16 MiB, parameters that never move left out), the schedule and the step. Why no optimizer
     moments: they triple the size, and Adam rebuilds them within its first steps."""
+    with atomic_dir(dest) as tmp:
+        write(model, tmp / "weights")
+        keep = {k: state[k] for k in ("config", "shards", "seconds")}
+        (tmp / KEPT).write_text(json.dumps(keep | {"step": step, "scheduler": sched.state_dict()}, indent=1))
+
+
+def write_kept(model: torch.nn.Module, dest: Path) -> None:
+    """The trained weights as keep_checkpoint keeps them by default: fp16 safetensors files of <= 16 MiB,
+    frozen parameters left out (the run rebuilds them)."""
     from huggingface_hub import save_torch_state_dict
 
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     sd = {k: v.detach().cpu().to(torch.float16) if v.is_floating_point() else v.detach().cpu()
           for k, v in model.state_dict().items() if k not in frozen}
-    with atomic_dir(dest) as tmp:
-        save_torch_state_dict(sd, tmp, max_shard_size="16MB")
-        keep = {k: state[k] for k in ("config", "shards", "seconds")}
-        (tmp / KEPT).write_text(json.dumps(keep | {"step": step, "scheduler": sched.state_dict()}, indent=1))
+    save_torch_state_dict(sd, dest, max_shard_size="16MB")
 
 
-def load_kept(model: torch.nn.Module, weights: str) -> None:
-    """keep_checkpoint's weights into `model` (fp32); what they leave out must be frozen."""
+def read_kept(model: torch.nn.Module, weights: Path) -> None:
+    """write_kept's weights into `model` (fp32); what they leave out must be frozen."""
     from huggingface_hub import load_torch_model
 
     got = load_torch_model(model, weights, strict=False)

@@ -198,6 +198,20 @@ class EagleTrainer(Trainer):
 
         save_head(head, ckpt / "head", extra=self.meta)
 
+    def write_kept(self, head, dest: Path) -> None:
+        """A kept checkpoint's head in the shipped form (fp16, the target's LM-head rows left out when
+        frozen): `--head` and `bench` read it as it is."""
+        from specdec.heads.io import save_head
+
+        save_head(head, dest, extra=self.meta, dtype=torch.float16, lm_head=not self.cfg.freeze_lm_head)
+
+    def read_kept(self, head, weights: Path) -> None:
+        from specdec.heads.io import load_head
+
+        vocab, hidden = self.target_lm.shape
+        kept = load_head(weights, hidden_size=hidden, vocab_size=vocab, target_lm_head=self.target_lm)
+        head.load_state_dict(kept.state_dict())
+
     def finish(self, final, step: int, seconds: float) -> dict:
         from specdec.heads.io import save_head
 

@@ -30,11 +30,12 @@ from specdec.training.loop import (
     finished_run,
     keep_checkpoint,
     load_data,
-    load_kept,
     load_resume,
+    read_kept,
     same_start,
     save_checkpoint,
     start_log,
+    write_kept,
 )
 from specdec.training.shards import global_batch
 
@@ -82,6 +83,14 @@ class Trainer:
     def trainable(self, model: nn.Module) -> nn.Module:
         """What a checkpoint holds (its state_dict is the resumed state)."""
         return model
+
+    def write_kept(self, trained: nn.Module, dest: Path) -> None:
+        """The trained weights of a kept checkpoint (--keep-in): fp16, files of <= 16 MiB."""
+        write_kept(trained, dest)
+
+    def read_kept(self, trained: nn.Module, weights: Path) -> None:
+        """write_kept's weights back into `trained`."""
+        read_kept(trained, weights)
 
     def optimizer(self, trained: nn.Module) -> tuple[list[nn.Parameter], torch.optim.Optimizer,
                                                      torch.optim.lr_scheduler.LRScheduler]:
@@ -139,7 +148,7 @@ class Trainer:
         params, opt, sched = self.optimizer(trained)
         if resume is not None:
             if resume["model"] is None:  # a kept checkpoint (--keep-in): weights only, the optimizer starts afresh
-                load_kept(trained, resume["weights"])
+                self.read_kept(trained, resume["weights"])
             else:
                 opt.load_state_dict(resume["optimizer"])
             sched.load_state_dict(resume["scheduler"])
@@ -213,7 +222,7 @@ class Trainer:
                                 self.write)
                 if cfg.keep_in:
                     keep_checkpoint(Path(cfg.keep_in), acc.unwrap_model(run.module).head, run.sched, step,
-                                    run.state | {"seconds": run.seconds + time.perf_counter() - t0})
+                                    run.state | {"seconds": run.seconds + time.perf_counter() - t0}, self.write_kept)
             acc.wait_for_everyone()
             if cfg.stop_after and step - run.start >= cfg.stop_after and step < total:
                 break
