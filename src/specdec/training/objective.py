@@ -53,21 +53,24 @@ class Objective(nn.Module):
         f_in = self.head.target_input(f_in, a_in)
         emb = F.embedding(tok_in, self.embed)
         lm_t = self.target_lm if self.head.d2t is None else self.target_lm[self.head.d2t]
+        # distributions only at the rows a loss weighs (answer tokens, no padding): the LM heads over
+        # [B, T, V] were most of a step, and ~half their rows weigh nothing
+        rows = w > 0
         with torch.no_grad():
-            p_t = torch.softmax(F.linear(f_out, lm_t), dim=-1)
+            p_t = torch.softmax(F.linear(f_out[rows], lm_t), dim=-1)
             top_t = p_t.argmax(-1)
         t = tok_in.shape[1]
         loss, stats = 0.0, []
         for k, (pred, pred_lm) in enumerate(unrolled(self.head, emb, f_in, self.unroll)):
             # with PAD the feature loss sees f and the logit loss f̃ (the same tensor otherwise)
-            logp = torch.log_softmax(self.head.logits(pred_lm, self.target_lm), dim=-1)
+            logp = torch.log_softmax(self.head.logits(pred_lm[rows], self.target_lm), dim=-1)
             ce = -(p_t * logp).sum(-1)
-            # logged always, in the graph only when trained on: a [B, T, V] tensor autograd would keep
+            # logged always, in the graph only when trained on: a [N, V] tensor autograd would keep
             with torch.set_grad_enabled(tv_weight > 0 and torch.is_grad_enabled()):
                 tv = 0.5 * (p_t - logp.exp()).abs().sum(-1)
-            vl = (F.smooth_l1_loss(pred, f_out, reduction="none").mean(-1) if self.head.feature_loss
-                  else torch.zeros_like(w))
-            wk = w if k == 0 else w * (torch.arange(t, device=w.device) >= k)
+            vl = (F.smooth_l1_loss(pred[rows], f_out[rows], reduction="none").mean(-1) if self.head.feature_loss
+                  else torch.zeros_like(ce))
+            wk = (w if k == 0 else w * (torch.arange(t, device=w.device) >= k))[rows]
             per_row = vl + ce_weight * ce + (tv_weight * tv if tv_weight > 0 else 0.0)
             loss = loss + (per_row * wk).sum() / (n_global * self.unroll)
             with torch.no_grad():
