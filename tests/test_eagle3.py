@@ -195,6 +195,48 @@ def test_training_lowers_the_loss_and_reads_aux_states(trained3):
     assert json.loads((out / "head" / "config.json").read_text())["intermediate_size"] == 96
 
 
+def test_a_head_started_as_the_targets_last_layer_computes_that_layer(tiny):
+    """--init-layer target: with the full MLP, the draft layer's output on a hidden input is the target's
+    last layer's output on it (the tiny target has no biases), and fc passes the highest aux state."""
+    from specdec.heads.model import head_config
+    from specdec.training.train import TrainConfig
+
+    cfg = tiny.config
+    head = Eagle3Head(head_config(cfg), (0, 1)).eval()
+    last = tiny.model.layers[-1]
+    head.start_as({k: v.detach() for k, v in last.state_dict().items()}, tiny.model.norm.weight.detach())
+    g = torch.Generator().manual_seed(0)
+    t, h = 7, cfg.hidden_size
+    x = torch.randn(1, t, h, generator=g)
+    aux = torch.cat([torch.randn(1, t, h, generator=g), x], -1)
+    with torch.no_grad():
+        assert torch.equal(head.target_input(None, aux), x)
+        out, normed = head(torch.randn(1, t, h, generator=g), x)
+        pos = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        want = last(x, attention_mask=mask, position_ids=pos, position_embeddings=tiny.model.rotary_emb(x, pos))
+        want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(normed, tiny.model.norm(want), rtol=1e-5, atol=1e-5)
+    # a narrower MLP keeps the strongest channels
+    narrow = Eagle3Head(head_config(cfg, intermediate_size=96), (0, 1))
+    narrow.start_as({k: v.detach() for k, v in last.state_dict().items()}, tiny.model.norm.weight.detach())
+    up = last.mlp.up_proj.weight.detach()
+    assert all(any(torch.equal(r, u) for u in up) for r in narrow.layers[0].mlp.up_proj.weight)
+    with pytest.raises(SpecdecError, match="--init-layer"):
+        TrainConfig(data="d", out="o", init_layer="target").check()
+
+
+def test_training_from_the_targets_last_layer_runs_and_learns(tiny, tmp_path):
+    from specdec.training.train import TrainConfig, train_eagle
+
+    data = make_aux_data(tiny, tmp_path / "aux-data")
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=20, batch_size=8, lr=3e-2, warmup=2,
+                      save_every=1000, log_every=5, arch="eagle3", draft_vocab=60, init_layer="target")
+    hist = train_eagle(cfg, tiny, progress=False)["history"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+
+
 def test_missing_aux_states_are_one_line(tiny, tiny_data, trained3, tmp_path):
     from specdec.training.train import TrainConfig, train_eagle
 

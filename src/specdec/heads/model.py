@@ -227,6 +227,31 @@ class Eagle3Head(EagleHead):
             setattr(a, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
         self.norm = LlamaRMSNorm(h, eps)
 
+    @torch.no_grad()
+    def start_as(self, layer: dict[str, torch.Tensor], norm: torch.Tensor) -> None:
+        """Start the draft layer as a target decoder layer (fp32 tensors named as in HF's Llama layer, its
+        final norm `norm`): the hidden half of q/k/v, o, the MLP, its norms; the embedding half of q/k/v
+        at zero and fc passing the highest aux layer's state through. A narrower MLP keeps the target's
+        intermediate channels with the largest |gate| |up| |down|. Biases the head lacks are left out."""
+        h = self.hidden_size
+        a, mlp, own = self.layers[0].self_attn, self.layers[0].mlp, self.layers[0]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(a, name).weight
+            w.zero_()
+            w[:, h:] = layer[f"self_attn.{name}.weight"]
+        a.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
+        gate, up, down = (layer[f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        score = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
+        keep = score.topk(mlp.gate_proj.weight.shape[0]).indices.sort().values
+        mlp.gate_proj.weight.copy_(gate[keep])
+        mlp.up_proj.weight.copy_(up[keep])
+        mlp.down_proj.weight.copy_(down[:, keep])
+        own.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+        own.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+        self.norm.weight.copy_(norm)
+        self.fc.weight.zero_()
+        self.fc.weight[:, -h:] = torch.eye(h)
+
     @staticmethod
     def default_layers(n_layers: int) -> list[int]:
         """EAGLE-3's low, middle and high layers of an n-layer target (those of official exports)."""

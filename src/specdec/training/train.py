@@ -24,6 +24,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.heads.fspad import CONNECTORS
+from specdec.runtime.gguf import float_weight
 from specdec.training.config import LoopConfig, knob, recipe
 from specdec.training.loop import finished_run, global_sum, lr_lambda
 from specdec.training.objective import Objective, unrolled, unrolled_mask
@@ -62,10 +63,15 @@ class TrainConfig(LoopConfig):
                              ge=0, resume=True)
     intermediate_size: int = knob(0, "the decoder layer's MLP width; 0: the target's intermediate_size (narrower: a "
                                   "smaller head and a cheaper draft step)", ge=0, resume=True)
+    init_layer: Literal["random", "target"] = knob("random", "EAGLE-3: the draft layer starts random, or as the "
+                                                    "target's last decoder layer (Eagle3Head.start_as)",
+                                                    resume=True)
     arch: Literal[ARCHS] = knob("eagle", "eagle (EAGLE-1/2, FSPAD) or eagle3 (fused low/middle/high target "
                                 "features; data: datagen --aux-layers eagle3)", resume=True)
 
     def check(self) -> None:
+        if self.init_layer == "target" and (self.arch != "eagle3" or self.init_from):
+            raise SpecdecError("--init-layer target starts a new EAGLE-3 head (--arch eagle3, no --init-from)")
         if self.sampler_size and self.connector != "sampler":
             raise SpecdecError("--sampler-size needs --connector sampler")
         if self.arch == "eagle3":
@@ -121,6 +127,14 @@ class EagleTrainer(Trainer):
         if not cfg.init_from:
             if self.aux:
                 head = Eagle3Head(head_config(target.config, **mlp), data.aux_layers)
+                if cfg.init_layer == "target":
+                    decoder = target.get_decoder()
+                    last = decoder.layers[-1]
+                    names = [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
+                    weights = {f"{n}.weight": float_weight(_get(last, n).weight) for n in names}
+                    for n in ("input_layernorm", "post_attention_layernorm"):
+                        weights[f"{n}.weight"] = float_weight(_get(last, n).weight)
+                    head.start_as(weights, float_weight(decoder.norm.weight))
             else:
                 head = EagleHead(head_config(target.config, num_hidden_layers=cfg.layers or 1, **mlp),
                                  connector=cfg.connector, pad=cfg.pad, sampler_size=cfg.sampler_size or None)
@@ -221,6 +235,12 @@ class EagleTrainer(Trainer):
             if cfg.ship_to:
                 save_head(final, cfg.ship_to, extra=self.meta, dtype=torch.float16, lm_head=not cfg.freeze_lm_head)
         return {"head": final}
+
+
+def _get(module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def train_eagle(cfg: TrainConfig, target_model, accelerator=None, progress: bool = True, features=None) -> dict:
