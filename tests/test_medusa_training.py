@@ -122,6 +122,21 @@ def test_training_lowers_every_heads_loss_and_writes_the_accuracies(trained_medu
     assert len(sparse_choices(acc, 10)) == 10  # what the medusa method builds its tree from
 
 
+def test_a_kept_checkpoint_resumes_medusa_heads_on_a_new_machine(tiny, tiny_data, tmp_path):
+    """--keep-in with the trainers' default form (fp16 trained weights, no optimizer): an empty --out
+    resumes at the kept step from weights within fp16 rounding of the interrupted run's."""
+    kw = dict(data=str(tiny_data), steps=8, batch_size=6, lr=2e-3, warmup=2, save_every=4, log_every=2,
+              num_heads=3, num_layers=1, lm_head="own", draft_vocab=40)
+    kept = tmp_path / "kept"
+    part = train_medusa(MedusaTrainConfig(out=str(tmp_path / "a"), stop_after=4, keep_in=str(kept), **kw), tiny,
+                        progress=False)
+    assert part["steps"] == 4 and json.loads((kept / "state.json").read_text())["step"] == 4
+    assert all(f.stat().st_size <= 16 * 2**20 for f in (kept / "weights").glob("*.safetensors"))
+    rest = train_medusa(MedusaTrainConfig(out=str(tmp_path / "b"), keep_in=str(kept), **kw), tiny, progress=False)
+    assert rest["steps"] == 8
+    assert [json.loads(x)["step"] for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()][0] == 6
+
+
 def test_resume_after_interruption_equals_uninterrupted_run(tiny, tiny_data, tmp_path):
     kw = dict(data=str(tiny_data), steps=8, batch_size=6, lr=2e-3, warmup=2, save_every=2, log_every=2,
               num_heads=3, num_layers=2, lm_head="own", draft_vocab=40)

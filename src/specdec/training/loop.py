@@ -158,6 +158,7 @@ def write_kept(model: torch.nn.Module, dest: Path) -> None:
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     sd = {k: v.detach().cpu().to(torch.float16) if v.is_floating_point() else v.detach().cpu()
           for k, v in model.state_dict().items() if k not in frozen}
+    Path(dest).mkdir(parents=True, exist_ok=True)
     save_torch_state_dict(sd, dest, max_shard_size="16MB")
 
 
