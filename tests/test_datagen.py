@@ -121,3 +121,72 @@ def test_tokens_only_shards_train_on_the_features_the_stored_ones_hold(tmp_path,
                  str(tmp_path / "cli"), "--steps", "3", "--batch-size", "2", "--warmup", "0", "--log-every", "1"]) == 0
     cli = [json.loads(x)["loss"] for x in (tmp_path / "cli" / "log.jsonl").read_text().splitlines()]
     assert len(cli) == 3 and cli == pytest.approx([h["loss"] for h in r["history"]], rel=1e-5)
+
+
+def test_feature_cache_computes_each_sequence_once_and_returns_its_bits(tmp_path):
+    """FeatureCache: a sequence's features computed once, then read back bit for bit without the target; another
+    target or other ids miss; a damaged file is computed again."""
+    from specdec.runtime.lean import LeanRunner
+    from specdec.training.features import FeatureCache, runner_features
+
+    model = tiny_model("llama").eval()
+    runner = LeanRunner(model, exact=True)
+    calls = []
+
+    def features(seqs):
+        calls.append(len(seqs))
+        return runner_features(runner, seqs, (1,))
+
+    seqs = [[1, 2, 3, 4, 5], [7, 8, 9], [1, 2, 3, 4]]  # the third a prefix of the first: its own entry
+    cache = FeatureCache(tmp_path / "c", {"target": "a"}, features)
+    first = cache(seqs)
+    assert calls == [3] and len(list((tmp_path / "c").rglob("*.safetensors"))) == 3
+    again = cache([seqs[1], seqs[0]])
+    assert calls == [3] and torch.equal(again[0], first[1]) and torch.equal(again[1], first[0])
+    assert all(torch.equal(x, y) for x, y in zip(first, features(seqs)))  # as computed: fp32, bit for bit
+    calls.clear()
+    cache.path(seqs[1]).write_bytes(b"torn")
+    assert torch.equal(cache([seqs[1]])[0], first[1]) and calls == [1]
+    other = FeatureCache(tmp_path / "c", {"target": "b"}, features)
+    other([seqs[0]])
+    assert calls == [1, 1] and (cache.hits, cache.misses, other.misses) == (2, 4, 1)
+
+
+def test_train_feature_cache_flag(tmp_path, smollm2_tokenizer_dir, monkeypatch, capsys):
+    """train --feature-cache: the same losses as without it, and a second run computes no target features;
+    on data that stores its features, one clear line before the target loads."""
+    from transformers import AutoTokenizer
+
+    from specdec.cli import main
+    from specdec.training.datagen import Plan, run_datagen
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    model = tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id).eval()
+    plan = Plan(shard_size=4, sources=["gsm8k"], temperatures=[0.0], max_new_tokens=8, aux_layers="eagle3")
+    ids_only, stored = tmp_path / "ids", tmp_path / "stored"
+    run_datagen(model, tok, ids_only, 1, plan, batch_size=2, progress=False, tokens_only=True)
+    run_datagen(model, tok, stored, 1, plan, batch_size=2, progress=False)
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    base = ["train", "eagle3", "--model", str(tmp_path / "target"), "--steps", "2", "--batch-size", "2",
+            "--warmup", "0", "--log-every", "1"]
+
+    def losses(out: str, *extra: str) -> list[float]:
+        assert main([*base, "--data", str(ids_only), "--out", str(tmp_path / out), *extra]) == 0
+        return [json.loads(x)["loss"] for x in (tmp_path / out / "log.jsonl").read_text().splitlines()]
+
+    plain = losses("plain")
+    cache = tmp_path / "features"
+    assert losses("cached", "--feature-cache", str(cache)) == plain
+    kept = sorted(cache.rglob("*.safetensors"))
+    stamps = [p.stat().st_mtime_ns for p in kept]
+    assert kept and losses("again", "--feature-cache", str(cache)) == plain
+    assert sorted(cache.rglob("*.safetensors")) == kept and [p.stat().st_mtime_ns for p in kept] == stamps
+    import specdec.training.train_cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the target loaded"))
+    monkeypatch.setattr(cli, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    capsys.readouterr()
+    assert main([*base, "--data", str(stored), "--out", str(tmp_path / "x"), "--feature-cache", str(cache)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--feature-cache" in err[0] and "hold their features already" in err[0]

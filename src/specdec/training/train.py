@@ -66,6 +66,10 @@ class TrainConfig(LoopConfig):
     init_layer: Literal["random", "target"] = knob("random", "EAGLE-3: the draft layer starts random, or as the "
                                                     "target's last decoder layer (Eagle3Head.start_as)",
                                                     resume=True)
+    feature_cache: str = knob("", "data of token ids alone: keep each sequence's target features here and read "
+                              "them back in later epochs and runs instead of running the target again (fp32: "
+                              "~25 KB a token for Qwen2.5-1.5B with EAGLE-3's aux layers)", metavar="DIR",
+                              shown="none")
     arch: Literal[ARCHS] = knob("eagle", "eagle (EAGLE-1/2, FSPAD) or eagle3 (fused low/middle/high target "
                                 "features; data: datagen --aux-layers eagle3)", resume=True)
 

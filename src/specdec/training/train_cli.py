@@ -8,6 +8,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec.errors import SpecdecError
+from specdec.files import check_writable
 from specdec.options import add_flags, flag_values, one_line_errors
 from specdec.runtime.loading import Runtime, load_model, materialize, resolve
 from specdec.training.config import LoopConfig
@@ -76,10 +78,16 @@ def cmd_train_eagle(args) -> int:
     if cfg is None:
         return 0
     aux = aux_layers_of(cfg.data) if cfg.arch == "eagle3" else ()  # the data's aux layers
+    online = tokens_only(cfg.data)
+    if cfg.feature_cache:
+        if not online:
+            raise SpecdecError(f"--feature-cache: the shards in {cfg.data} hold their features already (it applies "
+                               "to data of token ids alone, datagen --tokens-only)")
+        check_writable(cfg.feature_cache, "--feature-cache")
     # data of token ids alone: each batch's features come from the target on its own kernels (online)
-    if tokens_only(cfg.data):
+    if online:
         target = load_model(args.model)[0]  # a GGUF file on its own blocks: no fp32 copy of the whole model
-        features = target_features(target, aux)
+        features = target_features(target, aux, cfg.feature_cache or None)
     else:
         target, features = load_target(materialize(args.model), args.model), None
     r = train_eagle(cfg, target, features=features)
