@@ -28,7 +28,7 @@ from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaHeads
 from specdec.runtime.base import Cached
 from specdec.runtime.kv import KVCache
-from specdec.runtime.llama import Block, Rope, chain_attention
+from specdec.runtime.llama import Block, Rope, chain_attention, make_room
 from specdec.runtime.packed import Linear
 
 # the target's sizes a prefix layer copies (config.json "prefix_attention")
@@ -159,9 +159,7 @@ class PrefixRunner(Cached):
         n = features.shape[0]
         start, positions = self._new_rows(n, None, None)
         kv = self.cache
-        if start + n > kv.capacity:
-            kv.reserve(n)
-            self.rope.grow(kv.capacity)
+        make_room(kv, n, [self.rope])
         cos, sin = self.rope(positions)
         mask, causal = chain_attention(start, n, self.device)
         rows = True if self.block.fused is not None and n <= 64 else None

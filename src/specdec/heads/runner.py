@@ -16,7 +16,7 @@ from specdec.heads.fspad import feature_sampler, gated_sample, pad_outputs
 from specdec.runtime.base import Cached
 from specdec.runtime.kv import KVCache
 from specdec.runtime.lean import EXACT_ROWS
-from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, native_stack
+from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, make_room, native_stack
 from specdec.runtime.packed import Linear
 from specdec.tree import Allowed
 
@@ -199,9 +199,7 @@ class HeadRunner(Cached):
         n = tokens.numel()
         start, positions = runner._new_rows(n, positions, mask)
         kv = runner.cache
-        if start + n > kv.capacity:
-            kv.reserve(n)
-            self.rope.grow(kv.capacity)
+        make_room(kv, n, [self.rope])
         cos, sin = self.rope(positions)
         causal, few = False, n <= EXACT_ROWS
         if mask is not None:

@@ -18,7 +18,7 @@ from specdec.runtime import gemma, stream
 from specdec.runtime.base import ForwardOut, Part, Runner, in_window, layer_windows, soft_capped
 from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types, requantized
 from specdec.runtime.kv import KVCache
-from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, native_stack, visible_columns
+from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, make_room, native_stack, visible_columns
 from specdec.runtime.packed import GGUF, HeadRows, Linear, precision_name
 
 SUPPORTED = ("llama", "qwen2", "mistral", *gemma.MODEL_TYPES)
@@ -301,9 +301,7 @@ class LeanRunner(Runner):
         kv = self.cache
         start = kv.length + kv.n_pending
         if start < n:
-            kv.reserve(n - start)
-            for rope in self.ropes.values():
-                rope.grow(kv.capacity)
+            make_room(kv, n - start, self.ropes.values())
             kv.pos[start:n] = torch.arange(start, n, device=self.device)
         kv.commit(range(n - kv.length))
 
@@ -314,10 +312,7 @@ class LeanRunner(Runner):
         kv = runner.cache
         start = kv.length + kv.n_pending
         end = start + n
-        if end > kv.capacity:
-            kv.reserve(n)
-            for rope in self.ropes.values():
-                rope.grow(kv.capacity)
+        make_room(kv, n, self.ropes.values())
         kv.pos[start:end] = positions
         rope = {k: r(positions) for k, r in self.ropes.items()}
         causal, chain = False, mask is None

@@ -46,6 +46,15 @@ class Rope:
         return self.cos[positions], self.sin[positions]
 
 
+def make_room(kv: KVCache, n: int, ropes) -> None:
+    """Room in kv for n rows after the used ones, and each RoPE table grown with it (a position never exceeds
+    the rows a cache holds)."""
+    if kv.length + kv.n_pending + n > kv.capacity:
+        kv.reserve(n)
+        for rope in ropes:
+            rope.grow(kv.capacity)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's x * cos + rotate_half(x) * sin, bit for bit, with `sin` from Rope (sign folded in): swapping
     the halves is one flip, where rotate_half is a chunk, a negation and a cat."""
