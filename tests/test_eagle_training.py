@@ -57,6 +57,9 @@ def test_a_kept_checkpoint_resumes_a_run_on_a_new_machine(tiny, tiny_data, tmp_p
     assert part["steps"] == 8
     state = json.loads((kept / "state.json").read_text())
     assert state["step"] == 8 and "optimizer" not in state
+    kept_log = (kept / "log.jsonl").read_text().splitlines()
+    assert kept_log == (tmp_path / "b" / "log.jsonl").read_text().splitlines()  # the curve so far, kept
+    assert [json.loads(x)["step"] for x in kept_log] == [2, 4, 6, 8]
     files = sorted((kept / "weights").glob("*.safetensors"))
     assert files and all(f.stat().st_size <= 16 * 2**20 for f in files)
     from safetensors.torch import load_file
@@ -70,8 +73,10 @@ def test_a_kept_checkpoint_resumes_a_run_on_a_new_machine(tiny, tiny_data, tmp_p
     # a new machine: no --out, the kept dir only
     rest = train_eagle(TrainConfig(out=str(tmp_path / "c"), keep_in=str(kept), **kw), tiny, progress=False)
     assert rest["steps"] == 12
-    log = [json.loads(x)["step"] for x in (tmp_path / "c" / "log.jsonl").read_text().splitlines()]
-    assert log[0] == 10  # resumed after step 8
+    log = [json.loads(x) for x in (tmp_path / "c" / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [2, 4, 6, 8, 10, 12]  # the kept curve, then the steps after 8
+    assert log[:4] == [json.loads(x) for x in kept_log]
+    assert len((kept / "log.jsonl").read_text().splitlines()) == 6  # kept again at step 12, whole
     a, c = full["head"].state_dict(), rest["head"].state_dict()
     assert torch.equal(a["lm_head.weight"], c["lm_head.weight"]) and torch.equal(a["d2t"], c["d2t"])
     moved = [k for k in a if a[k].is_floating_point() and not torch.equal(a[k], c[k])]

@@ -136,18 +136,26 @@ def load_resume(cfg: LoopConfig, mmap: bool = False) -> dict | None:
     return resume
 
 
-KEPT = "state.json"
+KEPT, LOG = "state.json", "log.jsonl"
 
 
 def keep_checkpoint(dest: Path, model: torch.nn.Module, sched, step: int, state: dict,
-                    write: Callable[[torch.nn.Module, Path], None]) -> None:
+                    write: Callable[[torch.nn.Module, Path], None], log: Path | None = None) -> None:
     """A checkpoint small enough to commit: `write(model, dir)`'s small copy of the trained weights (fp16,
-    files of <= 16 MiB, parameters that never move left out), the schedule and the step. Why no optimizer
-    moments: they triple the size, and Adam rebuilds them within its first steps."""
+    files of <= 16 MiB, parameters that never move left out), the schedule and the step, and the run's
+    `log` (its log.jsonl) up to that step, whose curves outlive the machine. Why no optimizer moments: they
+    triple the size, and Adam rebuilds them within its first steps."""
     with atomic_dir(dest) as tmp:
         write(model, tmp / "weights")
         keep = {k: state[k] for k in ("config", "shards", "seconds")}
         (tmp / KEPT).write_text(json.dumps(keep | {"step": step, "scheduler": sched.state_dict()}, indent=1))
+        if log is not None and log.is_file():
+            (tmp / LOG).write_text("".join(log_lines(log, step)))
+
+
+def log_lines(log: Path, last: int) -> list[str]:
+    """The lines of a log.jsonl up to step `last`."""
+    return [ln + "\n" for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last]
 
 
 def write_kept(model: torch.nn.Module, dest: Path) -> None:
@@ -216,13 +224,14 @@ def load_data(cfg, resume: dict | None, fingerprint: dict, hidden_size: int, wor
 
 def start_log(out: Path, cfg, start: int) -> Path:
     """Main process: the run's config.json, and log.jsonl without the lines of steps a killed run did
-    after its last checkpoint."""
-    log_f = out / "log.jsonl"
+    after its last checkpoint; a run resumed from a kept checkpoint (--keep-in) starts it from the kept log."""
+    log_f = out / LOG
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    if log_f.is_file():
-        lines = [ln for ln in log_f.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
-        log_f.write_text("".join(ln + "\n" for ln in lines))
+    kept = Path(cfg.keep_in) / LOG if cfg.keep_in else None
+    source = log_f if log_f.is_file() else kept if start and kept is not None and kept.is_file() else None
+    if source is not None:
+        log_f.write_text("".join(log_lines(source, start)))
     return log_f
 
 

@@ -222,7 +222,8 @@ class Trainer:
                                 self.write)
                 if cfg.keep_in:
                     keep_checkpoint(Path(cfg.keep_in), acc.unwrap_model(run.module).head, run.sched, step,
-                                    run.state | {"seconds": run.seconds + time.perf_counter() - t0}, self.write_kept)
+                                    run.state | {"seconds": run.seconds + time.perf_counter() - t0}, self.write_kept,
+                                    log_f)
             acc.wait_for_everyone()
             if cfg.stop_after and step - run.start >= cfg.stop_after and step < total:
                 break
