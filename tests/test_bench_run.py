@@ -439,3 +439,27 @@ def test_each_of_our_methods_gets_its_own_peak_rss(bench_models, monkeypatch, tm
     assert peak["sps:gamma=2"] - peak["vanilla"] > 250
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Peak RSS, MB" in md and f"| `vanilla` | {peak['vanilla']:.0f} |" in md
+
+
+def test_a_peer_failing_in_the_warm_up_stops_the_run_with_one_line(bench_models, monkeypatch, tmp_path, capsys):
+    """A peer that fails before anything is timed (llama-server aborting on a draft it cannot run) would fail
+    every prompt: one clear line naming it, before any timing, and its server stopped."""
+    import specdec.bench.runner as runner_mod
+
+    target, tok, _ = bench_models
+    real, closed = runner_mod.build_peer, []
+
+    class Broken:
+        def __init__(self, inner, closers):
+            self.spec, self.inner = inner.spec, inner
+            closers.callback(lambda: closed.append(True))
+
+        def run(self, ids, temperature, seed, max_new):
+            raise ConnectionError("Remote end closed connection without response")
+
+    monkeypatch.setattr(runner_mod, "build_peer", lambda spec, *a, **k: Broken(real(spec, *a, **k), k["closers"]))
+    cfg = BenchConfig(parse_methods("vanilla,pld:num_tokens=3", False), max_new_tokens=6, warmup=1, progress=False,
+                      threads=1)
+    with pytest.raises(SpecdecError, match=r"hf failed on it \(ConnectionError.* in the warm-up, before any timing"):
+        run_bench(cfg, QS, target, tok, out_dir=tmp_path / "o")
+    assert closed == [True] and not (tmp_path / "o" / "raw").exists()

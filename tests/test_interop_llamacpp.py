@@ -229,3 +229,27 @@ def test_llama_server_loads_and_drafts_with_the_exported_head(tmp_path):
             assert tm["draft_n"] > 0 and 0 <= tm["draft_n_accepted"] <= tm["draft_n"]
     assert texts[0] == texts[1]
     assert os.path.getsize(tmp_path / "d.gguf") > 0
+
+
+def test_cli_takes_the_rows_a_frozen_lm_head_left_to_the_target(tmp_path):
+    """A head trained with --freeze-lm-head is saved without its LM-head rows (the target's): the export
+    takes them from --model, and the file's `output` holds exactly those rows of the target."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.heads.io import takes_target_rows
+    from tests.helpers import tiny_gguf
+
+    tgt, model = tiny_gguf(tmp_path / "t.gguf", "Q8_0", tokenizer=True, num_hidden_layers=LAYERS)
+    ids = list(range(1, 97, 3))
+    save_head(make_head3(model, seed=1, draft_vocab=ids), tmp_path / "h")
+    st = tmp_path / "h" / "model.safetensors"
+    sd = load_file(str(st))
+    rows = sd.pop("lm_head.weight")
+    save_file(sd, str(st))
+    assert takes_target_rows(tmp_path / "h")
+    assert main(["export-head", str(tmp_path / "h"), "--to", "llamacpp", "--model", str(tgt),
+                 "--out", str(tmp_path / "d.gguf")]) == 0
+    t = {x.name: x for x in GGUFReader(str(tmp_path / "d.gguf")).tensors}
+    lm = model.get_output_embeddings().weight.detach()[torch.tensor(ids)]  # the GGUF's rows, de-quantized
+    np.testing.assert_array_equal(t["output.weight"].data, lm.numpy())
+    assert torch.equal(rows.float(), lm.to(rows.dtype).float())  # what the head held: those very rows

@@ -149,8 +149,12 @@ def _run(cfg, questions, model, tokenizer, draft_model, draft_tokenizer, out_dir
     if len(warm) + cfg.warmup_tokens < max_len:
         for _ in range(cfg.warmup):
             for lab in labels:
-                _run_one(methods[lab], warm, cfg.temperature, cfg.seed, min(cfg.warmup_tokens, cfg.max_new_tokens),
-                         learn=False, json_schema=schema(lab, questions[0]))
+                try:
+                    _run_one(methods[lab], warm, cfg.temperature, cfg.seed,
+                             min(cfg.warmup_tokens, cfg.max_new_tokens), learn=False,
+                             json_schema=schema(lab, questions[0]))
+                except PeerFailed as e:  # a peer that fails before anything is timed would fail every prompt
+                    raise SpecdecError(f"{e} in the warm-up, before any timing: leave it out of --methods") from None
 
     # the physical limit beside every figure: weights streamed per target forward / this machine's bandwidth
     precisions = {lab: m.precision for lab, m in methods.items() if isinstance(m, OurMethod)}

@@ -85,6 +85,7 @@ def cmd_export(args) -> int:
 
 def _export_llamacpp(args, src: Path, out: Path) -> int:
     from specdec.heads.interop import export_head
+    from specdec.heads.io import takes_target_rows
 
     if out.suffix != ".gguf" or out.is_dir():
         raise SpecdecError(f"--out {out}: --to llamacpp writes one file, give a path ending in .gguf")
@@ -96,7 +97,9 @@ def _export_llamacpp(args, src: Path, out: Path) -> int:
     if gguf.suffix != ".gguf":
         raise SpecdecError(f"--model {args.model}: --to llamacpp needs the target's .gguf file (llama-server runs "
                            "it; its tokenizer is copied), not an HF directory")
-    arch = export_head(src, "llamacpp", out, target_gguf=gguf)
+    # the LM-head rows a head trained with --freeze-lm-head left to the target
+    lm = _target(args.model)[0] if takes_target_rows(src) else None
+    arch = export_head(src, "llamacpp", out, lm, target_gguf=gguf)
     print(f"{src} -> {out}: {arch} for llama.cpp (llama-server -m {gguf} -md {out} --spec-type draft-eagle3)",
           file=sys.stderr)
     return 0

@@ -108,7 +108,7 @@ def export_head(src: str | os.PathLike, to: str, out: str | os.PathLike, target_
     if Path(out).resolve() == Path(src).resolve():
         raise SpecdecError("--out must differ from the head's directory (the export writes a new directory)")
     if to == "llamacpp":
-        return _export_llamacpp(src, out, target_gguf)
+        return _export_llamacpp(src, out, target_gguf, target_lm_head)
     kind, head = load_any(src, target_lm_head, target_layers)
     if (kind, to) not in ARCHITECTURES:
         raise SpecdecError(f"{to} has no {kind} drafter: export these heads --to vllm")
@@ -121,7 +121,8 @@ def export_head(src: str | os.PathLike, to: str, out: str | os.PathLike, target_
     return ARCHITECTURES[kind, to]
 
 
-def _export_llamacpp(src, out, target_gguf) -> str:
+def _export_llamacpp(src, out, target_gguf, target_lm_head: torch.Tensor | None) -> str:
+    """target_lm_head: the rows of a reduced-vocabulary head that left them to the target (--freeze-lm-head)."""
     if target_gguf is None:
         raise SpecdecError("--to llamacpp needs the target's .gguf file (--model FILE.gguf, or smollm2): "
                            "llama.cpp checks the draft's vocabulary against it, and its tokenizer is copied")
@@ -131,7 +132,7 @@ def _export_llamacpp(src, out, target_gguf) -> str:
         raise SpecdecError(f"llama.cpp has no {why} drafter (its --spec-type draft-eagle3 runs EAGLE-3 heads "
                            "only): export this head --to vllm" + (" or --to sglang" if kind == "eagle" else ""))
     target = TargetGGUF(target_gguf)
-    _, head = load_any(src, None, target.layers)
+    _, head = load_any(src, target_lm_head, target.layers)
     export_llamacpp(head, out, target_gguf)
     return ARCHITECTURES["eagle3", "llamacpp"]
 

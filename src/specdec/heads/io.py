@@ -158,23 +158,36 @@ def _load_state(path: Path, head: EagleHead, state: dict[str, torch.Tensor]) -> 
         raise SpecdecError(f"EAGLE head {path}: weights do not fit its config ({why})") from None
 
 
+def _tensor_names(path: Path) -> dict:
+    """The names of a head dir's safetensors tensors, without reading them."""
+    st, index = path / "model.safetensors", path / INDEX
+    if st.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(st), "pt") as f:
+            return dict.fromkeys(f.keys())
+    return json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+
+
 def is_eagle3_dir(path: str | os.PathLike) -> bool:
     """Whether the head dir holds an EAGLE-3 head (its config says so, or its tensors are named like one),
     without loading its weights; a dir that is no readable head answers False (load_head says why)."""
     path = Path(path)
     try:
         raw = json.loads((path / "config.json").read_text())
-        st, index = path / "model.safetensors", path / INDEX
-        if st.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(st), "pt") as f:
-                keys = dict.fromkeys(f.keys())
-        else:
-            keys = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
-        return isinstance(raw, dict) and _is_eagle3(raw, keys)
+        return isinstance(raw, dict) and _is_eagle3(raw, _tensor_names(path))
     except Exception:  # missing or damaged files (safetensors raises its own types): load_head says what
         return False
+
+
+def takes_target_rows(path: str | os.PathLike) -> bool:
+    """Whether a reduced-vocabulary head dir left its LM-head rows to the target (trained with them frozen),
+    without loading its weights."""
+    try:
+        keys = _tensor_names(Path(path))
+    except Exception:  # load_head says what is wrong
+        return False
+    return "d2t" in keys and "lm_head.weight" not in keys
 
 
 def _finish(path: Path, head: EagleHead, raw: dict, device, dtype) -> EagleHead:
