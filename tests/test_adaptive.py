@@ -14,6 +14,7 @@ from specdec.drafters.adaptive import SAMPLED_SCALE, AdaptiveDrafter, NgramDraft
 from specdec.drafters.base import DecodeContext, NoDrafter
 from specdec.drafters.clock import SIZE_CLASSES, StepClock, size_class
 from specdec.drafters.costs import Costs, load_costs
+from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import (
     BUCKET,
     EDGES,
@@ -32,6 +33,7 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, TreeBudget
+from specdec.tuning import load_tuning
 from specdec.verify import Verdict, greedy_walk
 from tests.helpers import (
     PROMPTS,
@@ -999,6 +1001,13 @@ def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_pa
     head_dir = str(trained[1] / "head")
     dec = from_models(tiny, None, "auto", head=head_dir)
     assert isinstance(dec.drafter, AdaptiveDrafter) and dec.method == "eagle2"
+    # a head `specdec tune` has not measured drafts beside the n-gram tree auto drafts without a head; one
+    # asked for with lookup=, beside the prompt-lookup chain of that length (or none)
+    assert load_tuning(head_dir) is None and isinstance(dec.drafter.ngram, NgramDrafter)
+    assert dec.drafter.ngram.tree_size == from_models(tiny, None, "auto").drafter.ngram.tree_size
+    chain = from_models(tiny, None, "auto", head=head_dir, lookup=3).drafter.ngram
+    assert isinstance(chain, PromptLookupDrafter) and chain.chain_len == 3
+    assert from_models(tiny, None, "auto", head=head_dir, lookup=0).drafter.ngram is None
     static = from_models(tiny, None, "auto", head=head_dir, adaptive=False, lookup=4)
     assert isinstance(static.drafter, UnionDrafter)
     pinned = from_models(tiny, None, "auto", head=head_dir, depth=2)  # an explicit budget pins the tree
