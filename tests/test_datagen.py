@@ -190,3 +190,35 @@ def test_train_feature_cache_flag(tmp_path, smollm2_tokenizer_dir, monkeypatch, 
     assert main([*base, "--data", str(stored), "--out", str(tmp_path / "x"), "--feature-cache", str(cache)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--feature-cache" in err[0] and "hold their features already" in err[0]
+
+
+def test_self_code_prompts_begin_with_a_programming_opening(smollm2_tokenizer_dir):
+    """Source self-code: the target's own user turns, each begun with one of CODE_OPENINGS in turn (what it writes
+    after the opening is the prompt's rest); a benchmark prompt is still dropped; source self stays unprompted."""
+    from transformers import AutoTokenizer
+
+    from specdec.training.datagen import Plan, source_list
+    from specdec.training.prompts import CODE_OPENINGS, PromptSource
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    seen = []
+
+    def maker(prefixes, max_new, temperature, eos, pad, top_p=1.0, seed=0, features=True):
+        seen.append([tok.decode(p) for p in prefixes])
+        outs = [tok(f" sorts a list of {len(seen)}-{j} numbers in place", add_special_tokens=False)["input_ids"]
+                for j in range(len(prefixes))]
+        outs[1] = tok(" x", add_special_tokens=False)["input_ids"]  # too short to be a request: dropped
+        return outs, None
+
+    plan = Plan(shard_size=10, sources=source_list("self-code,self"))
+    src = PromptSource(maker, tok, plan, None, {"write a python function that sorts a list of 1-0 numbers in place"},
+                       batch_size=4)
+    got = src.self_prompts(0, {tok.eos_token_id}, 0, CODE_OPENINGS)
+    assert len(got) == 10 and len(set(got)) == 10
+    assert all(any(g.startswith(o.strip()) for o in CODE_OPENINGS) for g in got)
+    assert {g.split(" sorts")[0].strip() for g in got} >= {o.strip() for o in CODE_OPENINGS[:4]}
+    assert not any("1-0 " in g or "1-1 " in g for g in got)  # the benchmark prompt, and the short one
+    assert all(p.startswith(src.user_prefix) for p in seen[0]) and len(set(seen[0])) > 1
+    seen.clear()
+    plain = src.self_prompts(0, {tok.eos_token_id}, 0)
+    assert len(set(seen[0])) == 1 and plain[0].startswith("sorts a list")

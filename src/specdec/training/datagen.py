@@ -36,7 +36,7 @@ from specdec.runtime.loading import eos_ids
 from specdec.sampling import SamplingParams
 from specdec.training import dist
 from specdec.training.features import engine_answers, runner_features
-from specdec.training.prompts import PromptSource, benchmark_prompts, gold_answer, is_benchmark
+from specdec.training.prompts import CODE_OPENINGS, PromptSource, benchmark_prompts, gold_answer, is_benchmark
 from specdec.training.shards import (
     list_shards,
     merge_manifests,
@@ -50,7 +50,7 @@ from specdec.training.shards import (
 __all__ = ["Plan", "run_datagen", "generate_answers", "teacher_force", "benchmark_prompts", "is_benchmark",
            "list_shards", "pack_shard", "write_shard"]
 
-SOURCES = ("gsm8k", "self", "gsm8k-gold")
+SOURCES = ("gsm8k", "self", "self-code", "gsm8k-gold")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -312,8 +312,8 @@ def run_datagen(model, tok, out_dir: str | os.PathLike, n_shards: int, plan: Pla
         src, temp = plan.shard(i)
         torch.manual_seed(plan.seed * 1_000_003 + i)  # a re-run of a killed shard redoes the same work
         t0 = time.perf_counter()
-        if src == "self":
-            texts = prompts.self_prompts(i, eos, pad)
+        if src.startswith("self"):
+            texts = prompts.self_prompts(i, eos, pad, CODE_OPENINGS if src == "self-code" else ("",))
         else:
             rows = prompts.gsm_rows(i)
             texts = [r["question"] for r in rows]

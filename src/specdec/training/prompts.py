@@ -86,6 +86,13 @@ def is_benchmark(text: str, bench: set[str]) -> bool:
 
 
 
+# source self-code: how the target's own user turns begin, so that it writes programming requests (a code
+# target evaluated on code learns little from math word problems); never a benchmark's text
+CODE_OPENINGS = ("Write a Python function that", "Implement a function in Python to", "Fix the bug in this code:\n",
+                 "Write a Python class", "Explain what this code does:\n```python\n", "Write a program that",
+                 "How do I", "Complete this function:\n```python\ndef ")
+
+
 class PromptSource:
     """Token-id prompts (chat template applied) for each shard of the plan."""
 
@@ -121,9 +128,9 @@ class PromptSource:
         k, n = self.plan.nth_of_source(shard), self.plan.shard_size
         return [self.gsm[(k * n + j) % len(self.gsm)] for j in range(n)]
 
-    def self_prompts(self, shard: int, eos_ids: set[int], pad_id: int) -> list[str]:
-        """The target writes user turns from a bare chat template (sampled, T = 1)."""
-        prefix = self.tok(self.user_prefix, add_special_tokens=False)["input_ids"]
+    def self_prompts(self, shard: int, eos_ids: set[int], pad_id: int, openings: tuple[str, ...] = ("",)) -> list[str]:
+        """The target writes user turns from a bare chat template (sampled, T = 1), each begun with one of
+        `openings` in turn (source self-code: CODE_OPENINGS)."""
         got: list[str] = []
         seen: set[str] = set()
         for attempt in range(8):
@@ -131,11 +138,13 @@ class PromptSource:
             if need <= 0:
                 break
             b = max(self.batch_size, need)
-            outs, _ = self.maker([prefix] * b, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id, top_p=0.95,
+            starts = [openings[(attempt * b + j) % len(openings)] for j in range(b)]
+            prefixes = [self.tok(self.user_prefix + o, add_special_tokens=False)["input_ids"] for o in starts]
+            outs, _ = self.maker(prefixes, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id, top_p=0.95,
                                  seed=(self.plan.seed * 1_000_003 + shard) * 16 + attempt, features=False)
-            for o in outs:
-                text = self.tok.decode([t for t in o if t not in eos_ids], skip_special_tokens=True).strip()
-                if len(text) < 12 or _norm(text) in seen or self.is_benchmark(text):
+            for start, o in zip(starts, outs):
+                text = (start + self.tok.decode([t for t in o if t not in eos_ids], skip_special_tokens=True)).strip()
+                if len(text) < 12 + len(start) or _norm(text) in seen or self.is_benchmark(text):
                     continue
                 seen.add(_norm(text))
                 got.append(text)
