@@ -364,3 +364,26 @@ def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, 
     cont, _ = run(target, NoDrafter(), PROMPTS[0], SamplingParams(), 16)
     w = walk(d.model, target, PROMPTS[0], cont, [TreeBudget(3, 2, 4)])
     assert max(w.accepted[TreeBudget(3, 2, 4)]) >= 1  # the trained head's drafts get accepted in the replay
+
+
+def test_a_new_run_warm_starts_from_a_kept_head(tiny, trained3, tmp_path):
+    """A second run (another epoch, new data) starts from a run's kept head as the repository holds it (fp16,
+    the frozen LM-head rows left to the target): --init-from that weights/ folder."""
+    from specdec.heads.io import load_head
+    from specdec.training.train import TrainConfig, train_eagle
+
+    kw = dict(data=str(trained3[2]), batch_size=4, warmup=0, arch="eagle3", unroll=2, draft_vocab=60,
+              intermediate_size=96, freeze_lm_head=True, log_every=1, lr=3e-2)
+    kept = tmp_path / "kept"
+    train_eagle(TrainConfig(out=str(tmp_path / "a"), steps=24, save_every=12, keep_in=str(kept), **kw), tiny,
+                progress=False)
+    lm = tiny.lm_head.weight.detach()
+    start = load_head(kept / "weights", hidden_size=lm.shape[1], vocab_size=lm.shape[0], target_lm_head=lm)
+    b = train_eagle(TrainConfig(out=str(tmp_path / "b"), steps=0, epochs=1, init_from=str(kept / "weights"), **kw),
+                    tiny, progress=False)
+    scratch = train_eagle(TrainConfig(out=str(tmp_path / "c"), steps=1, **kw), tiny, progress=False)
+    first = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
+    # the same first batch (seed 0; ignoring --init-from would give the new head's loss exactly): lower
+    assert first["step"] == 1 and first["loss"] < 0.9 * scratch["history"][0]["loss"]
+    moved = b["head"].state_dict()
+    assert torch.equal(moved["d2t"], start.state_dict()["d2t"].to(moved["d2t"].device))
