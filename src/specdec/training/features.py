@@ -70,7 +70,9 @@ def target_features(model, aux_layers: tuple[int, ...] = (), cache: str | os.Pat
     features = lambda seqs: runner_features(runner, seqs, tuple(aux_layers))  # noqa: E731
     if cache is None:
         return features
-    identity = {"target": target_fingerprint(model), "weights": runner.weights, "aux_layers": list(aux_layers)}
+    # what the features' bits depend on: the target, its weights, the layers read, the kernels (a fallback's differ)
+    identity = {"target": target_fingerprint(model), "weights": runner.weights, "aux_layers": list(aux_layers),
+                "kernels": runner.kernel_path}
     return FeatureCache(Path(cache), identity, features)
 
 
