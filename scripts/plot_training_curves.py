@@ -15,6 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+# the right panel's choices: log field -> (axis label, title)
+RIGHT = {"feature_loss": ("SmoothL1(f̂, f)", "feature loss"), "loss": ("training loss", "loss"),
+         "t1_accept": ("1 − TV(p, q) at T = 1 (training batches)", "sampled acceptance")}
+
 
 def read_log(run: str) -> list[dict]:
     path = Path(run)
@@ -71,6 +75,9 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true",
                     help="prepend the logs of the runs each run was warm-started from (--init-from <run>/head)")
     ap.add_argument("--smooth", type=int, default=1, help="moving average over this many log lines")
+    ap.add_argument("--right", choices=sorted(RIGHT) + ["auto"], default="auto",
+                    help="the right panel; auto: the feature loss, or for heads trained without one (EAGLE-3) "
+                         "the sampled acceptance 1 - TV")
     a = ap.parse_args()
     labels = a.labels.split(",") if a.labels else None
     if labels is not None and len(labels) != len(a.runs):
@@ -82,16 +89,19 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc_ax, feat_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, run in enumerate(a.runs):
-        rows = read_chain(run) if a.chain else read_log(run)
+    runs = [read_chain(run) if a.chain else read_log(run) for run in a.runs]
+    right = a.right
+    if right == "auto":
+        right = "feature_loss" if any(r.get("feature_loss") for rows in runs for r in rows) else "t1_accept"
+    for i, (run, rows) in enumerate(zip(a.runs, runs)):
         name = labels[i] if labels else label_of(run)
         steps = [r["step"] for r in rows]
         acc_ax.plot(steps, smooth([r["top1_acc"] for r in rows], a.smooth), label=name)
-        feat_ax.plot(steps, smooth([r["feature_loss"] for r in rows], a.smooth), label=name)
+        feat_ax.plot(steps, smooth([r.get(right, 0.0) for r in rows], a.smooth), label=name)
         last = rows[-1]
-        print(f"{name}: step {last['step']}, top-1 {last['top1_acc']:.3f}, feature loss {last['feature_loss']:.4f}")
+        print(f"{name}: step {last['step']}, top-1 {last['top1_acc']:.3f}, {right} {last.get(right, 0.0):.4f}")
     acc_ax.set(xlabel="step", ylabel="top-1 agreement with the target (training batches)", title="accuracy")
-    feat_ax.set(xlabel="step", ylabel="SmoothL1(f̂, f)", title="feature loss")
+    feat_ax.set(xlabel="step", ylabel=RIGHT[right][0], title=RIGHT[right][1])
     for ax in (acc_ax, feat_ax):
         ax.grid(alpha=0.3)
         ax.legend()
