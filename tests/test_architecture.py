@@ -33,6 +33,7 @@ LOCAL_IMPORTS_ALLOWED = {
     ("specdec.cli", "specdec.cli.commands"): "torch loads inside main, where a Ctrl-C is caught",
     ("specdec.cli.commands", "specdec.serve.app"): "fastapi and uvicorn are the optional `serve` extra",
     ("specdec.cli.interop", "specdec.heads.interop"): "every CLI start would load transformers' Llama modules",
+    ("specdec.cli.interop", "specdec.heads.io"): "every CLI start would load transformers' Llama config",
     ("specdec.tune.cli", "specdec.heads.io"): "every CLI start would load transformers' Llama modules",
 }
 
