@@ -133,13 +133,14 @@ class PromptSource:
         `openings` in turn (source self-code: CODE_OPENINGS)."""
         got: list[str] = []
         seen: set[str] = set()
+        tokens = {o: self.tok(self.user_prefix + o, add_special_tokens=False)["input_ids"] for o in openings}
         for attempt in range(8):
             need = self.plan.shard_size - len(got)
             if need <= 0:
                 break
             b = max(self.batch_size, need)
             starts = [openings[(attempt * b + j) % len(openings)] for j in range(b)]
-            prefixes = [self.tok(self.user_prefix + o, add_special_tokens=False)["input_ids"] for o in starts]
+            prefixes = [tokens[o] for o in starts]
             outs, _ = self.maker(prefixes, self.plan.self_prompt_tokens, 1.0, eos_ids, pad_id, top_p=0.95,
                                  seed=(self.plan.seed * 1_000_003 + shard) * 16 + attempt, features=False)
             for start, o in zip(starts, outs):
