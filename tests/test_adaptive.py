@@ -1008,6 +1008,9 @@ def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_pa
     chain = from_models(tiny, None, "auto", head=head_dir, lookup=3).drafter.ngram
     assert isinstance(chain, PromptLookupDrafter) and chain.chain_len == 3
     assert from_models(tiny, None, "auto", head=head_dir, lookup=0).drafter.ngram is None
+    seeded = SamplingParams(1.0, seed=3)  # the head's trees joined with the n-gram tree: still the target's draws
+    assert run(dec.runner, dec.drafter, PROMPTS[1], seeded, 30)[0] == \
+        run(LeanRunner(tiny), NoDrafter(), PROMPTS[1], seeded, 30)[0]
     static = from_models(tiny, None, "auto", head=head_dir, adaptive=False, lookup=4)
     assert isinstance(static.drafter, UnionDrafter)
     pinned = from_models(tiny, None, "auto", head=head_dir, depth=2)  # an explicit budget pins the tree
