@@ -16,8 +16,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 # lower layers never import higher ones
 LAYERS = (
-    ("core", ("errors", "options", "files", "sampling", "tree", "grammar", "verify", "slot", "stats", "engine", "batch",
-              "tuning", "vocab", "machine", "runtime", "drafters.base")),
+    ("core", ("errors", "options", "files", "detok", "sampling", "tree", "grammar", "verify", "slot", "stats", "engine",
+              "batch", "tuning", "vocab", "machine", "runtime", "drafters.base")),
     ("methods", ("drafters", "heads")),  # every drafter and the heads they run
     ("api", ("api", "__init__")),
     ("tools", ("tune", "bench", "training", "serve", "cli")),

@@ -11,6 +11,7 @@ from typing import Annotated
 import torch
 from pydantic import Field, model_validator
 
+from specdec.detok import GrowingText
 from specdec.drafters import registry
 from specdec.drafters.base import Drafter
 from specdec.engine import decode
@@ -211,6 +212,7 @@ class TextStream:
     def __init__(self, decoder: Decoder, prompt_ids: list[int], stops: list[str], stats: Stats) -> None:
         self.decoder, self.prompt_ids, self.stops, self.stats = decoder, prompt_ids, stops, stats
         self.ids: list[int] = []
+        self.growing = GrowingText(decoder._text)
         self.text = ""
         self.sent = 0  # characters of text already yielded
         self.held: list[int] = []  # ids and depths not yet yielded (their text is held back, or was cut)
@@ -231,7 +233,7 @@ class TextStream:
         drafted = stats.accept_lengths[-1] - 1 if len(stats.accept_lengths) > self.forwards else 0
         self.forwards = len(stats.accept_lengths)
         step_depths = [i + 1 if i < drafted else 0 for i in range(len(new))]
-        text = self.decoder._text(ids)
+        text = self.growing.extend(new)
         hit = _find_stop(text, self.stops)
         if hit is not None:
             # the output must be what vanilla decoding would give: cut at the token that completes it

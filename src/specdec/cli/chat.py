@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from specdec.api import Chunk, Decoder, Generation, GenerationParams
 from specdec.cli.output import detail_line, end_answer, say, write_answer
+from specdec.detok import GrowingText
 from specdec.errors import SpecdecError
 
 PROMPT = ">>> "
@@ -72,16 +73,15 @@ class Painter:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.text = GrowingText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.depths: list[int] = []
         self.ends: list[int] = []  # where each token's text ends in the answer
         self.pos = 0  # characters of the answer painted so far
 
     def paint(self, chunk: Chunk) -> str:
         for tok, depth in zip(chunk.token_ids, chunk.depths):
-            self.ids.append(tok)
             self.depths.append(depth)
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+            text = self.text.extend([tok]).rstrip("\ufffd")
             self.ends.append(max(len(text), self.ends[-1] if self.ends else 0))
         out, current = [], None
         for i, ch in enumerate(chunk.text, self.pos):
