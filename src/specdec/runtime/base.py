@@ -216,9 +216,14 @@ def in_window(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, wind
     return mask & ((q_pos[:, None] - k_pos[None, :]) < window)
 
 
-def soft_capped(logits: torch.Tensor, cfg) -> torch.Tensor:
-    """The config's final logit soft-capping, cap * tanh(logits / cap), as HF applies it (Gemma 2 and 3)."""
-    cap = getattr(cfg, "final_logit_softcapping", None)
+def logit_cap(cfg) -> float | None:
+    """The config's final logit soft-capping (Gemma 2 and 3), read once: a transformers config's attribute
+    lookup costs tens of microseconds, a missing one more."""
+    return getattr(cfg, "final_logit_softcapping", None)
+
+
+def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), as HF applies it."""
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.errors import SpecdecError
-from specdec.runtime.base import ForwardOut, Runner, chain_mask, in_window, layer_windows, soft_capped
+from specdec.runtime.base import ForwardOut, Runner, chain_mask, in_window, layer_windows, logit_cap, soft_capped
 from specdec.runtime.kv import Rows
 from specdec.runtime.packed import precision_name
 
@@ -54,6 +54,7 @@ class HFRunner(Runner):
     def __init__(self, model) -> None:
         self.model = model.eval()
         self.config = model.config
+        self.softcap = logit_cap(model.config)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.weights = precision_name(p.dtype)
@@ -95,7 +96,7 @@ class HFRunner(Runner):
         rows = feats if logits_rows is None else feats[logits_rows]
         # hidden_states[i] is the input of layer i
         aux = torch.cat([out.hidden_states[i][0] for i in aux_layers], -1) if aux_layers else None
-        return ForwardOut(soft_capped(self.lm_head(rows), self.config), feats, aux)
+        return ForwardOut(soft_capped(self.lm_head(rows), self.softcap), feats, aux)
 
     def _float(self, mask: torch.Tensor) -> torch.Tensor:
         """A bool mask [n, cols] as HF's additive float mask [1, 1, n, cols]."""

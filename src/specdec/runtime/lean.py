@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.runtime import gemma, stream
-from specdec.runtime.base import ForwardOut, Part, Runner, in_window, layer_windows, soft_capped
+from specdec.runtime.base import ForwardOut, Part, Runner, in_window, layer_windows, logit_cap, soft_capped
 from specdec.runtime.gguf import QuantTensor, QuantWeight, quant_types, requantized
 from specdec.runtime.kv import KVCache
 from specdec.runtime.llama import Block, PackedRows, Rope, chain_attention, make_room, native_stack, visible_columns
@@ -48,6 +48,7 @@ class LeanRunner(Runner):
         if not supports(model):
             raise ValueError(f"LeanRunner does not support model_type={model.config.model_type!r}")
         cfg = self.config = model.config
+        self.softcap = logit_cap(cfg)
         base = model.get_decoder()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -267,7 +268,7 @@ class LeanRunner(Runner):
         aux_t = torch.cat(aux, -1) if aux_layers else None
         if len(seqs) == 1:
             wanted = feats if logits_rows[0] is None else feats[logits_rows[0]]
-            return [ForwardOut(soft_capped(self.lm_head(wanted), self.config), feats, aux_t)]
+            return [ForwardOut(soft_capped(self.lm_head(wanted), self.softcap), feats, aux_t)]
         fs = feats.split(sizes)
         wanted = [f if lr is None else f[lr] for f, lr in zip(fs, logits_rows)]
         heads = [r.lm_head for r, _, _, _ in seqs]
@@ -276,7 +277,7 @@ class LeanRunner(Runner):
         else:  # forks of a draft scoring each request's own ids too (score_also): each its own head
             logits = [h(x) for h, x in zip(heads, wanted)]
         auxs = aux_t.split(sizes) if aux_t is not None else [None] * len(seqs)
-        return [ForwardOut(soft_capped(lg, self.config), f, a) for lg, f, a in zip(logits, fs, auxs)]
+        return [ForwardOut(soft_capped(lg, self.softcap), f, a) for lg, f, a in zip(logits, fs, auxs)]
 
     def _native(self, plans: list[_Plan], sizes: list[int], packed: PackedRows | None):
         """(h [rows, H], first layer, last layer) -> h after those layers in one native call (llama.native_stack),
