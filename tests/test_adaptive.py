@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.runtime.lean import LeanRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, TreeBudget
-from specdec.tuning import load_tuning
+from specdec.tuning import load_tuning, save_tuning
 from specdec.verify import Verdict, greedy_walk
 from tests.helpers import (
     PROMPTS,
@@ -1008,6 +1009,15 @@ def test_auto_is_adaptive_by_default_and_static_on_request(tiny, trained, tmp_pa
     chain = from_models(tiny, None, "auto", head=head_dir, lookup=3).drafter.ngram
     assert isinstance(chain, PromptLookupDrafter) and chain.chain_len == 3
     assert from_models(tiny, None, "auto", head=head_dir, lookup=0).drafter.ngram is None
+    # a tuned head: the chain its tuning found paying, or the n-gram tree where it found none
+    for lookup in (4, 0):
+        tuned = tmp_path / f"tuned{lookup}"
+        shutil.copytree(head_dir, tuned)
+        save_tuning({"depth": 2, "topk": 2, "tree_size": 2,
+                     "auto": {"depth": 2, "topk": 2, "tree_size": 2, "lookup": lookup}}, tuned / "tuning.json")
+        assert load_tuning(tuned, auto=True)["lookup"] == lookup
+        ngram = from_models(tiny, None, "auto", head=str(tuned)).drafter.ngram
+        assert ngram.chain_len == 4 if lookup else isinstance(ngram, NgramDrafter)
     seeded = SamplingParams(1.0, seed=3)  # the head's trees joined with the n-gram tree: still the target's draws
     assert run(dec.runner, dec.drafter, PROMPTS[1], seeded, 30)[0] == \
         run(LeanRunner(tiny), NoDrafter(), PROMPTS[1], seeded, 30)[0]

@@ -3,7 +3,8 @@
 Adaptive speculation (drafters/adaptive.py): every step, the draft that maximises expected tokens per
 second under costs measured on this machine, or no draft at all.
 - With an EAGLE head for the target (the given one, or one shipped in the package): its EAGLE-2 trees
-  and a prompt-lookup chain (the n-gram draft below for a head `specdec tune` has not measured); sampled
+  and the prompt-lookup chain `specdec tune` found paying beside them (`lookup=N`: N tokens, 0: none), else
+  the n-gram draft below; sampled
   requests draft children drawn from the head's distribution where the head's tuning has their acceptance
   table (tau +0.2 over top-k children at T = 1).
   `adaptive=false`: the static tree and chain `specdec tune` chose, the chain for greedy requests only.
@@ -42,7 +43,7 @@ from specdec.heads.shipped import find_shipped_head
 from specdec.tree import TreeBudget
 from specdec.tuning import load_acceptance, load_lookup_rates, load_tuning
 
-DEFAULT_LOOKUP = 12  # chain tokens when the tuning file names none (or 0: no chain paid in its static tree)
+DEFAULT_LOOKUP = 12  # the chain `specdec tune` measures lookup priors with when its static tree paid none
 HEAD_ONLY = ("full_vocab", "depth", "topk", "tree_size", "rank_by", "rerank", "children")
 NODES = 16  # n-gram draft nodes offered per step without a head (the policy verifies the prefix that pays)
 TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
@@ -86,10 +87,10 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))
     budget = tuned_budget(opts, head_dir, tuned)
     if opts.adaptive and not pinned:
-        lookup = opts.lookup if opts.lookup is not None else tuned.get("lookup") or DEFAULT_LOOKUP
-        # a head `specdec tune` has not measured: the n-gram tree auto drafts without a head, not a guessed
-        # chain (Qwen2.5-Coder-1.5B, 10 HumanEval: auto 1.21x vanilla with a head and a chain, 1.36x without)
-        untuned = not tuned and opts.lookup is None
+        # beside the head: the lookup chain asked for, or the one `specdec tune` found paying; else the n-gram tree
+        # auto drafts without a head, not a guessed chain (Qwen2.5-Coder-1.5B, 20 HumanEval, a head tune found no
+        # chain for: auto 1.26x vanilla with a 12-token chain, 1.34x with the n-gram tree in the same run)
+        chain = opts.lookup if opts.lookup is not None else tuned.get("lookup")
         menu = menu_from_tuning(load_acceptance(head_dir))
         rows = load_acceptance(head_dir, sampled=True) if opts.children != "topk" else []
         if opts.children == "sample" and not rows:
@@ -98,8 +99,8 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         sampled = menu_from_tuning(rows) if rows else None
         drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
                                children="sample" if sampled else "topk")
-        ngram = NgramDrafter(NODES, TOPK, min_value=MIN_VALUE) if untuned else \
-            PromptLookupDrafter(chain_len=lookup) if lookup else None
+        ngram = PromptLookupDrafter(chain_len=chain) if chain else None if opts.lookup == 0 else \
+            NgramDrafter(NODES, TOPK, min_value=MIN_VALUE)
         costs, path, origin = load_costs(target.runner, drafter, menu, ngram, head_dir, opts.recalibrate,
                                          sampled or ())
         return AdaptiveDrafter(costs, drafter, menu, ngram, sampled, load_lookup_rates(head_dir, len(EDGES) + 1),
