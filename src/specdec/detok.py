@@ -22,18 +22,17 @@ class GrowingText:
         self.ids: list[int] = []
         self.anchor = 0  # ids before it are decoded into `head`, which is decode(ids[:anchor])
         self.head = ""
-        self.text = ""
 
     def extend(self, new: list[int]) -> str:
         """The whole text after these new ids: decode(ids)."""
         ids = self.ids
         ids.extend(new)
         tail = self.decode(ids[self.anchor:])
-        self.text = self.head + tail
+        text = self.head + tail
         at = len(ids) - self.LAG
         if at - self.anchor >= self.EVERY:
             left = self.decode(ids[self.anchor:at])
             if left + self.decode(ids[at:]) == tail:
                 self.head += left
                 self.anchor = at
-        return self.text
+        return text

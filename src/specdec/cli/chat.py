@@ -72,7 +72,6 @@ class Painter:
     written unchanged: removing the colour codes gives the plain answer."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
         self.text = GrowingText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.depths: list[int] = []
         self.ends: list[int] = []  # where each token's text ends in the answer
