@@ -1,15 +1,9 @@
-"""`auto`'s drafter: adaptive speculation. Every step it looks up an n-gram draft (it depends only on the
-emitted tokens), then verifies whatever pays most by drafters/policy.py: a model's draft (an EAGLE head's
-tree or a draft model's chain), a prefix of the n-gram draft, their union, or nothing (a plain step).
-
-Costs (drafters/costs.py) are measured on this machine and fixed within a request; between requests they
-are rescaled to what the verify forwards took if that drifted (clock.StepClock), for this process only.
-Acceptance is learned per request from verdicts of earlier steps (policy.py), and every n-gram draft is
-scored on the tokens emitted after it, verified or not, so a stretch of plain steps still learns when the
-text starts repeating. No text depends on these choices: greedy text is the target's argmax, and a seeded
-sampled request's is the target's coupled draw (sampling.Coupling), whatever was drafted; a draft that
-carries q (sampled children, a sampled draft-model chain) never shares a verify with the n-gram draft's
-point masses.
+"""`auto`'s drafter: every step it looks up an n-gram draft, then verifies what policy.py finds paying most
+(a model's draft, an n-gram prefix, their union, or nothing) under costs fixed within a request and
+rescaled between requests where the steps drifted from them (costs.StepClock). Every n-gram draft is
+scored on the tokens emitted after it, verified or not: a plain stretch still learns when the text starts
+repeating. No text depends on these choices (greedy: the target's argmax; seeded sampling: its coupled
+draws); a draft carrying q (sampled children or chain) never shares a verify with point masses.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
-from specdec.drafters.clock import PRICED_ROWS, CatchUp, StepClock
-from specdec.drafters.costs import Costs
+from specdec.drafters.costs import PRICED_ROWS, CatchUp, Costs, StepClock
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
@@ -30,25 +23,22 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.tree import DraftTree, TreeBudget
 from specdec.verify import Verdict, greedy_walk
 
-# a point-mass draft at T > 0 against its greedy prior: x is accepted with the target's p(x), not whenever
-# it is the argmax (the shipped head's tune tables: alpha_1 0.35 at T = 1 vs 0.64 greedy). Scales a head's
-# greedy table when it has no sampled one, and the n-gram nodes' raw confidences
+# a point mass at T > 0 is accepted with p(x), not whenever it is the argmax (the shipped head: alpha_1
+# 0.35 at T = 1 vs 0.64 greedy): scales a head's greedy table without a sampled one, and n-gram confidences
 SAMPLED_SCALE = 0.55
 DRAFT_ALPHA, DRAFT_ALPHA_SAMPLED = 0.7, 0.5  # a draft model's prior per-token acceptance, greedy and T > 0
 MAX_PENDING = 8  # n-gram drafts followed at once past the step that drafted them
 
 
 def matched(tree: DraftTree, tokens: list[int]) -> int:
-    """How far the emitted tokens follow a path of `tree`: the verifier's own walk. A rejected child can
-    never be emitted (a point mass leaves the residual no mass there; a sampled child x is rejected only
-    where p(x) < q(x), where the residual max(0, p - q) is 0), so this is the accepted length in the tree."""
+    """How far the emitted tokens follow a path of `tree`: its accepted length (a rejected child is never
+    emitted: the residual max(0, p - q) has no mass there)."""
     return len(greedy_walk(tree, lambda _, k: tokens[k] if k < len(tokens) else None)[0])
 
 
 def tried(children: list[list[int]], tokens: list[int], emitted: list[int]) -> tuple[list[tuple[int, bool]], bool]:
-    """The nodes the emitted tokens put to the test (every child of the root and of each matched node)
-    and whether each was the token emitted; and whether the walk is over (a miss or a leaf) rather than
-    waiting for more tokens."""
+    """The nodes the emitted tokens tested (the children of the root and of each matched node), whether
+    each was emitted, and whether the walk is over (a miss or a leaf) rather than waiting for tokens."""
     out: list[tuple[int, bool]] = []
     row = 0
     for x in emitted:
@@ -149,13 +139,13 @@ class AdaptiveDrafter(Drafter):
         return f"{self.origin}, then learned online ({self.relearned}x)" if self.relearned else self.origin
 
     def prepare(self) -> None:
-        """Between requests: prices rescaled to the observed forwards if they drifted from them."""
+        """Between requests: prices rescaled to the observed steps if they drifted from them."""
         if self.clock is None:
             return
         self.clock.settle(self.costs.target)
         if self.clock.drifted:
-            self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
-            self.clock = self.clock.restarted()
+            c = self.clock
+            self.costs, self.clock = self.costs.rescaled(*c.factors()), StepClock(c.drift, c.min_steps, c.decay)
             self.relearned += 1
 
     def begin(self, ctx: DecodeContext) -> None:

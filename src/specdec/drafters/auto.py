@@ -1,17 +1,8 @@
-"""`auto`: the fastest lossless method we know for this target, decided when the Decoder is built.
-
-Adaptive speculation (drafters/adaptive.py): every step, the draft that maximises expected tokens per
-second under costs measured on this machine, or no draft at all.
-- With an EAGLE head for the target (the given one, or one shipped in the package): its EAGLE-2 trees
-  and the prompt-lookup chain `specdec tune` found paying beside them (`lookup=N`: N tokens, 0: none), else
-  the n-gram draft below; sampled
-  requests draft children drawn from the head's distribution where the head's tuning has their acceptance
-  table (tau +0.2 over top-k children at T = 1).
-  `adaptive=false`: the static tree and chain `specdec tune` chose, the chain for greedy requests only.
-- Without a head (most targets): the prefixes of an n-gram draft over the prompt and the answer so far
-  (drafters/ngram.py) and chains from the draft model `draft=` gives; `lookup` caps the n-gram draft's
-  nodes (0: none). `adaptive=false`: method `ngram`. The head's own options (depth, topk, tree_size,
-  children, rank_by, rerank, full_vocab) are an error there.
+"""`auto`: the fastest lossless method we know for the target, decided when the Decoder is built: adaptive
+speculation (drafters/adaptive.py) over an EAGLE head's trees (the given head or one shipped for the
+target) beside the lookup chain `specdec tune` found paying (else the n-gram draft), or, without a head,
+over the n-gram draft's prefixes and the chains of the draft model `draft=` gives. `adaptive=false`: the
+static choice (the tuned tree and chain; without a head, method `ngram`).
 """
 
 from __future__ import annotations
@@ -22,8 +13,7 @@ from pydantic import model_validator
 
 from specdec.drafters.adaptive import DRAFT_ALPHA, AdaptiveDrafter
 from specdec.drafters.base import Drafter, NoDrafter
-from specdec.drafters.clock import StepClock
-from specdec.drafters.costs import load_costs
+from specdec.drafters.costs import StepClock, load_costs
 from specdec.drafters.draft_model import (
     DRAFT_QUANT,
     DRAFT_VOCAB,
@@ -87,9 +77,8 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     pinned = any(v is not None for v in (opts.depth, opts.topk, opts.tree_size))
     budget = tuned_budget(opts, head_dir, tuned)
     if opts.adaptive and not pinned:
-        # beside the head: the lookup chain asked for, or the one `specdec tune` found paying; else the n-gram tree
-        # auto drafts without a head, not a guessed chain (Qwen2.5-Coder-1.5B, 20 HumanEval, a head tune found no
-        # chain for: auto 1.26x vanilla with a 12-token chain, 1.34x with the n-gram tree in the same run)
+        # the chain asked for or tuned, else the n-gram tree (Qwen2.5-Coder-1.5B, 20 HumanEval, its tuning found
+        # no chain: 1.26x vanilla with a 12-token chain, 1.34x with the n-gram tree in the same run)
         chain = opts.lookup if opts.lookup is not None else tuned.get("lookup")
         menu = menu_from_tuning(load_acceptance(head_dir))
         rows = load_acceptance(head_dir, sampled=True) if opts.children != "topk" else []
@@ -120,9 +109,8 @@ def draft_menu() -> list[tuple[TreeBudget, float]]:
 
 def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibrate: bool,
                    draft_vocab: int | None = DRAFT_VOCAB, draft_quant: DraftQuant = DRAFT_QUANT) -> Drafter:
-    """`auto` for a target without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none);
-    draft_vocab: the ids the draft model scores (0: all; None: no draft-model chains); draft_quant: the
-    draft's blocks (draft_model.draft_runner)."""
+    """`auto` without an EAGLE head. lookup: n-gram draft nodes (None: NODES; 0: none); draft_vocab: the ids
+    the draft model scores (0: all; None: no draft-model chains)."""
     nodes = NODES if lookup is None else lookup
     if not adaptive:  # the static choice: method `ngram` as registered (lookup: its nodes)
         o = NgramOptions()

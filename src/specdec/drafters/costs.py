@@ -1,8 +1,7 @@
 """What a step of `auto` costs on this machine (unlike acceptance, which ships with a head): measured in a
-few seconds when the drafter is built and cached per CPU, cores, threads, torch, target and drafters;
-`recalibrate` re-measures, and stores the result only if no other process was busy meanwhile (a
-measurement taken under load would misprice every later process). clock.StepClock rescales the prices
-between requests to what the verify forwards took."""
+few seconds when the drafter is built and cached per CPU, cores, threads, torch, target and drafters
+(`recalibrate` re-measures; a measurement taken while other processes were busy is not stored), then
+rescaled between requests to what the steps took (StepClock)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from typing import TypeVar
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter, follow
-from specdec.drafters.clock import PRICED_ROWS, TYPICAL_ROWS, size_class
 from specdec.files import atomic_write_text, cache_dir
 from specdec.machine import attention_slope, forward_costs
 from specdec.runtime.base import Runner
@@ -40,12 +38,9 @@ T = TypeVar("T")
 class Costs:
     """Seconds: target forwards by rows at a `ctx`-token context, each draft budget's propose() (top-k
     children; `sampled_s`: drawn at T > 0), a head's reading of a drafted step's rows (follow_s), one
-    n-gram lookup, each row's attention per cached token (attend_s), and what the model drafter pays per
-    row it has not read (catch_row_s: a head's rows of skipped steps, a draft model's prompt).
-
-    Why the slope: every verified row attends over the whole context. Measured on an EPYC (SmolLM2, 2
-    threads): t(9)/t(1) 1.59 at 384 tokens, 2.78 at 2,048; priced at 384, long summarization prompts drafted
-    trees that lost 10% to vanilla."""
+    n-gram lookup, each row's attention per cached token (attend_s: measured on an EPYC, t(9)/t(1) was
+    1.59 at 384 tokens and 2.78 at 2,048), and per row the model drafter has not read (catch_row_s: a
+    head's rows of skipped steps, a draft model's prompt)."""
 
     target_s: dict[int, float]
     draft_s: dict[TreeBudget, float] = field(default_factory=dict)
@@ -57,18 +52,18 @@ class Costs:
     catch_row_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.target_s = floor_one_row(self.target_s)
+        # t(1) no dearer than a wider forward: a disturbed t(1) (44 ms beside t(2) = 32) priced drafts as free
+        if 1 in self.target_s:
+            self.target_s = {**self.target_s, 1: min(self.target_s.values())}
 
     def target(self, n: int, ctx: int | None = None) -> float:
-        """t(n) after `ctx` cached tokens (None: at the measured context): linear between the measured sizes,
-        past the widest along the last segment but never below it (a noisy last segment sloping down once
-        priced t(33) at 2% of t(1)), plus n rows' attention over the extra tokens."""
+        """t(n) after `ctx` cached tokens (None: at the measured context): linear between measured sizes, past
+        the widest along the last segment but never below it, plus n rows' attention over the extra tokens."""
         ts, xs = self.target_s, sorted(self.target_s)
         if n in ts:
             t = ts[n]
         else:
-            lo = max([x for x in xs if x < n], default=xs[0])
-            hi = min([x for x in xs if x > n], default=xs[-1])
+            lo, hi = max([x for x in xs if x < n], default=xs[0]), min([x for x in xs if x > n], default=xs[-1])
             if hi == lo:
                 lo, hi = xs[-2], xs[-1]
             t = ts[lo] + (ts[hi] - ts[lo]) * (n - lo) / (hi - lo)
@@ -78,29 +73,25 @@ class Costs:
         return max(t + n * self.attend_s * (ctx - self.ctx), 0.25 * t)  # the floor: a noisy slope, tiny ctx
 
     def shared(self, n: int) -> Costs:
-        """These costs for one of n sequences whose rows share each forward (a batch): a plain step costs its
-        share t(n) / n, and each row it adds t(n + k) - t(n); drafting stays whole (each drafts alone). Then
-        a draft pays exactly when it raises the batch's tokens per second. Why: on a CPU a row costs nearly as
-        much past a few rows (SmolLM2, 2 cores, four sequences: t(4) 9.9 ms, t(8) 11.9, t(16) 18.5), so in a
-        batch of 4 a row costs 20-35% of a sequence's step, where alone it cost ~7%."""
+        """For one of n sequences sharing each forward (a batch): a plain step costs t(n) / n, each added row
+        t(n + k) - t(n), drafting stays whole; so a draft pays exactly when it raises the batch's tokens per
+        second (SmolLM2, 2 cores: t(4) 9.9 ms, t(8) 11.9: in a batch of 4 a row costs 20-35% of a step)."""
         if n <= 1:
             return self
         base = self.target(n)
         return replace(self, target_s={k: base / n + self.target(n + k - 1) - base
                                        for k in range(1, max(self.target_s) + 1)})
 
-    def rescaled(self, factors: list[float], draft: float | None = None) -> Costs:
-        """Each forward size's price times its class's factor (clock.SIZE_CLASSES); drafting times `draft`
-        (as observed), or else the one-row factor (the same machine, the same load)."""
-        f = factors[0] if draft is None else draft
-        return Costs({n: t * factors[size_class(n)] for n, t in self.target_s.items()},
-                     {b: t * f for b, t in self.draft_s.items()}, self.follow_s * f, self.lookup_s * f,
-                     {b: t * f for b, t in self.sampled_s.items()}, self.attend_s * f, self.ctx, self.catch_row_s * f)
+    def rescaled(self, forward: float, draft: float) -> Costs:
+        """Every forward's price times `forward`, every drafting price times `draft`."""
+        return Costs({n: t * forward for n, t in self.target_s.items()}, {b: t * draft for b, t in
+                     self.draft_s.items()}, self.follow_s * draft, self.lookup_s * draft,
+                     {b: t * draft for b, t in self.sampled_s.items()}, self.attend_s * forward, self.ctx,
+                     self.catch_row_s * draft)
 
     def to_json(self) -> dict:
-        budgets = {k: [[*b.__dict__.values(), t] for b, t in getattr(self, k).items()] for k in BUDGETS}
-        return {"target_s": {str(n): t for n, t in self.target_s.items()}, **budgets,
-                **{k: getattr(self, k) for k in SCALARS}}
+        return {**{k: [[*b.__dict__.values(), t] for b, t in getattr(self, k).items()] for k in BUDGETS},
+                "target_s": {str(n): t for n, t in self.target_s.items()}, **{k: getattr(self, k) for k in SCALARS}}
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
@@ -111,11 +102,95 @@ class Costs:
 BUDGETS, SCALARS = ("draft_s", "sampled_s"), ("follow_s", "lookup_s", "attend_s", "ctx", "catch_row_s")
 
 
-def floor_one_row(target_s: dict[int, float]) -> dict[int, float]:
-    """t(1) no dearer than any wider forward: a one-row forward never does more work, and under another
-    process's load a disturbed t(1) (measured 44 ms beside t(2) = 32 ms) priced every draft as nearly free.
-    Wider sizes are left as measured (t(2) > t(5) is real on some oneDNN paths)."""
-    return {**target_s, 1: min(target_s.values())} if 1 in target_s else target_s
+class StepClock:
+    """Observed over priced seconds of the verify forwards and of the drafting, decayed over the last ~100
+    steps of all requests; between requests the prices are rescaled to them where they drifted. Why: costs
+    are cached per machine, not per load: measured while another process ran (t(1) 35 ms, flat to t(3)),
+    they priced drafting as free on the idle machine (t(1) 15 ms) for good."""
+
+    MIN_DRAFTS = 8.0  # decayed drafted steps before the drafting's ratio counts
+    LOG_CAP = 4096  # noted forwards before they must be priced
+
+    def __init__(self, drift: float = 1.1, min_steps: int = 64, decay: float = 0.99) -> None:
+        self.drift, self.min_steps, self.decay = drift, min_steps, decay
+        self.forwards, self.drafts = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]  # decayed (seen, priced, steps)
+        self.steps = 0
+        self.log: list[tuple[float, int, int]] = []  # (seconds, rows, context) of forwards not yet priced
+
+    def note(self, seconds: float, rows: int, ctx: int) -> bool:
+        """A verify forward, priced later (settle): work right after a forward runs with the caches it left
+        cold (~25 us where a warm call takes 0.6). Whether the log is full."""
+        self.log.append((seconds, rows, ctx))
+        return len(self.log) >= self.LOG_CAP
+
+    def settle(self, price) -> None:
+        """Price the noted forwards (price(rows, ctx): their seconds now) and observe them."""
+        log, self.log = self.log, []
+        for seconds, rows, ctx in log:
+            self.observe(seconds, price(rows, ctx))
+
+    def _add(self, c: list[float], seconds: float, priced: float) -> None:
+        c[:] = [self.decay * c[0] + seconds, self.decay * c[1] + priced, self.decay * c[2] + 1.0]
+
+    def observe(self, seconds: float, priced: float) -> None:
+        self._add(self.forwards, seconds, priced)
+        self.steps += 1
+
+    def observe_draft(self, seconds: float, priced: float) -> None:
+        """A drafted step's propose() (a head's catch-up included) against its price."""
+        self._add(self.drafts, seconds, priced)
+
+    def factors(self) -> tuple[float, float]:
+        """Observed / priced (forwards, drafting); drafting takes the forwards' ratio until seen enough."""
+        seen, priced, _ = self.forwards
+        forward = seen / priced if priced > 0 else 1.0
+        seen, priced, n = self.drafts
+        return forward, seen / priced if n >= self.MIN_DRAFTS and priced > 0 else forward
+
+    @property
+    def drifted(self) -> bool:
+        return self.steps >= self.min_steps and any(not 1 / self.drift <= f <= self.drift for f in self.factors())
+
+
+TYPICAL_ROWS, PRICED_ROWS = 2, 8  # a head's rows after a drafted step; past them each priced up to PRICED_ROWS
+
+
+class CatchUp:
+    """What a head pays per row to read the rows of plain steps before its next tree (past TYPICAL_ROWS, at
+    most PRICED_ROWS priced: one catch-up serves all the drafting after it, so a long plain stretch must not
+    price every later try out): measured at load, then learned from the drafts that paid it. Why learned:
+    the probe reads rows back to back (0.02 ms a row on SmolLM2), where on the README demo prompt a tree
+    after plain steps took 2.5 ms against 1.3 priced, and its trees, none accepted, kept being tried."""
+
+    PRIOR_ROWS, DECAY = 4.0, 0.85
+
+    def __init__(self, prior_row_s: float) -> None:
+        self.seconds, self.rows = self.PRIOR_ROWS * prior_row_s, self.PRIOR_ROWS
+        self.pending = (0, 0.0)  # (rows counted, the drafting's price without them) to learn from
+
+    @staticmethod
+    def extra_rows(pending: list) -> int:
+        """Rows of a head's queued steps (EagleDrafter.pending) past TYPICAL_ROWS, counted as far as priced."""
+        rows = 0
+        for f, _ in pending:
+            rows += f.shape[0]
+            if rows > TYPICAL_ROWS + PRICED_ROWS:
+                break
+        return max(0, rows - TYPICAL_ROWS)
+
+    def price(self, extra: int) -> float:
+        return self.seconds / self.rows * min(extra, PRICED_ROWS)
+
+    def drafted(self, extra: int, base: float) -> None:
+        self.pending = (extra, base) if 0 < extra <= PRICED_ROWS else (0, 0.0)
+
+    def observe(self, draft_s: float) -> None:
+        """The drafting just timed: what it took beyond its price is the catch-up of the rows it read."""
+        extra, base = self.pending
+        if extra:
+            d = self.DECAY ** extra
+            self.seconds, self.rows = d * self.seconds + max(0.0, draft_s - base), d * self.rows + extra
+            self.pending = (0, 0.0)
 
 
 def _time_warm(fn, reps: int) -> float:
@@ -132,52 +207,45 @@ def _time_warm(fn, reps: int) -> float:
 def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[TreeBudget, float]],
                   ngram: Drafter | None, sampled: list[tuple[TreeBudget, float]] = (), reps: int = 3,
                   ctx_len: int = 384) -> Costs:
-    """8.6 s for SmolLM2 and its head on 2 cores of a 2-GHz Zen 1, at a ctx_len-token context of text that
-    repeats (an n-gram lookup's dearest case): t(N) for 1 + each draft's size and at the anchors up to the
-    widest verify, which is timed again LONG_CTX tokens later (the slope); each budget's propose() (the
-    `sampled` menu's at T = 1), one n-gram propose(); and what the model pays for rows it has not read: a
-    head's follow of one drafted step (its weights back in the caches after a target forward evicted them:
-    a back-to-back probe missed 0.85 ms of a 2.7 ms step) and per row past it; a draft model's reading of
-    the prompt per row."""
+    """At a ctx_len-token context of text that repeats (an n-gram lookup's dearest case; 8.6 s for SmolLM2
+    and its head on a 2-GHz Zen 1): t(N) at the anchors and 1 + each draft's size, the attention slope,
+    each budget's propose() (the `sampled` menu's at T = 1), one n-gram propose(), and what the model pays
+    for rows it has not read: a head's follow of a drafted step and per row past it, each timed after a
+    target forward evicted its weights (back to back, a probe missed 0.85 ms of a 2.7 ms step); a draft
+    model's reading of the prompt per row."""
     sizes = [b.tree_size for b, _ in [*menu, *sampled]]
     top = 1 + max(sizes, default=0) + (ngram.tree_size if ngram is not None else 0)
     sizes = sorted({n for n in ANCHORS if n < top} | {1 + s for s in sizes} | {top})
     # min: the least disturbed repetition; of 4, as of 2 the ratios t(n) / t(1) moved ~15% between measurements
     target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1)
     extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
-    # the slope over 9 rows at most: the attention it times grows with the rows as the forward does
     attend_s = attention_slope(runner, min(top, 9), ctx_len, extra) if extra >= 64 else 0.0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * (ctx_len // 64 + 2)
     costs = Costs(target_s, attend_s=attend_s, ctx=ctx_len)
     head = model is not None and model.reads_features
     feats = aux = None
-    if head:  # the target's features of the text's first 64 tokens, repeated as the text repeats: what the
-        # probes time does not depend on their values, and a prefill of the whole text is not needed
+    if head:  # the features of the first 64 tokens, repeated as the text repeats: the timings do not depend on them
         runner.reset()
         out = runner.forward(torch.tensor(ids[:64]), logits_rows=slice(-1, None), aux_layers=model.aux_layers)
-        runner.reset()
         feats = out.features.repeat(len(ids) // 64, 1)
         aux = None if out.aux is None else out.aux.repeat(len(ids) // 64, 1)
+    runner.reset()
     ctx = DecodeContext(ids[:ctx_len + 1], SamplingParams(), None, ctx_len, None if feats is None else
                         feats[:ctx_len], aux_features=None if aux is None else aux[:ctx_len])
-    if head:
-        model.begin(ctx)
     if ngram is not None:
         ngram.begin(ctx)
         costs.lookup_s = _time_warm(lambda: ngram.propose(ctx), reps)
     if model is None:
-        runner.reset()
         return costs
-    if not head:
-        model.begin(ctx)
+    model.begin(ctx)
     b0 = menu[0][0]
     costs.draft_s = {b: _time_warm(lambda: model.propose(ctx, b), reps) for b, _ in menu}
     hot = replace(ctx, params=SamplingParams(1.0), generator=torch.Generator().manual_seed(0))
     costs.sampled_s = {b: _time_warm(lambda: model.propose(hot, b), reps) for b, _ in sampled}
-    if not head:
-        t = time.perf_counter()  # warm already (the draft_s probes), and a read is long: timed once
-        model.begin(ctx)  # an empty cache: the chain reads the whole context first
+    if not head:  # timed once: warm already, and reading the whole context is long
+        t = time.perf_counter()
+        model.begin(ctx)
         model.propose(ctx, b0)
         costs.catch_row_s = max(time.perf_counter() - t - costs.draft_s[b0], 0.0) / (ctx_len + 1)
     else:
@@ -223,9 +291,8 @@ def machine_key(runner: Runner) -> dict:
 
 def cached(key: dict, measure: Callable[[], dict], parse: Callable[[dict], T], recalibrate: bool = False
            ) -> tuple[T, Path, str]:
-    """(parse(measurement), cache file, origin): this machine's cached measurement for exactly this key
-    ("cached"), else a new one (origin "measured at load in 3.1 s", written atomically unless others were
-    busy meanwhile)."""
+    """(parse(measurement), cache file, origin): the cached measurement for exactly this key ("cached"),
+    else a new one ("measured at load in 3.1 s"), stored unless others were busy meanwhile."""
     path = cache_dir() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     stored = None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: measured again

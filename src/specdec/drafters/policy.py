@@ -1,16 +1,12 @@
-"""Adaptive speculation's choice (`auto`): every step, the draft with the most expected tokens per second
-under costs measured on this machine, or none (a plain step). Options: a model's draft from its menu (an
-EAGLE head's trees, a draft model's chains), each prefix of the step's n-gram draft, and their union.
+"""Adaptive speculation's choice (`auto`): every step, the option with the most expected tokens per second
+under costs measured on this machine: a plain step, a model's draft from its menu (an EAGLE head's trees,
+a draft model's chains), a prefix of the step's n-gram draft, or their union.
 
-One acceptance estimate per drafter, learned online from verdicts of earlier steps only, so a step's
-draft never depends on its own verdict (lossless):
-- head trees: the tuning table's expected tokens (measured by `specdec tune`, shipped with the head)
-  times a decaying ratio of observed to expected accepted tokens (TreeScale);
-- draft-model chains: a learned per-token acceptance alpha (ChainRate);
-- n-gram nodes: each node's raw confidence (its match's counts and length), calibrated by what the
-  emitted tokens showed for nodes of like confidence (Calibration).
-A union of a model draft and an n-gram prefix is priced by the decaying share of the n-gram tokens'
-matches that the model's draft beside them did not match (`beyond`). Pure arithmetic: unit-tested alone.
+One acceptance estimate per drafter, learned online from earlier steps' verdicts only (lossless: a step's
+draft never depends on its own verdict): a head's trees, the tuning table's expected tokens times a
+decaying observed/expected ratio (TreeScale); a draft model's chains, a learned per-token alpha
+(ChainRate); n-gram nodes, their raw confidence calibrated by what the emitted tokens showed (Calibration).
+A union is priced by the share of the n-gram matches the model's draft did not match (Beyond).
 """
 
 from __future__ import annotations
@@ -38,15 +34,13 @@ PREFIXES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def prefixes(length: int, room: int) -> list[int]:
-    """The n-gram draft prefixes a step may verify."""
     top = min(length, room)
     return [m for m in PREFIXES if m < top] + [top] if top > 0 else []
 
 
 def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
-    """(budget, expected accepted tokens = tau - 1) per tree size from tune's acceptance table
-    (tuning.load_acceptance): for each size the best tau at depth <= 4 and the best at depth 2 (cheaper
-    to draft), never below a smaller size's best."""
+    """(budget, expected accepted tokens = tau - 1) from tune's acceptance table: per tree size the best
+    tau at depth <= 4 and the best at depth 2 (cheaper to draft), never below a smaller size's best."""
     best: dict[tuple[int, bool], tuple[float, TreeBudget]] = {}
     for r in rows:
         b = TreeBudget(r["depth"], r["topk"], r["tree_size"])
@@ -57,7 +51,6 @@ def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
                 best[b.tree_size, shallow] = (r["tau"], b)
     if not best:
         return [(TreeBudget(2, 3, 4), 0.9), (TreeBudget(3, 4, 8), 1.1)]
-    # a larger tree accepts at least what the best smaller one does: a sampled table's lower estimate is noise
     menu = {b: max([tau - 1] + [t - 1 for t, s in best.values() if s.tree_size < b.tree_size])
             for tau, b in best.values()}
     return sorted(menu.items(), key=lambda x: (x[0].tree_size, x[0].depth))
@@ -77,10 +70,9 @@ VANILLA = Choice(None, 0)
 
 
 class TreeScale:
-    """Observed over expected accepted tokens of a head's trees, decayed per step. A step without a tree
-    pulls it back toward the prior (so a stretch of plain steps ends with a try); a tree that had nothing
-    accepted halves that pull for the next ones (down to an eighth): on text the head cannot follow, each
-    try is a loss, and they should come ever more rarely."""
+    """Observed over expected accepted tokens of a head's trees, decayed per step. A plain step pulls it
+    toward the prior (a plain stretch ends with a try); each tree with nothing accepted halves that pull
+    (down to an eighth): on text the head cannot follow, tries should come ever more rarely."""
 
     def __init__(self, prior: float) -> None:
         self.prior = prior
@@ -93,7 +85,7 @@ class TreeScale:
     def step(self, observed: bool) -> None:
         w = PRIOR_WEIGHT * 0.5 ** min(self.misses, 3)
         self.num, self.den = DECAY * self.num, DECAY * self.den
-        if not observed:  # a pull on every step too would weigh the prior like ~30% of the evidence
+        if not observed:
             self.num += (1 - DECAY) * w * self.prior
             self.den += (1 - DECAY) * w
 
@@ -104,9 +96,8 @@ class TreeScale:
 
 
 class ChainRate:
-    """P(a draft-model token is accepted | its parent was): a chain of k tokens whose first m were accepted
-    shows m acceptances in min(m + 1, k) tries. Learned, not scaled: a same-family draft accepting 0.9 a
-    token makes long chains pay, which a scale on the prior's shape never shows."""
+    """P(a draft-model token is accepted | its parent was): a chain of k with m accepted shows m hits in
+    min(m + 1, k) tries. Learned, not scaled: a draft accepting 0.9 a token makes long chains pay."""
 
     def __init__(self, prior: float) -> None:
         self.prior = prior
@@ -123,10 +114,9 @@ class ChainRate:
 
 
 class Calibration:
-    """P(an n-gram node's token is emitted next | its parent's was), by the node's raw confidence, decayed
-    per step. Its prior per bucket: `rates` where measured (`specdec tune` on its calibration answers,
-    tune/lookup.py), else the raw confidence times `scale` (at T > 0 a point mass x is accepted with p(x),
-    not 1)."""
+    """P(an n-gram node's token is emitted next | its parent's was) by raw-confidence bucket, decayed per
+    step. Prior: `rates` where `specdec tune` measured them (tune/lookup.py), else the raw confidence
+    times `scale` (at T > 0 a point mass x is accepted with p(x), not 1)."""
 
     def __init__(self, scale: float = 1.0, rates: list[float | None] | None = None) -> None:
         if rates is not None and len(rates) != len(EDGES) + 1:
@@ -141,8 +131,7 @@ class Calibration:
         return (self.hits[b] + CAL_PRIOR * prior) / (self.tries[b] + CAL_PRIOR)
 
     def gains(self, confs: list[float], parents: list[int]) -> list[float]:
-        """Expected accepted tokens of the draft's first m nodes, m = 1..len: the calibrated rates along
-        each node's path, summed (nodes come best first, so each prefix is a tree)."""
+        """Expected accepted tokens of the draft's first m nodes, m = 1..len (best first: each prefix a tree)."""
         value: list[float] = []
         out, total = [], 0.0
         for c, p in zip(confs, parents):
@@ -162,8 +151,8 @@ class Calibration:
 
 
 class Beyond:
-    """The decaying share of an n-gram draft's matched tokens that the model draft verified beside it did
-    not match: what their union adds over the model's draft. Prior: half, worth one matched token."""
+    """The decaying share of an n-gram draft's matched tokens that the model draft beside it did not match:
+    what their union adds. Prior: half, worth one matched token."""
 
     def __init__(self) -> None:
         self.beyond = self.matched = 0.0
@@ -178,9 +167,9 @@ class Beyond:
 
 
 class Policy:
-    """The per-step choice over a menu of model drafts ((budget, expected accepted tokens) before `scale`)
-    priced by `draft_s` (default: costs.draft_s) plus costs.follow_s (a head reading the step's rows), and the
-    prefixes of the step's n-gram draft; unions only if `union` (both drafts point masses)."""
+    """The per-step choice over a menu of model drafts ((budget, expected accepted tokens before `scale`)
+    priced by `draft_s` (default costs.draft_s) + costs.follow_s, the n-gram draft's prefixes, and their
+    unions if `union` (both drafts point masses)."""
 
     def __init__(self, menu: list[tuple[TreeBudget, float]], costs: Costs, draft_s: dict | None = None,
                  union: bool = True, hurdle: float = 0.0) -> None:
@@ -193,7 +182,6 @@ class Policy:
         self.reprice(costs)
 
     def reprice(self, costs: Costs) -> None:
-        """Price the options by these forward costs from now on (a batch's share: Costs.shared)."""
         self.costs, self._times, self._bounds = costs, {}, {}
 
     def regain(self, gains: dict[TreeBudget, float]) -> None:
@@ -201,12 +189,10 @@ class Policy:
         self.menu, self._bounds = list(self.gain.items()), {}
 
     def plain_bounds(self, ctx: int, look: float) -> tuple[list[float], float, float]:
-        """For ctx's bucket of BUCKET contexts: ([K per menu draft], C, P). Menu draft i, with or without
-        an n-gram part expected to add G tokens, cannot beat a plain step if scale * g_i + G < K_i + P * c,
-        c the catch-up its drafting pays first (P: a plain step's tokens per second); an n-gram prefix alone
-        cannot if its expected tokens are under C.
-        Bounds: a plain step is priced at the bucket's end, the others at its start and without the n-gram
-        rows, and t(n) never falls as the rows or the context grow."""
+        """For ctx's bucket of BUCKET contexts, ([K_i], C, P): menu draft i, with an n-gram part adding G
+        tokens, cannot beat a plain step if scale * g_i + G < K_i + P * catch_up (P: a plain step's tokens
+        per second); an n-gram prefix alone cannot below C tokens. Bounds: a plain step priced at the
+        bucket's end, the others at its start without the n-gram rows (t(n) never falls as either grows)."""
         lo = ctx - ctx % BUCKET
         got = self._bounds.get((lo, look))
         if got is None:
@@ -228,10 +214,9 @@ class Policy:
 
     def _priced(self, gains: list[float], room: int, ctx: int | None, scale: float, catch_up: float, beyond: float,
                 look: float, keep, lengths: list[int], alone: bool = True, prune: bool = False) -> list[tuple]:
-        """[(expected tokens, seconds, rank, budget, chain)] of the plain step, the menu drafts `keep` indexes,
-        the n-gram prefixes of `lengths` nodes (if `alone`) and each menu draft's unions with them; `prune`:
-        only unions that can beat the rest and add tokens. Rank orders ties: vanilla, the menu, the prefixes
-        and their unions. Inline arithmetic: choose() runs this every step."""
+        """[(expected tokens, seconds, rank, budget, chain)]: the plain step, the menu drafts `keep` indexes,
+        the n-gram prefixes of `lengths` nodes (if `alone`) and their unions with each (`prune`: only those
+        that can win and add tokens). Rank orders ties: vanilla, the menu, the prefixes, the unions."""
         t = self.times(ctx, 2 + self.widest + (lengths[-1] if lengths else 0))
         out = [(1.0, look + t[1], 0, None, 0)]
         trees = []
