@@ -865,6 +865,7 @@ def test_the_catch_up_per_row_is_measured_at_load(tiny, trained, monkeypatch):
 
 
 def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path, monkeypatch, request):
+    from specdec import machine
     from specdec.drafters import costs as costs_mod
     from specdec.heads.io import load_head
 
@@ -888,7 +889,7 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
     assert len(calls) == 2
     # a re-measure while another process is busy serves its command only: the stored costs stay
     stored = path.read_text()
-    monkeypatch.setattr(costs_mod.ContentionMeter, "result", lambda self: {"other_cpu_frac": 0.6})
+    monkeypatch.setattr(machine.ContentionMeter, "result", lambda self: {"other_cpu_frac": 0.6})
     c3, _, fresh = load_costs(target, eagle, MENU, PromptLookupDrafter(chain_len=6), "h", recalibrate=True)
     assert "not stored: other processes used 60%" in fresh and len(calls) == 3 and path.read_text() == stored
     monkeypatch.undo()

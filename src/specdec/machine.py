@@ -1,23 +1,28 @@
 """What things cost on this machine: timing a target forward, the streaming bandwidth and a model's
-memory floor, and the record a benchmark keeps of where it ran. Used by `tune` and `bench`. Costs differ
-from one machine of the same kind to the next, so they are measured where the code runs, never shipped as
-constants."""
+memory floor, measurements cached per machine (`cached`), and the record a benchmark keeps of where it ran.
+Costs differ from one machine of the same kind to the next, so they are measured where the code runs,
+never shipped as constants."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from specdec.runtime.base import chain_mask
-from specdec.runtime.cpus import cpu_name, usable_cpus
+from specdec.files import atomic_write_text, cache_dir
+from specdec.runtime.base import Runner, chain_mask
+from specdec.runtime.cpus import ContentionMeter, cpu_name, usable_cpus
 from specdec.runtime.gguf import GGUFModel
 from specdec.runtime.packed import onednn_available, weight_bytes
 
@@ -159,3 +164,45 @@ def memory_floor(model, bandwidth: float | None = None, weights: str | None = No
     nbytes = weight_bytes_per_token(model, weights)
     return {"bandwidth_gb_s": bw / 1e9, "weight_mb": nbytes / 1e6, "ms_per_forward": 1e3 * nbytes / bw,
             "forwards_per_s": bw / nbytes}
+
+
+QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
+T = TypeVar("T")
+
+
+def runner_identity(runner: Runner) -> list:
+    """What a runner's timings depend on: the model, its dtype and its weights."""
+    cfg = runner.config
+    return [str(getattr(cfg, "_name_or_path", "")), getattr(cfg, "hidden_size", 0),
+            getattr(cfg, "num_hidden_layers", 0), runner.vocab_size, str(runner.dtype), runner.weights,
+            runner.requantized_to]
+
+
+def machine_key(runner: Runner) -> dict:
+    """What a cost measurement of this target depends on besides what it times."""
+    return {"cpu": cpu_name(), "usable_cpus": usable_cpus(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "target": runner_identity(runner), "device": str(runner.device),
+            "kernel": [runner.decode_kernel, runner.kernel_build]}
+
+
+def cached(key: dict, measure: Callable[[], dict], parse: Callable[[dict], T], recalibrate: bool = False
+           ) -> tuple[T, Path, str]:
+    """(parse(measurement), cache file, origin): the cached measurement for exactly this key ("cached"),
+    else a new one ("measured at load in 3.1 s"), stored unless others were busy meanwhile."""
+    path = cache_dir() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    stored = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: measured again
+        rec = json.loads(path.read_text())
+        stored = parse(rec["costs"]) if rec["key"] == key else None
+    if stored is not None and not recalibrate:
+        return stored, path, "cached"
+    meter, t0 = ContentionMeter(), time.perf_counter()
+    data = measure()
+    origin = f"measured at load in {time.perf_counter() - t0:.1f} s"
+    busy = meter.result().get("other_cpu_frac")
+    if stored is None or busy is None or busy <= QUIET:
+        atomic_write_text(path, json.dumps({"key": key, "costs": data, "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                                           indent=1) + "\n")
+    else:
+        origin += f" (not stored: other processes used {busy:.0%} of the CPUs)"
+    return parse(data), path, origin

@@ -5,22 +5,15 @@ rescaled between requests to what the steps took (StepClock)."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter, follow
-from specdec.files import atomic_write_text, cache_dir
-from specdec.machine import attention_slope, forward_costs
+from specdec.machine import attention_slope, cached, forward_costs, machine_key, runner_identity
 from specdec.runtime.base import Runner
-from specdec.runtime.cpus import ContentionMeter, cpu_name, usable_cpus
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget
 from specdec.verify import Verdict
@@ -30,8 +23,6 @@ from specdec.verify import Verdict
 ANCHORS = (1, 2, 3, 5, 9, 13, 17, 25, 33)
 LONG_CTX = 512  # the widest forward is timed again this many tokens later: the attention slope
 VERSION = 6  # of the measurement; in the cache key, so older files re-measure
-QUIET = 0.15  # at most this share of the CPUs used by other processes while a stored measurement ran
-T = TypeVar("T")
 
 
 @dataclass
@@ -275,49 +266,12 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
     return costs
 
 
-def _identity(runner: Runner) -> list:
-    cfg = runner.config
-    return [str(getattr(cfg, "_name_or_path", "")), getattr(cfg, "hidden_size", 0),
-            getattr(cfg, "num_hidden_layers", 0), runner.vocab_size, str(runner.dtype), runner.weights,
-            runner.requantized_to]
-
-
-def machine_key(runner: Runner) -> dict:
-    """What a cost measurement of this target depends on besides its drafters."""
-    return {"version": VERSION, "cpu": cpu_name(), "usable_cpus": usable_cpus(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "target": _identity(runner), "device": str(runner.device),
-            "kernel": [runner.decode_kernel, runner.kernel_build]}
-
-
-def cached(key: dict, measure: Callable[[], dict], parse: Callable[[dict], T], recalibrate: bool = False
-           ) -> tuple[T, Path, str]:
-    """(parse(measurement), cache file, origin): the cached measurement for exactly this key ("cached"),
-    else a new one ("measured at load in 3.1 s"), stored unless others were busy meanwhile."""
-    path = cache_dir() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    stored = None
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: measured again
-        rec = json.loads(path.read_text())
-        stored = parse(rec["costs"]) if rec["key"] == key else None
-    if stored is not None and not recalibrate:
-        return stored, path, "cached"
-    meter, t0 = ContentionMeter(), time.perf_counter()
-    data = measure()
-    origin = f"measured at load in {time.perf_counter() - t0:.1f} s"
-    busy = meter.result().get("other_cpu_frac")
-    if stored is None or busy is None or busy <= QUIET:
-        atomic_write_text(path, json.dumps({"key": key, "costs": data, "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                                           indent=1) + "\n")
-    else:
-        origin += f" (not stored: other processes used {busy:.0%} of the CPUs)"
-    return parse(data), path, origin
-
-
 def load_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[TreeBudget, float]], ngram: Drafter | None,
                head: str | None = None, recalibrate: bool = False,
                sampled: list[tuple[TreeBudget, float]] = ()) -> tuple[Costs, Path, str]:
     """cached(): the costs of `auto` with these drafters (head: the directory of the head `model` is)."""
-    key = {**machine_key(runner),
-           "model": [Path(head).name, model.runner.weights] if head else model and _identity(model.runner),
+    key = {**machine_key(runner), "version": VERSION,
+           "model": [Path(head).name, model.runner.weights] if head else model and runner_identity(model.runner),
            "menu": [list(b.__dict__.values()) for b, _ in [*menu, *sampled]], "sampled": len(sampled),
            "ngram": None if ngram is None else [type(ngram).__name__, ngram.tree_size]}
     return cached(key, lambda: measure_costs(runner, model, menu, ngram, sampled).to_json(), Costs.from_json,

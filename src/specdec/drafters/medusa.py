@@ -27,13 +27,13 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from specdec.drafters.base import DecodeContext, Drafter
-from specdec.drafters.costs import Costs, cached, machine_key
+from specdec.drafters.costs import Costs
 from specdec.drafters.registry import Method, Options, Target, option, register
 from specdec.errors import SpecdecError
 from specdec.heads.medusa import MedusaRunner
 from specdec.heads.medusa_formats import import_medusa
 from specdec.heads.shipped import find_shipped_head
-from specdec.machine import forward_costs
+from specdec.machine import cached, forward_costs, machine_key
 from specdec.runtime.gguf import float_weight
 from specdec.sampling import tempered_log_probs
 from specdec.tree import DraftTree, check_choices, draw_children
