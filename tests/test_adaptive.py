@@ -13,7 +13,8 @@ import torch
 
 from specdec.drafters.adaptive import SAMPLED_SCALE, AdaptiveDrafter, NgramDraft, matched
 from specdec.drafters.base import DecodeContext, NoDrafter
-from specdec.drafters.costs import Costs, StepClock, load_costs
+from specdec.drafters.clock import SIZE_CLASSES, StepClock, size_class
+from specdec.drafters.costs import Costs, load_costs
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import (
     BUCKET,
@@ -372,7 +373,7 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
     for slope in (0.12, 0.14, 0.17, 0.2, 0.25):  # costs at which the policy mixes vanilla steps and trees
         free.target_s = {n: 1 + slope * (n - 1) for n in free.target_s}
         d = AdaptiveDrafter(free, drafter_for(tiny, head, True, depth=3, topk=3, tree_size=8), MENU)
-        assert d.catch.price(1) == 0.0
+        assert d.catch.row_s == 0.0
         extras = []
         orig = d.model.drafting
 
@@ -388,7 +389,7 @@ def test_auto_learns_what_a_catch_up_row_costs(tiny, trained, monkeypatch):
         if extras:
             break
     assert extras
-    assert 0.01 < d.catch.price(1) < 0.06, (d.catch.price(1), extras)
+    assert 0.01 < d.catch.row_s < 0.06, (d.catch.row_s, extras)
 
 
 def test_a_longer_context_prices_every_row_its_attention():
@@ -906,7 +907,7 @@ def test_costs_are_measured_once_per_key_and_on_request(tiny, trained, tmp_path,
     assert fresh != "cached" and json.loads(path.read_text())["key"]["threads"] == 2
 
 
-def test_step_clock_flags_forwards_or_drafting_far_from_their_price():
+def test_step_clock_flags_forwards_far_from_their_price_and_learns_per_size_class():
     near, slow, fast = StepClock(min_steps=10), StepClock(min_steps=10), StepClock(min_steps=10)
     for _ in range(9):
         for c, seen in ((near, 1.05), (slow, 2.0), (fast, 0.4)):
@@ -915,22 +916,42 @@ def test_step_clock_flags_forwards_or_drafting_far_from_their_price():
     for c, seen in ((near, 1.05), (slow, 2.0), (fast, 0.4)):
         c.observe(seen, 1.0)
     assert not near.drifted and slow.drifted and fast.drifted
-    assert slow.factors() == pytest.approx((2.0, 2.0))  # drafting unseen: the forwards' ratio, the same machine
-    c = costs(0.1).rescaled(*slow.factors())
-    assert c.target(5) == pytest.approx(2 * 1.4) and c.draft_s[B4] == pytest.approx(2 * 0.05)
-    drafting = StepClock(min_steps=10)  # forwards as priced, drafting 40% over its price: drifted, rescaled
+    clock = StepClock(min_steps=10)  # one-row forwards 3x their price, 8-row ones as priced
+    for _ in range(400):
+        clock.observe(3.0, 1.0, rows=1)
+        clock.observe(2.0, 2.0, rows=8)
+    f = clock.factors()
+    seen, priced, _ = clock.sums[len(SIZE_CLASSES)]
+    overall = seen / priced
+    assert f[size_class(1)] > 2.5 and f[size_class(8)] < 1.2  # mostly each class's own ratio (3 and 1)
+    assert f[size_class(20)] == f[size_class(3)] == pytest.approx(overall)  # never seen: the overall ratio
+    c = costs(0.1).rescaled(f)
+    assert c.target(5) == pytest.approx(1.4 * f[size_class(8)]) and c.target(17) == pytest.approx(2.6 * overall)
+    assert c.target(1) == min(c.target_s.values()) < 3.0  # 3x, floored: one row never costs more than a wider forward
+    assert c.draft_s[B4] == pytest.approx(0.05 * f[0])  # drafting runs on the same loaded machine
+    hiccup = StepClock(min_steps=10)  # three 5-row forwards during a hiccup among plain steps as priced
+    for i in range(100):
+        hiccup.observe(1.45 if i % 30 == 0 else 1.0, 1.0, rows=5 if i % 30 == 0 else 1)
+    assert hiccup.factors()[size_class(5)] < 1.15  # mostly the overall ratio: too few to price 5-row forwards by
+    assert not clock.restarted().drifted and clock.restarted().steps == 0
+
+
+def test_step_clock_flags_one_size_class_or_the_drafting_off_its_price():
+    """In total within the drift, yet one-row forwards 15% under their price (the README demo prompt's
+    case: it flips choices near break-even), or drafting 40% over its price: drifted, and rescaled."""
+    one = StepClock(min_steps=10)
     for _ in range(40):
-        drafting.observe(1.0, 1.0)
+        one.observe(0.85, 1.0, rows=1)
+        one.observe(1.96, 2.0, rows=3)
+    seen, priced, _ = one.sums[len(SIZE_CLASSES)]
+    assert 1 / one.drift <= seen / priced and one.drifted
+    drafting = StepClock(min_steps=10)
+    for _ in range(40):
+        drafting.observe(1.0, 1.0, rows=3)
         drafting.observe_draft(0.07, 0.05)
-    assert drafting.drifted and drafting.factors() == pytest.approx((1.0, 1.4))
-    c = costs(0.1).rescaled(*drafting.factors())
+    assert drafting.drifted and drafting.draft_factor() == pytest.approx(1.4)
+    c = costs(0.1).rescaled(drafting.factors(), drafting.draft_factor())
     assert c.draft_s[B4] == pytest.approx(0.07) and c.target(3) == pytest.approx(1.2)
-    few = StepClock(min_steps=10)  # a few dear drafts among steps as priced: not yet a drafting ratio
-    for i in range(40):
-        few.observe(1.0, 1.0)
-        if i % 10 == 0:
-            few.observe_draft(0.1, 0.05)
-    assert not few.drifted and few.factors() == pytest.approx((1.0, 1.0))
 
 
 def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, trained, monkeypatch):
@@ -942,9 +963,9 @@ def test_costs_follow_the_forwards_between_requests_without_a_measurement(tiny, 
 
     # scripted forwards: 1 ms for one row and 2 ms more per extra row, whatever the machine does (the real
     # timings of 1 ms forwards wander when other tests share the 2 cores)
-    note = StepClock.note
-    monkeypatch.setattr(StepClock, "note", lambda self, seconds, rows, ctx: note(
-        self, 1e-3 * (1 + 2.0 * (rows - 1)), rows, ctx))
+    observe = StepClock.observe
+    monkeypatch.setattr(StepClock, "observe", lambda self, seconds, priced, rows=1: observe(
+        self, 1e-3 * (1 + 2.0 * (rows - 1)), priced, rows))
     measured = []
     for name in ("measure_costs", "forward_costs"):
         monkeypatch.setattr(costs_mod, name, lambda *a, **k: measured.append(1))
@@ -1014,7 +1035,7 @@ def test_a_head_catching_up_after_plain_steps_is_observed_at_its_price_with_the_
     """The first draft after a stretch of plain steps also reads those steps' rows: the clock times it
     against its drafting's price plus the catch-up's (timed against one step's drafting it read as dear
     drafting, and fewer drafts, longer catch-ups); a catch-up of more rows than are counted is not observed."""
-    from specdec.drafters.costs import PRICED_ROWS, CatchUp
+    from specdec.drafters.clock import PRICED_ROWS, CatchUp
     from specdec.heads.io import load_head
 
     head = load_head(str(trained[1] / "head"), hidden_size=64, vocab_size=97)

@@ -14,7 +14,8 @@ from specdec.batch import MIN_CHUNK, Batch, PromptRows
 from specdec.drafters.adaptive import AdaptiveDrafter
 from specdec.drafters.auto import draft_menu
 from specdec.drafters.base import Drafter, NoDrafter
-from specdec.drafters.costs import Costs, StepClock
+from specdec.drafters.clock import StepClock
+from specdec.drafters.costs import Costs
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.medusa import MedusaDrafter, sparse_choices
 from specdec.drafters.ngram import NgramDrafter

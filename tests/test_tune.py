@@ -9,8 +9,11 @@ import torch
 
 from specdec.api import from_models
 from specdec.cli import main
+from specdec.drafters.auto import beside_head, ngram_key
 from specdec.drafters.base import NoDrafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import EDGES
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeBudget as Config
@@ -297,24 +300,43 @@ def test_lookup_node_outcomes_follow_the_verifier():
     nodes matched, as a verifier accepts: after "1 2 3 4 5 6 1" and the first answer token 2, the chain
     copies "3 4 5" (a 2-gram match); the answer takes 3 (hit), then 9 (a miss: node 3 is never tested); after
     "1 2 3" the 3-gram match proposes 4, missed again; after 9 nothing matches."""
-    out = node_outcomes([1, 2, 3, 4, 5, 6, 1], [2, 3, 9, 5], chain_len=3)
+    out = node_outcomes([1, 2, 3, 4, 5, 6, 1], [2, 3, 9, 5], PromptLookupDrafter(chain_len=3))
     assert out == [(pytest.approx(0.5), True), (pytest.approx(0.6), False), (pytest.approx(0.6), False)]
 
 
+def test_n_gram_tree_node_outcomes_test_every_child_of_a_matched_node():
+    """`auto`'s n-gram tree: after "1 2 7 1 5 8 1 5 3" and the answer's 1, "1" was followed by 5 twice and
+    by 2 once: both children are tested, 5 (the likelier) hits, 2 misses; 5's children 3 and 8 both miss
+    the answer's 9, and after "1 5" so do they again. Each confidence is the node's own given its parent."""
+    out = node_outcomes([1, 2, 7, 1, 5, 8, 1, 5, 3], [1, 5, 9], NgramDrafter(16, 2))
+    assert [hit for _, hit in out] == [True] + [False] * 5
+    assert out[0][0] > out[1][0] and all(0 < c < 1 for c, _ in out)
+
+
 def test_lookup_rates_are_measured_shipped_and_read_back(tiny, trained, tmp_path, monkeypatch):
+    """Rates apply to the n-gram drafter they were measured with: an untuned head drafts beside the n-gram
+    tree, so rates measured with it are its priors, and rates of a lookup chain are not."""
     dec = from_models(tiny, None, "eagle2", head=str(trained[1] / "head"))
-    rates = lookup_rates(dec, PROMPTS[:2], 40, chain_len=4)
+    rates = lookup_rates(dec, PROMPTS[:2], 40, lambda: beside_head(None))
     assert len(rates) == len(EDGES) + 1 and all(r is None or 0 <= r <= 1 for r in rates)
+    assert rates != lookup_rates(dec, PROMPTS[:2], 40, lambda: beside_head(4))  # other nodes, other shares
     head = tmp_path / "head"
     shutil.copytree(trained[1] / "head", head)
-    rec = {"depth": 2, "topk": 2, "tree_size": 3, "lookup_rates": {"greedy": rates, "sampled": [0.5] * len(rates)}}
+    key = ngram_key(beside_head(None))
+    rec = {"depth": 2, "topk": 2, "tree_size": 3,
+           "lookup_rates": {"drafter": key, "greedy": rates, "sampled": [0.5] * len(rates)}}
     save_tuning(rec, head / "tuning.json")
-    assert load_lookup_rates(head, len(rates)) == rec["lookup_rates"]
-    assert load_lookup_rates(head, len(rates) + 1) is None  # measured over other buckets: not used
+    want = {"greedy": rates, "sampled": [0.5] * len(rates)}
+    assert load_lookup_rates(head, len(rates), key) == want
+    assert load_lookup_rates(head, len(rates), "pld:4") is None  # measured with another drafter: not used
+    assert load_lookup_rates(head, len(rates) + 1, key) is None  # measured over other buckets: not used
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    a = from_models(tiny, None, "auto", head=str(head)).drafter
-    assert a.lookup_rates == rec["lookup_rates"]
+    assert from_models(tiny, None, "auto", head=str(head)).drafter.lookup_rates == want
+    assert from_models(tiny, None, "auto", head=str(head), lookup=4).drafter.lookup_rates is None
+    del rec["lookup_rates"]["drafter"]  # a file naming none measured the 12-token chain
+    save_tuning(rec, head / "tuning.json")
+    assert load_lookup_rates(head, len(rates), "pld:12") == want and load_lookup_rates(head, len(rates), key) is None
     rec["lookup_rates"]["sampled"] = [2.0] * len(rates)
     save_tuning(rec, head / "tuning.json")
     with pytest.raises(SpecdecError, match="lookup_rates"):
-        load_lookup_rates(head, len(rates))
+        load_lookup_rates(head, len(rates), "pld:12")

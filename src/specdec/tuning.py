@@ -77,19 +77,24 @@ def load_acceptance(head_dir: str | os.PathLike, sampled: bool = False) -> list[
     return _read(head_dir, parse) or []
 
 
-def load_lookup_rates(head_dir: str | os.PathLike, buckets: int) -> dict[str, list[float | None]] | None:
-    """{"greedy": [...], "sampled": [...]} (either may be absent): the accepted share of `auto`'s lookup
-    nodes per calibration bucket that tune measured (`lookup_rates`, None where too few), or None if
-    the file has none or was measured with another number of buckets."""
+def load_lookup_rates(head_dir: str | os.PathLike, buckets: int, drafter: str) -> dict[str, list[float | None]] | None:
+    """{"greedy": [...], "sampled": [...]} (either may be absent): the accepted share of `auto`'s n-gram
+    nodes per calibration bucket that tune measured (`lookup_rates`, None where too few), or None if the
+    file has none, or measured them over another number of buckets or with another n-gram drafter than
+    `drafter` (drafters.auto.ngram_key; a file that names none measured the lookup chain `auto` drafts
+    with it, 12 tokens where its tuning found none paying)."""
     def parse(raw: dict, f: Path) -> dict | None:
         rates = raw.get("lookup_rates")
         if rates is None:
             return None
         if not isinstance(rates, dict) or not all(
-                k in ("greedy", "sampled") and isinstance(v, list) and
+                k == "drafter" and isinstance(v, str) or k in ("greedy", "sampled") and isinstance(v, list) and
                 all(r is None or (isinstance(r, (int, float)) and 0 <= r <= 1) for r in v) for k, v in rates.items()):
             raise SpecdecError(f"{f}: lookup_rates must map greedy / sampled to lists of shares in [0, 1] or null")
-        return {k: v for k, v in rates.items() if len(v) == buckets} or None
+        measured = rates.get("drafter") or f"pld:{(raw.get('auto') or {}).get('lookup') or 12}"
+        if measured != drafter:
+            return None
+        return {k: v for k, v in rates.items() if k != "drafter" and len(v) == buckets} or None
     return _read(head_dir, parse)
 
 

@@ -1,6 +1,6 @@
 """`auto`'s drafter: every step it looks up an n-gram draft, then verifies what policy.py finds paying most
 (a model's draft, an n-gram prefix, their union, or nothing) under costs fixed within a request and
-rescaled between requests where the steps drifted from them (costs.StepClock). Every n-gram draft is
+rescaled between requests where the steps drifted from them (clock.StepClock). Every n-gram draft is
 scored on the tokens emitted after it, verified or not: a plain stretch still learns when the text starts
 repeating. No text depends on these choices (greedy: the target's argmax; seeded sampling: its coupled
 draws); a draft carrying q (sampled children or chain) never shares a verify with point masses.
@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, Drafting, TreeDrafter, alone
-from specdec.drafters.costs import PRICED_ROWS, CatchUp, Costs, StepClock
+from specdec.drafters.clock import PRICED_ROWS, CatchUp, StepClock
+from specdec.drafters.costs import Costs
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
@@ -144,8 +145,8 @@ class AdaptiveDrafter(Drafter):
             return
         self.clock.settle(self.costs.target)
         if self.clock.drifted:
-            c = self.clock
-            self.costs, self.clock = self.costs.rescaled(*c.factors()), StepClock(c.drift, c.min_steps, c.decay)
+            self.costs = self.costs.rescaled(self.clock.factors(), self.clock.draft_factor())
+            self.clock = self.clock.restarted()
             self.relearned += 1
 
     def begin(self, ctx: DecodeContext) -> None:

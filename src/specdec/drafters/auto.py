@@ -13,7 +13,8 @@ from pydantic import model_validator
 
 from specdec.drafters.adaptive import DRAFT_ALPHA, AdaptiveDrafter
 from specdec.drafters.base import Drafter, NoDrafter
-from specdec.drafters.costs import StepClock, load_costs
+from specdec.drafters.clock import StepClock
+from specdec.drafters.costs import load_costs
 from specdec.drafters.draft_model import (
     DRAFT_QUANT,
     DRAFT_VOCAB,
@@ -33,7 +34,6 @@ from specdec.heads.shipped import find_shipped_head
 from specdec.tree import TreeBudget
 from specdec.tuning import load_acceptance, load_lookup_rates, load_tuning
 
-DEFAULT_LOOKUP = 12  # the chain `specdec tune` measures lookup priors with when its static tree paid none
 HEAD_ONLY = ("full_vocab", "depth", "topk", "tree_size", "rank_by", "rerank", "children")
 NODES = 16  # n-gram draft nodes offered per step without a head (the policy verifies the prefix that pays)
 TOPK = 2  # continuations per n-gram node: a branch where the counts disagree
@@ -79,7 +79,7 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     if opts.adaptive and not pinned:
         # the chain asked for or tuned, else the n-gram tree (Qwen2.5-Coder-1.5B, 20 HumanEval, its tuning found
         # no chain: 1.26x vanilla with a 12-token chain, 1.34x with the n-gram tree in the same run)
-        chain = opts.lookup if opts.lookup is not None else tuned.get("lookup")
+        ngram = beside_head(opts.lookup if opts.lookup is not None else tuned.get("lookup"))
         menu = menu_from_tuning(load_acceptance(head_dir))
         rows = load_acceptance(head_dir, sampled=True) if opts.children != "topk" else []
         if opts.children == "sample" and not rows:
@@ -88,11 +88,11 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         sampled = menu_from_tuning(rows) if rows else None
         drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
                                children="sample" if sampled else "topk")
-        ngram = PromptLookupDrafter(chain_len=chain) if chain else None if opts.lookup == 0 else \
-            NgramDrafter(NODES, TOPK, min_value=MIN_VALUE)
+        ngram = None if opts.lookup == 0 else ngram
         costs, path, origin = load_costs(target.runner, drafter, menu, ngram, head_dir, opts.recalibrate,
                                          sampled or ())
-        return AdaptiveDrafter(costs, drafter, menu, ngram, sampled, load_lookup_rates(head_dir, len(EDGES) + 1),
+        rates = load_lookup_rates(head_dir, len(EDGES) + 1, ngram_key(ngram)) if ngram is not None else None
+        return AdaptiveDrafter(costs, drafter, menu, ngram, sampled, rates,
                                StepClock(), origin, path)
     if opts.children == "sample" and opts.lookup:  # a pinned tree is static too
         raise SpecdecError("children=sample with a pinned tree cannot share it with a lookup chain: use lookup=0")
@@ -100,6 +100,16 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     if opts.lookup is not None:  # asked for: every request, greedy or sampled
         return with_lookup(drafter, opts.lookup)
     return with_lookup(drafter, tuned.get("lookup", 0), greedy_only=True)
+
+
+def beside_head(chain: int | None) -> PromptLookupDrafter | NgramDrafter:
+    """The n-gram part of `auto` beside a head: the lookup chain of `chain` tokens, else the n-gram tree."""
+    return PromptLookupDrafter(chain_len=chain) if chain else NgramDrafter(NODES, TOPK, min_value=MIN_VALUE)
+
+
+def ngram_key(ngram: PromptLookupDrafter | NgramDrafter) -> str:
+    """Names an n-gram drafter's confidences: tune's lookup rates apply to the drafter they were measured with."""
+    return f"pld:{ngram.chain_len}" if isinstance(ngram, PromptLookupDrafter) else f"ngram:{ngram.tree_size}"
 
 
 def draft_menu() -> list[tuple[TreeBudget, float]]:

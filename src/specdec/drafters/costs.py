@@ -1,7 +1,7 @@
 """What a step of `auto` costs on this machine (unlike acceptance, which ships with a head): measured in a
 few seconds when the drafter is built and cached per CPU, cores, threads, torch, target and drafters
 (`recalibrate` re-measures; a measurement taken while other processes were busy is not stored), then
-rescaled between requests to what the steps took (StepClock)."""
+rescaled between requests to what the steps took (clock.StepClock)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.base import DecodeContext, Drafter, TreeDrafter, follow
+from specdec.drafters.clock import PRICED_ROWS, TYPICAL_ROWS, size_class
 from specdec.machine import attention_slope, cached, forward_costs, machine_key, runner_identity
 from specdec.runtime.base import Runner
 from specdec.sampling import SamplingParams
@@ -73,12 +74,13 @@ class Costs:
         return replace(self, target_s={k: base / n + self.target(n + k - 1) - base
                                        for k in range(1, max(self.target_s) + 1)})
 
-    def rescaled(self, forward: float, draft: float) -> Costs:
-        """Every forward's price times `forward`, every drafting price times `draft`."""
-        return Costs({n: t * forward for n, t in self.target_s.items()}, {b: t * draft for b, t in
-                     self.draft_s.items()}, self.follow_s * draft, self.lookup_s * draft,
-                     {b: t * draft for b, t in self.sampled_s.items()}, self.attend_s * forward, self.ctx,
-                     self.catch_row_s * draft)
+    def rescaled(self, factors: list[float], draft: float | None = None) -> Costs:
+        """Each forward size's price times its class's factor (clock.SIZE_CLASSES); drafting times `draft`
+        (as observed), or else the one-row factor (the same machine, the same load)."""
+        f = factors[0] if draft is None else draft
+        return Costs({n: t * factors[size_class(n)] for n, t in self.target_s.items()},
+                     {b: t * f for b, t in self.draft_s.items()}, self.follow_s * f, self.lookup_s * f,
+                     {b: t * f for b, t in self.sampled_s.items()}, self.attend_s * f, self.ctx, self.catch_row_s * f)
 
     def to_json(self) -> dict:
         return {**{k: [[*b.__dict__.values(), t] for b, t in getattr(self, k).items()] for k in BUDGETS},
@@ -91,97 +93,6 @@ class Costs:
 
 
 BUDGETS, SCALARS = ("draft_s", "sampled_s"), ("follow_s", "lookup_s", "attend_s", "ctx", "catch_row_s")
-
-
-class StepClock:
-    """Observed over priced seconds of the verify forwards and of the drafting, decayed over the last ~100
-    steps of all requests; between requests the prices are rescaled to them where they drifted. Why: costs
-    are cached per machine, not per load: measured while another process ran (t(1) 35 ms, flat to t(3)),
-    they priced drafting as free on the idle machine (t(1) 15 ms) for good."""
-
-    MIN_DRAFTS = 8.0  # decayed drafted steps before the drafting's ratio counts
-    LOG_CAP = 4096  # noted forwards before they must be priced
-
-    def __init__(self, drift: float = 1.1, min_steps: int = 64, decay: float = 0.99) -> None:
-        self.drift, self.min_steps, self.decay = drift, min_steps, decay
-        self.forwards, self.drafts = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]  # decayed (seen, priced, steps)
-        self.steps = 0
-        self.log: list[tuple[float, int, int]] = []  # (seconds, rows, context) of forwards not yet priced
-
-    def note(self, seconds: float, rows: int, ctx: int) -> bool:
-        """A verify forward, priced later (settle): work right after a forward runs with the caches it left
-        cold (~25 us where a warm call takes 0.6). Whether the log is full."""
-        self.log.append((seconds, rows, ctx))
-        return len(self.log) >= self.LOG_CAP
-
-    def settle(self, price) -> None:
-        """Price the noted forwards (price(rows, ctx): their seconds now) and observe them."""
-        log, self.log = self.log, []
-        for seconds, rows, ctx in log:
-            self.observe(seconds, price(rows, ctx))
-
-    def _add(self, c: list[float], seconds: float, priced: float) -> None:
-        c[:] = [self.decay * c[0] + seconds, self.decay * c[1] + priced, self.decay * c[2] + 1.0]
-
-    def observe(self, seconds: float, priced: float) -> None:
-        self._add(self.forwards, seconds, priced)
-        self.steps += 1
-
-    def observe_draft(self, seconds: float, priced: float) -> None:
-        """A drafted step's propose() (a head's catch-up included) against its price."""
-        self._add(self.drafts, seconds, priced)
-
-    def factors(self) -> tuple[float, float]:
-        """Observed / priced (forwards, drafting); drafting takes the forwards' ratio until seen enough."""
-        seen, priced, _ = self.forwards
-        forward = seen / priced if priced > 0 else 1.0
-        seen, priced, n = self.drafts
-        return forward, seen / priced if n >= self.MIN_DRAFTS and priced > 0 else forward
-
-    @property
-    def drifted(self) -> bool:
-        return self.steps >= self.min_steps and any(not 1 / self.drift <= f <= self.drift for f in self.factors())
-
-
-TYPICAL_ROWS, PRICED_ROWS = 2, 8  # a head's rows after a drafted step; past them each priced up to PRICED_ROWS
-
-
-class CatchUp:
-    """What a head pays per row to read the rows of plain steps before its next tree (past TYPICAL_ROWS, at
-    most PRICED_ROWS priced: one catch-up serves all the drafting after it, so a long plain stretch must not
-    price every later try out): measured at load, then learned from the drafts that paid it. Why learned:
-    the probe reads rows back to back (0.02 ms a row on SmolLM2), where on the README demo prompt a tree
-    after plain steps took 2.5 ms against 1.3 priced, and its trees, none accepted, kept being tried."""
-
-    PRIOR_ROWS, DECAY = 4.0, 0.85
-
-    def __init__(self, prior_row_s: float) -> None:
-        self.seconds, self.rows = self.PRIOR_ROWS * prior_row_s, self.PRIOR_ROWS
-        self.pending = (0, 0.0)  # (rows counted, the drafting's price without them) to learn from
-
-    @staticmethod
-    def extra_rows(pending: list) -> int:
-        """Rows of a head's queued steps (EagleDrafter.pending) past TYPICAL_ROWS, counted as far as priced."""
-        rows = 0
-        for f, _ in pending:
-            rows += f.shape[0]
-            if rows > TYPICAL_ROWS + PRICED_ROWS:
-                break
-        return max(0, rows - TYPICAL_ROWS)
-
-    def price(self, extra: int) -> float:
-        return self.seconds / self.rows * min(extra, PRICED_ROWS)
-
-    def drafted(self, extra: int, base: float) -> None:
-        self.pending = (extra, base) if 0 < extra <= PRICED_ROWS else (0, 0.0)
-
-    def observe(self, draft_s: float) -> None:
-        """The drafting just timed: what it took beyond its price is the catch-up of the rows it read."""
-        extra, base = self.pending
-        if extra:
-            d = self.DECAY ** extra
-            self.seconds, self.rows = d * self.seconds + max(0.0, draft_s - base), d * self.rows + extra
-            self.pending = (0, 0.0)
 
 
 def _time_warm(fn, reps: int) -> float:

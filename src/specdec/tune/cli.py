@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specdec.api import from_models
-from specdec.drafters.auto import DEFAULT_LOOKUP
+from specdec.drafters.auto import beside_head, ngram_key
 from specdec.errors import SpecdecError
 from specdec.files import check_writable
 from specdec.heads.shipped import find_shipped_head
@@ -112,10 +112,10 @@ def cmd_tune(args) -> int:
                                                  "temperature": 1.0, "seeds": f"0-{len(prompts) - 1}"}
         # priced with the greedy trees' forward table (its sizes, 1..33, cover every sampled tree)
         rec["sampled"] = choose_sampled(rec["acceptance_sampled"], rec["target_ms"])
-    chain = rec["auto"].get("lookup") or DEFAULT_LOOKUP  # the chain `auto` looks up with this file
-    rec["lookup_rates"] = {"greedy": lookup_rates(dec, prompts, args.tokens, chain)}
+    ngram = lambda: beside_head(rec["auto"].get("lookup"))  # what `auto` drafts beside the head with this file
+    rec["lookup_rates"] = {"drafter": ngram_key(ngram()), "greedy": lookup_rates(dec, prompts, args.tokens, ngram)}
     if args.sampled_tokens:
-        rec["lookup_rates"]["sampled"] = lookup_rates(dec, prompts, args.sampled_tokens, chain, 1.0, LOOKUP_SEEDS)
+        rec["lookup_rates"]["sampled"] = lookup_rates(dec, prompts, args.sampled_tokens, ngram, 1.0, LOOKUP_SEEDS)
     log(f"lookup nodes accepted per confidence bucket: {rec['lookup_rates']}")
     rec["head"] = str(Path(head).resolve())
     out = save_tuning(rec, args.out or tuning_path(head))
