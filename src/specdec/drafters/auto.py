@@ -109,7 +109,7 @@ def beside_head(chain: int | None) -> PromptLookupDrafter | NgramDrafter:
 
 def ngram_key(ngram: PromptLookupDrafter | NgramDrafter) -> str:
     """Names an n-gram drafter's confidences: tune's lookup rates apply to the drafter they were measured with."""
-    return f"pld:{ngram.chain_len}" if isinstance(ngram, PromptLookupDrafter) else f"ngram:{ngram.tree_size}"
+    return f"{ngram.name}:{ngram.tree_size}"  # pld:4, ngram:16
 
 
 def draft_menu() -> list[tuple[TreeBudget, float]]:

@@ -1,6 +1,5 @@
-"""Costs that follow the machine while decoding: StepClock compares every verify forward, and the drafting
-before it, with its price, so that the prices are rescaled between requests without a probe; CatchUp learns
-what a head's reading of skipped steps costs per row."""
+"""Costs that follow the machine while decoding: StepClock compares each verify forward and its drafting
+with their prices (rescaled between requests, no probe); CatchUp learns a head's catch-up per row."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ def size_class(n: int) -> int:
 
 class StepClock:
     """Observed over priced seconds, decayed over the last ~100 steps of all requests: per size class, in
-    total and for drafting. Why: costs are cached per machine, not per load: measured while another process
-    ran (t(1) 35 ms, flat to t(3)), they priced drafting as free on the idle machine (t(1) 15 ms) for good;
-    and a probe's least disturbed forward sits below a typical step under load."""
+    total and for drafting. Why: costs are cached per machine, not per load (measured while another process
+    ran, they priced drafting as free on the idle machine for good)."""
 
     MIN_SEEN = 3.0  # decayed drafted steps before the drafting ratio is trusted
     PRIOR_STEPS = 16.0  # a size class's ratio counts the overall one as this many of its steps
@@ -38,8 +36,8 @@ class StepClock:
         self.log: list[tuple[float, int, int]] = []  # (seconds, rows, context) of forwards not yet priced
 
     def note(self, seconds: float, rows: int, ctx: int) -> bool:
-        """A verify forward, priced later (settle); whether the log is full. Why later: work right after a
-        forward runs with the caches it left cold (~25 us here where a warm call takes 0.6 us)."""
+        """A verify forward, priced later (settle: right after a forward the caches are cold, ~25 us a call
+        where warm takes 0.6); whether the log is full."""
         self.log.append((seconds, rows, ctx))
         return len(self.log) >= self.LOG_CAP
 
@@ -70,10 +68,9 @@ class StepClock:
 
     @property
     def drifted(self) -> bool:
-        """Enough steps ran, and they took more than `drift` times, or less than 1/drift of, their price: in
-        total, in a well-observed size class, or in drafting. Why per class: one-row forwards 15% under their
-        price beside wider ones 9% under are 13% off in total, yet flip the choice near break-even (measured:
-        the README demo prompt at 0.92x vanilla)."""
+        """Enough steps ran, off their price by more than `drift` either way: in total, in a well-observed size
+        class, or in drafting. Why per class: one-row forwards 15% under their price beside wider ones 9%
+        under flipped choices near break-even (the README demo prompt at 0.92x vanilla)."""
         if self.steps < self.min_steps:
             return False
         *classes, total, draft = self.sums
@@ -85,9 +82,8 @@ class StepClock:
         return seen / priced if steps >= self.MIN_SEEN and priced > 0 else None
 
     def factors(self) -> list[float]:
-        """Observed / priced per size class, shrunk toward the overall ratio by PRIOR_STEPS steps: a class seen
-        a few times takes mostly the overall ratio. Why: three wide forwards during a hiccup read as 1.45x
-        their price (t(5) 18.8 ms where decoding ran them in 12.5), and every later process drafted less."""
+        """Observed / priced per size class, shrunk toward the overall ratio by PRIOR_STEPS steps. Why: three
+        wide forwards during a hiccup read as 1.45x their price, and every later process drafted less."""
         *classes, (seen, priced, _), _ = self.sums
         overall = seen / priced if priced > 0 else 1.0
         out = []
@@ -102,11 +98,10 @@ class StepClock:
 
 
 class CatchUp:
-    """What a head pays per row to read the rows of plain steps before its next tree (past a drafted step's
-    TYPICAL_ROWS, at most PRICED_ROWS priced: one catch-up serves all the drafting after it): measured at load,
-    then learned from the drafts that paid it. Why learned: the load's probe reads 10 rows back to back (0.02 ms
-    a row on SmolLM2), where on the README demo prompt a tree's drafting took 2.5 ms against 1.3 priced, and its
-    trees, none accepted, were tried four times an answer."""
+    """What a head pays per row to read the rows of plain steps before its next tree (past TYPICAL_ROWS, at
+    most PRICED_ROWS priced): measured at load, then learned from the drafts that paid it. Why learned: the
+    probe reads rows back to back (0.02 ms a row on SmolLM2), where on the README demo prompt a tree after
+    plain steps took 2.5 ms against 1.3 priced, and its trees, none accepted, kept being tried."""
 
     PRIOR_ROWS, DECAY = 4.0, 0.85
 
@@ -116,8 +111,7 @@ class CatchUp:
 
     @staticmethod
     def extra_rows(pending: list) -> int:
-        """Rows of a head's queued steps (EagleDrafter.pending) past a drafted step's TYPICAL_ROWS, counted
-        only as far as priced (the queue grows by a step on every plain step)."""
+        """Rows of a head's queued steps (EagleDrafter.pending) past TYPICAL_ROWS, counted as far as priced."""
         rows = 0
         for f, _ in pending:
             rows += f.shape[0]
