@@ -51,6 +51,14 @@ class TreeBudget:
 _EMPTY: dict[str, DraftTree] = {}
 
 
+def children_of(parents: list[int]) -> list[list[int]]:
+    """[i + 1]: node i's children in draft order; [0]: the root's (parents[i] = -1)."""
+    ch: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        ch[p + 1].append(i)
+    return ch
+
+
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N] long
@@ -98,11 +106,7 @@ class DraftTree:
         return int(self.depth.max()) if len(self) else 0
 
     def children(self) -> list[list[int]]:
-        """children()[i + 1] lists node i's children in draft order; children()[0] is the root's."""
-        ch: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for i, p in enumerate(self._parents):
-            ch[p + 1].append(i)
-        return ch
+        return children_of(self._parents)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over (root, nodes): row i sees column j iff j is i itself or an ancestor."""

@@ -21,7 +21,7 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.policy import HURDLE, Beyond, Calibration, ChainRate, Choice, Policy, TreeScale
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.tree import DraftTree, TreeBudget
+from specdec.tree import DraftTree, TreeBudget, children_of
 from specdec.verify import Verdict, greedy_walk
 
 # a point mass at T > 0 is accepted with p(x), not whenever it is the argmax (the shipped head: alpha_1
@@ -76,9 +76,7 @@ class NgramDraft:
 
     def children(self) -> list[list[int]]:
         if self._children is None:
-            self._children = [[] for _ in range(len(self.tokens) + 1)]
-            for i, p in enumerate(self.parents):
-                self._children[p + 1].append(i)
+            self._children = children_of(self.parents)
         return self._children
 
 

@@ -16,6 +16,7 @@ from specdec.drafters.policy import EDGES
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.sampling import SamplingParams
 from specdec.stats import Stats
+from specdec.tree import children_of
 
 MIN_TRIES = 20  # a bucket with fewer tested nodes keeps the formula's prior (None)
 
@@ -28,10 +29,7 @@ def node_outcomes(prompt: list[int], answer: list[int], ngram: PromptLookupDraft
     ngram.begin(DecodeContext(toks, SamplingParams(), None, len(prompt)))
     for t in range(len(prompt), len(prompt) + len(answer) - 1):  # one growing list: the index extends
         draft, parents, confs, _ = ngram.scored(DecodeContext(toks, SamplingParams(), None, len(prompt)))
-        children = [[] for _ in range(len(draft) + 1)]
-        for i, p in enumerate(parents):
-            children[p + 1].append(i)
-        tested, _ = tried(children, draft, answer[t - len(prompt) + 1:])
+        tested, _ = tried(children_of(parents), draft, answer[t - len(prompt) + 1:])
         out += [(confs[node], hit) for node, hit in tested]
         toks.append(answer[t - len(prompt) + 1])
     return out
