@@ -79,7 +79,8 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     if opts.adaptive and not pinned:
         # the chain asked for or tuned, else the n-gram tree (Qwen2.5-Coder-1.5B, 20 HumanEval, its tuning found
         # no chain: 1.26x vanilla with a 12-token chain, 1.34x with the n-gram tree in the same run)
-        ngram = beside_head(opts.lookup if opts.lookup is not None else tuned.get("lookup"))
+        chain = opts.lookup if opts.lookup is not None else tuned.get("lookup")
+        ngram = None if opts.lookup == 0 else beside_head(chain)
         menu = menu_from_tuning(load_acceptance(head_dir))
         rows = load_acceptance(head_dir, sampled=True) if opts.children != "topk" else []
         if opts.children == "sample" and not rows:
@@ -88,7 +89,6 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
         sampled = menu_from_tuning(rows) if rows else None
         drafter = EagleDrafter(runner, budget, rank_by=opts.rank_by, rerank=opts.rerank,
                                children="sample" if sampled else "topk")
-        ngram = None if opts.lookup == 0 else ngram
         costs, path, origin = load_costs(target.runner, drafter, menu, ngram, head_dir, opts.recalibrate,
                                          sampled or ())
         rates = load_lookup_rates(head_dir, len(EDGES) + 1, ngram_key(ngram)) if ngram is not None else None

@@ -44,13 +44,16 @@ class Costs:
     catch_row_s: float = 0.0
 
     def __post_init__(self) -> None:
-        # t(1) no dearer than a wider forward: a disturbed t(1) (44 ms beside t(2) = 32) priced drafts as free
+        # t(1) no dearer than a wider forward: a disturbed t(1) (44 ms beside t(2) = 32) priced drafts as free;
+        # wider sizes stay as measured (t(2) > t(5) is real on some oneDNN paths)
         if 1 in self.target_s:
             self.target_s = {**self.target_s, 1: min(self.target_s.values())}
 
     def target(self, n: int, ctx: int | None = None) -> float:
         """t(n) after `ctx` cached tokens (None: at the measured context): linear between measured sizes, past
-        the widest along the last segment but never below it, plus n rows' attention over the extra tokens."""
+        the widest along the last segment but never below it (a noisy last segment once priced t(33) at 2% of
+        t(1)), plus n rows' attention over the extra tokens (priced at 384 tokens, long summarization prompts
+        drafted trees that lost 10% to vanilla)."""
         ts, xs = self.target_s, sorted(self.target_s)
         if n in ts:
             t = ts[n]
@@ -121,6 +124,7 @@ def measure_costs(runner: Runner, model: TreeDrafter | None, menu: list[tuple[Tr
     # min: the least disturbed repetition; of 4, as of 2 the ratios t(n) / t(1) moved ~15% between measurements
     target_s = forward_costs(runner, sizes, 4, ctx=ctx_len, stat=min, warmup=1)
     extra = min(LONG_CTX, runner.max_length - ctx_len - top)  # a small model's context may be short
+    # the slope over 9 rows at most: the attention it times grows with the rows as the forward does
     attend_s = attention_slope(runner, min(top, 9), ctx_len, extra) if extra >= 64 else 0.0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(runner.vocab_size, 1000), (64,), generator=g).tolist() * (ctx_len // 64 + 2)

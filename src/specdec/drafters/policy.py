@@ -51,6 +51,7 @@ def menu_from_tuning(rows: list[dict]) -> list[tuple[TreeBudget, float]]:
                 best[b.tree_size, shallow] = (r["tau"], b)
     if not best:
         return [(TreeBudget(2, 3, 4), 0.9), (TreeBudget(3, 4, 8), 1.1)]
+    # a larger tree accepts at least what the best smaller one does: a sampled table's lower estimate is noise
     menu = {b: max([tau - 1] + [t - 1 for t, s in best.values() if s.tree_size < b.tree_size])
             for tau, b in best.values()}
     return sorted(menu.items(), key=lambda x: (x[0].tree_size, x[0].depth))
@@ -85,7 +86,7 @@ class TreeScale:
     def step(self, observed: bool) -> None:
         w = PRIOR_WEIGHT * 0.5 ** min(self.misses, 3)
         self.num, self.den = DECAY * self.num, DECAY * self.den
-        if not observed:
+        if not observed:  # a pull on every step too would weigh the prior like ~30% of the evidence
             self.num += (1 - DECAY) * w * self.prior
             self.den += (1 - DECAY) * w
 
