@@ -339,6 +339,28 @@ def test_eagle3_takes_the_head_shipped_for_its_target(tiny, trained3, tmp_path, 
         from_models(tiny_model("llama", seed=5), None, "eagle3")
 
 
+def test_auto_drafts_with_a_given_draft_model_over_a_shipped_head(tiny, trained3, tmp_path, monkeypatch):
+    """A draft model passed to `auto` is used even where a head ships for the target (the user asked for
+    it); head= names the head to run instead, and use_draft=false leaves the shipped head in place."""
+    import shutil
+
+    import specdec.heads.shipped as shipped
+    from specdec.api import from_models
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.eagle import EagleDrafter
+    from tests.helpers import noisy_copy
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    shutil.copytree(trained3[1] / "head", tmp_path / "ship" / "tiny-eagle3")
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "ship")
+    draft = noisy_copy(tiny, 0.1)
+    assert isinstance(from_models(tiny, None, "auto", draft_model=draft).drafter.model, DraftModelDrafter)
+    assert isinstance(from_models(tiny, None, "auto", draft_model=draft, use_draft=False).drafter.model, EagleDrafter)
+    head = from_models(tiny, None, "auto", draft_model=draft, head=str(trained3[1] / "head")).drafter.model
+    assert isinstance(head, EagleDrafter) and head.aux_layers == (0, 1)
+    assert isinstance(from_models(tiny, None, "auto").drafter.model, EagleDrafter)
+
+
 def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, monkeypatch):
     """`auto` takes an EAGLE-3 head as it takes an EAGLE-2 one: costs measured with the aux states, the
     tree + lookup choice every step, vanilla's text; tune's replay walks it too."""

@@ -1,7 +1,7 @@
 """`auto`: the fastest lossless method we know for the target, decided when the Decoder is built: adaptive
 speculation (drafters/adaptive.py) over an EAGLE head's trees (the given head or one shipped for the
-target) beside the lookup chain `specdec tune` found paying (else the n-gram draft), or, without a head,
-over the n-gram draft's prefixes and the chains of the draft model `draft=` gives. `adaptive=false`: the
+target) beside the lookup chain `specdec tune` found paying (else the n-gram draft), or, without a head
+(or with `draft=` and no `head=`), over the n-gram draft's prefixes and the draft model's chains. `adaptive=false`: the
 static choice (the tuned tree and chain; without a head, method `ngram`).
 """
 
@@ -64,8 +64,10 @@ class AutoOptions(Eagle2Options):
 
 
 def build_auto(target: Target, opts: AutoOptions) -> Drafter:
-    if opts.head is None and find_shipped_head(target.model) is None \
-            and find_shipped_head(target.model, "eagle3") is None:
+    # a draft model given and used overrules a shipped head (head= names one to run beside n-grams instead)
+    drafting = target.draft_model is not None and opts.use_draft
+    if opts.head is None and (drafting or (find_shipped_head(target.model) is None
+                                           and find_shipped_head(target.model, "eagle3") is None)):
         given = [k for k in HEAD_ONLY if k in opts.model_fields_set]
         if given:
             raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
@@ -138,6 +140,7 @@ def build_headless(target: Target, lookup: int | None, adaptive: bool, recalibra
 
 register(Method("auto", "the default: adaptive speculation with the EAGLE head shipped for this target (every step the "
                 "EAGLE-2 tree and prompt-lookup chain, or none, that pay most under costs measured on this "
-                "machine; `adaptive=false`: the static tuned tree); without a head, the same choice over the "
-                "prefixes of an `ngram` draft and, given `draft=`, a draft-model chain (`adaptive=false`: "
-                "`ngram`; `lookup`: its nodes, default 16)", AutoOptions, build_auto, takes_draft=True))
+                "machine; `adaptive=false`: the static tuned tree); without a head, or given `draft=` (and no "
+                "`head=`), the same choice over the prefixes of an `ngram` draft and the draft model's chains "
+                "(`adaptive=false`: `ngram`; `lookup`: its nodes, default 16)", AutoOptions, build_auto,
+                takes_draft=True))
