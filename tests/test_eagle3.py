@@ -341,11 +341,13 @@ def test_eagle3_takes_the_head_shipped_for_its_target(tiny, trained3, tmp_path, 
 
 def test_auto_drafts_with_a_given_draft_model_over_a_shipped_head(tiny, trained3, tmp_path, monkeypatch):
     """A draft model passed to `auto` is used even where a head ships for the target (the user asked for
-    it); head= names the head to run instead, and use_draft=false leaves the shipped head in place."""
+    it); head= names the head to run instead, use_draft=false leaves the shipped head in place, and
+    head=none runs without one."""
     import shutil
 
     import specdec.heads.shipped as shipped
     from specdec.api import from_models
+    from specdec.drafters import registry
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.eagle import EagleDrafter
     from tests.helpers import noisy_copy
@@ -359,6 +361,10 @@ def test_auto_drafts_with_a_given_draft_model_over_a_shipped_head(tiny, trained3
     head = from_models(tiny, None, "auto", draft_model=draft, head=str(trained3[1] / "head")).drafter.model
     assert isinstance(head, EagleDrafter) and head.aux_layers == (0, 1)
     assert isinstance(from_models(tiny, None, "auto").drafter.model, EagleDrafter)
+    assert from_models(tiny, None, "auto", head="none").drafter.model is None  # n-gram drafts alone
+    assert isinstance(from_models(tiny, None, "auto", head="none", draft_model=draft).drafter.model, DraftModelDrafter)
+    with pytest.raises(SpecdecError, match="depth shape an EAGLE head's tree, and head=none"):
+        registry.parse("auto", {"head": "none", "depth": 3})
 
 
 def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, monkeypatch):

@@ -42,6 +42,8 @@ DRAFT_CHAINS = (1, 2, 3, 4, 6)  # draft-model chain lengths offered
 
 
 class AutoOptions(Eagle2Options):
+    head: str | None = option(None, "EAGLE head dir (default: the one shipped for this target; none: no head)",
+                              shown="shipped", metavar="PATH")
     adaptive: bool = option(True, "size (or skip) the draft every step from measured costs and live acceptance; "
                             "false: the static tuned tree (explicit depth/topk/tree_size also pin it)")
     recalibrate: bool = option(False, "re-measure this machine's costs (else cached per machine, threads, torch, "
@@ -56,6 +58,13 @@ class AutoOptions(Eagle2Options):
         shown="sample if tuned; static: topk")
 
     @model_validator(mode="after")
+    def _no_head_no_tree(self):
+        given = [k for k in HEAD_ONLY if k in self.model_fields_set]
+        if self.head == "none" and given:
+            raise ValueError(f"{', '.join(given)} shape an EAGLE head's tree, and head=none: drop them")
+        return self
+
+    @model_validator(mode="after")
     def _sampled_alone(self):  # adaptive auto never merges a sampled tree with the chain: lookup is fine
         if self.children == "sample" and self.lookup and not self.adaptive:
             raise ValueError("children=sample cannot share its tree with a lookup chain (lookup must be 0 "
@@ -66,8 +75,8 @@ class AutoOptions(Eagle2Options):
 def build_auto(target: Target, opts: AutoOptions) -> Drafter:
     # a draft model given and used overrules a shipped head (head= names one to run beside n-grams instead)
     drafting = target.draft_model is not None and opts.use_draft
-    if opts.head is None and (drafting or (find_shipped_head(target.model) is None
-                                           and find_shipped_head(target.model, "eagle3") is None)):
+    if opts.head == "none" or (opts.head is None and (drafting or not any(
+            find_shipped_head(target.model, kind) for kind in ("eagle", "eagle3")))):
         given = [k for k in HEAD_ONLY if k in opts.model_fields_set]
         if given:
             raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
