@@ -383,6 +383,7 @@ def test_auto_runs_an_eagle3_head_adaptively(tiny, trained, trained3, tmp_path, 
     dec = from_models(tiny, None, "auto", head=str(head_dir))
     d = dec.drafter
     assert isinstance(d, AdaptiveDrafter) and d.aux_layers == (0, 1) and d.costs.draft_s
+    assert d.name == "eagle3+ngram adaptive"
     assert all(t > 0 for t in d.costs.draft_s.values())
     for prompt in PROMPTS:
         want, _ = run(LeanRunner(tiny), NoDrafter(), prompt, SamplingParams(), 30)

@@ -111,7 +111,8 @@ class AdaptiveDrafter(Drafter):
         self.draft_depth = max([b.depth for b, _ in [*self.menu, *(self.sampled or [])]] +
                                [self.ngram.draft_depth if self.ngram is not None else 0])
         if self.head is not None:
-            self.name = f"eagle2+{self.ngram.name} adaptive" if self.ngram is not None else "eagle2 adaptive"
+            kind = "eagle3" if self.head.aux_layers else "eagle2"
+            self.name = f"{kind}+{self.ngram.name} adaptive" if self.ngram is not None else f"{kind} adaptive"
         else:
             parts = (["ngram"] if self.ngram is not None else []) + (["sps"] if self.model is not None else [])
             self.name = "+".join(parts) + " adaptive (auto, no head)"
