@@ -79,8 +79,8 @@ def build_auto(target: Target, opts: AutoOptions) -> Drafter:
             find_shipped_head(target.model, kind) for kind in ("eagle", "eagle3")))):
         given = [k for k in HEAD_ONLY if k in opts.model_fields_set]
         if given:
-            raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and this target has no head: "
-                               "pass head=DIR, or drop them")
+            raise SpecdecError(f"auto: {', '.join(given)} shape an EAGLE head's tree, and it drafts with no head "
+                               "here (none ships for this target, or draft= is given): pass head=DIR, or drop them")
         return build_headless(target, opts.lookup, opts.adaptive, opts.recalibrate,
                               opts.draft_vocab if opts.use_draft else None, opts.draft_quant)
     runner, head_dir = head_runner(target, opts, "auto")
